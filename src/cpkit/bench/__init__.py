@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m cpkit.bench <name>` prints a table and writes JSON."""

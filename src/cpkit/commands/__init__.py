@@ -1,0 +1,1 @@
+"""One module per `cpkit` subcommand; see cpkit.cli."""
