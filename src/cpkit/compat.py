@@ -1,0 +1,56 @@
+"""MCore version differences, absorbed in one place.
+
+cpkit runs on MCore 0.16.x (Python 3.11, CPU CI) and 0.19.x (Python 3.12, GPU machines).
+Known differences handled here:
+- An unset ProcessGroupCollection field raises AttributeError in 0.16 and returns None in 0.19:
+  `get_pg` returns None for both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron.core import package_info
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+__all__ = ["MCORE_VERSION", "mcore_version_at_least", "get_pg", "set_pg", "new_pg_collection"]
+
+
+def _parse(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+MCORE_VERSION: tuple[int, ...] = _parse(package_info.__version__)
+
+
+def mcore_version_at_least(version: str) -> bool:
+    """True when the installed megatron-core is at least `version` (e.g. "0.19")."""
+    return MCORE_VERSION >= _parse(version)
+
+
+def get_pg(pg_collection: ProcessGroupCollection | None, name: str) -> Any:
+    """The group `name` of `pg_collection`, or None when unset (or no collection)."""
+    if pg_collection is None:
+        return None
+    try:
+        return getattr(pg_collection, name)
+    except AttributeError:
+        return None
+
+
+def set_pg(pg_collection: ProcessGroupCollection, name: str, value: Any) -> None:
+    """Set (or, with None, clear) one field of a ProcessGroupCollection in a version-safe way."""
+    if value is None:
+        if name in pg_collection.__dict__:
+            del pg_collection.__dict__[name]
+        return
+    setattr(pg_collection, name, value)
+
+
+def new_pg_collection(**groups: Any) -> ProcessGroupCollection:
+    """A ProcessGroupCollection with only the given (non-None) groups set."""
+    return ProcessGroupCollection(**{k: v for k, v in groups.items() if v is not None})

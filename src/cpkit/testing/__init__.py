@@ -1,0 +1,24 @@
+"""Test support: the multi-rank launcher, pytest integration and the CPU shim for MCore.
+
+Only this package may patch MCore (see cpkit.testing.cpu_shim); library code never does.
+"""
+
+from cpkit.testing.launcher import (
+    CaseResult,
+    LaunchTimeout,
+    RankFailure,
+    device,
+    launch,
+    run_cases,
+)
+from cpkit.testing.params import dist_params
+
+__all__ = [
+    "CaseResult",
+    "LaunchTimeout",
+    "RankFailure",
+    "device",
+    "dist_params",
+    "launch",
+    "run_cases",
+]

@@ -1,0 +1,374 @@
+"""Run a Python callable on N ranks (gloo on CPU, NCCL with one GPU per rank).
+
+Modelled on PyTorch's own distributed test harness: spawned ranks, FileStore rendezvous (no
+port races under pytest-xdist), a failing rank reported with its number and traceback while the
+others are stopped at once, and a per-launch timeout that names the hung ranks with their stack
+dumps. No process outlives a launch, whatever the outcome.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import multiprocessing as mp
+import os
+import pickle
+import queue as queue_mod
+import shutil
+import signal
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+__all__ = [
+    "LaunchTimeout",
+    "RankFailure",
+    "CaseResult",
+    "device",
+    "launch",
+    "run_cases",
+]
+
+DEFAULT_TIMEOUT_S = 300.0
+_BACKEND_ENV = "CPKIT_LAUNCH_BACKEND"
+# Set in a rank process only: where run_cases reports finished cases as they complete.
+_progress_queue = None
+
+
+class RankFailure(RuntimeError):
+    """A rank raised (or died). `.rank` is the first failing rank, `.details` maps rank -> text."""
+
+    def __init__(self, message: str, rank: int | None, details: dict[int, str]):
+        super().__init__(message)
+        self.rank = rank
+        self.details = details
+
+
+class LaunchTimeout(RankFailure):
+    """The launch ran past its timeout; `.hung_ranks` never reported, `.details` holds stacks."""
+
+    def __init__(self, message: str, hung_ranks: list[int], details: dict[int, str], progress):
+        super().__init__(message, hung_ranks[0] if hung_ranks else None, details)
+        self.hung_ranks = hung_ranks
+        self.progress = progress
+
+
+def device():
+    """This rank's torch device: cuda:<local rank> under NCCL, cpu under gloo."""
+    import torch
+
+    if os.environ.get(_BACKEND_ENV) == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _worker(rank, world_size, backend, store_path, dump_dir, pg_timeout_s, fn, args, kwargs, out_q):
+    global _progress_queue
+    _progress_queue = out_q
+    # A stack dump on SIGUSR1 lets the parent show where a hung rank is stuck.
+    dump_file = open(os.path.join(dump_dir, f"rank{rank}.stacks"), "w")
+    faulthandler.register(signal.SIGUSR1, file=dump_file, all_threads=True)
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            _BACKEND_ENV: backend,
+        }
+    )
+    try:
+        import torch
+        import torch.distributed as dist
+
+        if backend == "gloo":
+            # N ranks share the machine's cores: don't oversubscribe them.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        else:
+            torch.cuda.set_device(rank)
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=pg_timeout_s),
+        )
+        # On error, report before tearing the group down: tearing down first would wake the
+        # healthy ranks with connection errors that could arrive ahead of the real cause.
+        result = fn(*args, **(kwargs or {}))
+        out_q.put(("ok", rank, pickle.dumps(result)))
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - everything is reported to the parent
+        out_q.put(("error", rank, traceback.format_exc()))
+        out_q.close()
+        out_q.join_thread()
+        os._exit(1)
+    out_q.close()
+    out_q.join_thread()
+
+
+def _stop(procs, grace_s: float = 3.0) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _collect_stacks(procs, ranks, dump_dir) -> dict[int, str]:
+    for r in ranks:
+        if procs[r].is_alive():
+            try:
+                os.kill(procs[r].pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+    time.sleep(1.0)
+    stacks = {}
+    for r in ranks:
+        path = os.path.join(dump_dir, f"rank{r}.stacks")
+        try:
+            with open(path) as fh:
+                stacks[r] = fh.read().strip() or "(no stack dump)"
+        except OSError:
+            stacks[r] = "(no stack dump)"
+    return stacks
+
+
+def _raise_failure(procs, out_q, world_size, rank, payload):
+    """Stop every rank and raise RankFailure for `rank`, listing other ranks' errors after it."""
+    details = {rank: payload}
+    deadline = time.monotonic() + 0.5  # errors the first failure caused elsewhere, if any
+    while time.monotonic() < deadline:
+        try:
+            kind, other, text = out_q.get(timeout=0.1)
+        except queue_mod.Empty:
+            continue
+        if kind == "error":
+            details.setdefault(other, text)
+    _stop(procs)
+    text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in details.items())
+    raise RankFailure(f"rank {rank} of {world_size} failed first:\n{text}", rank, details)
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    backend: str = "gloo",
+    timeout: float = DEFAULT_TIMEOUT_S,
+    args: Sequence[Any] = (),
+    kwargs: dict | None = None,
+    pg_timeout: float | None = None,
+    _on_progress: Callable[[int, Any], None] | None = None,
+) -> list[Any]:
+    """Run `fn(*args, **kwargs)` on `world_size` fresh ranks; return the per-rank results.
+
+    `fn` must be importable (module level). Each rank has torch.distributed initialized on
+    `backend` ("gloo" or "nccl"; nccl puts rank r on cuda:r) with a FileStore rendezvous.
+    Results must be picklable (return CPU tensors). Raises RankFailure naming the first rank that
+    raised or died, with its traceback, after stopping the others at once; raises LaunchTimeout
+    naming the ranks that did not finish within `timeout` seconds, with their stack dumps.
+    `pg_timeout` bounds every collective (default: the launch timeout), so an out-of-step
+    rank errors instead of hanging.
+    """
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r}: must be 'gloo' or 'nccl'")
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size}: must be >= 1")
+    ctx = mp.get_context("spawn")
+    tmp = tempfile.mkdtemp(prefix="cpkit-launch-")
+    out_q = ctx.Queue()
+    pg_timeout_s = float(pg_timeout if pg_timeout is not None else timeout)
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(r, world_size, backend, os.path.join(tmp, "store"), tmp, pg_timeout_s,
+                  fn, tuple(args), kwargs, out_q),
+            name=f"cpkit-rank{r}",
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    results: dict[int, Any] = {}
+    progress: list[tuple[int, Any]] = []
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        while len(results) < world_size:
+            try:
+                kind, rank, payload = out_q.get(timeout=0.2)
+            except queue_mod.Empty:
+                kind = None
+            if kind == "ok":
+                results[rank] = pickle.loads(payload)
+            elif kind == "progress":
+                progress.append((rank, payload))
+                if _on_progress is not None:
+                    _on_progress(rank, payload)
+            elif kind == "error":
+                _raise_failure(procs, out_q, world_size, rank, payload)
+            if kind is None:
+                dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
+                if dead:
+                    # Give a raising rank's message a moment to arrive before blaming a crash.
+                    try:
+                        kind, rank, payload = out_q.get(timeout=2.0)
+                        if kind == "error":
+                            _raise_failure(procs, out_q, world_size, rank, payload)
+                        if kind == "ok":
+                            results[rank] = pickle.loads(payload)
+                            continue
+                    except queue_mod.Empty:
+                        pass
+                    r = dead[0]
+                    msg = f"rank {r} of {world_size} died with exit code {procs[r].exitcode}"
+                    _stop(procs)
+                    raise RankFailure(msg, r, {r: msg})
+                if time.monotonic() > deadline:
+                    hung = [r for r in range(world_size) if r not in results]
+                    stacks = _collect_stacks(procs, hung, tmp)
+                    _stop(procs)
+                    text = "\n".join(f"--- rank {r} stack ---\n{stacks[r]}" for r in hung)
+                    raise LaunchTimeout(
+                        f"launch of {getattr(fn, '__name__', fn)} on {world_size} ranks timed out "
+                        f"after {timeout:.0f}s; hung ranks: {hung}\n{text}",
+                        hung, stacks, progress,
+                    )
+        for p in procs:
+            p.join(10)
+        return [results[r] for r in range(world_size)]
+    finally:
+        _stop(procs)
+        out_q.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# A grid of cases in one launch
+
+
+@dataclass
+class CaseResult:
+    """The outcome of one case on every rank: return values, or failures with tracebacks."""
+
+    case_id: str
+    values: dict[int, Any] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def check(self) -> "CaseResult":
+        """Raise AssertionError with each failing rank's traceback; return self when all passed."""
+        if self.errors:
+            parts = [f"case {self.case_id} failed on rank(s) {sorted(self.errors)}"]
+            parts += [f"--- rank {r} ---\n{tb}" for r, tb in sorted(self.errors.items())]
+            raise AssertionError("\n".join(parts))
+        return self
+
+
+def case_id_of(case: Any) -> str:
+    """A case's id: the "id" key of a dict case, else str(case)."""
+    if isinstance(case, dict) and "id" in case:
+        return str(case["id"])
+    return str(case)
+
+
+def _run_case_list(fn, cases):
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    out = []
+    for i, case in enumerate(cases):
+        start = time.perf_counter()
+        try:
+            value, error = fn(case), None
+        except Exception:  # noqa: BLE001 - recorded per case
+            value, error = None, traceback.format_exc()
+        seconds = time.perf_counter() - start
+        out.append((error is None, value if error is None else error, seconds))
+        if _progress_queue is not None:
+            _progress_queue.put(("progress", rank, pickle.dumps((i, out[-1]))))
+        # Ranks must agree on the outcome: if only some failed, the rest may be stuck in a
+        # collective the failing ones never reached, so later cases would run out of step.
+        flags = [None] * dist.get_world_size()
+        dist.all_gather_object(flags, error is None)
+        if any(flags) and not all(flags):
+            failed = [r for r, ok in enumerate(flags) if not ok]
+            for rest in cases[i + 1:]:
+                out.append((False, f"not run: case {case_id_of(case)} failed on rank(s) {failed} "
+                                   f"only, so the ranks were out of step", 0.0))
+            break
+    return out
+
+
+def run_cases(
+    fn: Callable[[Any], Any],
+    cases: Iterable[Any],
+    world_size: int,
+    *,
+    backend: str = "gloo",
+    timeout: float = DEFAULT_TIMEOUT_S,
+    pg_timeout: float | None = 120.0,
+) -> dict[str, CaseResult]:
+    """Run `fn(case)` for every case, in order, on one set of `world_size` ranks.
+
+    Spawning ranks and importing MCore costs seconds per rank, so a grid of cases shares one
+    launch. Exceptions are caught per case and per rank; a case that hangs ends the launch at
+    `timeout`, and then the finished cases keep their results, the hung one carries the stack
+    dumps and the rest are marked not run. Returns {case_id: CaseResult}.
+    """
+    cases = list(cases)
+    ids = [case_id_of(c) for c in cases]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"case ids must be unique, got {ids}")
+    results = {cid: CaseResult(cid) for cid in ids}
+
+    def record(rank, i, entry):
+        ok, payload, seconds = entry
+        res = results[ids[i]]
+        if ok:
+            res.values[rank] = payload
+        else:
+            res.errors[rank] = payload
+        res.seconds = max(res.seconds, seconds)
+
+    try:
+        per_rank = launch(_run_case_list, world_size, backend=backend, timeout=timeout,
+                          args=(fn, cases), pg_timeout=pg_timeout)
+    except LaunchTimeout as exc:
+        done: dict[int, set[int]] = {}
+        for rank, payload in exc.progress:
+            i, entry = pickle.loads(payload)
+            record(rank, i, entry)
+            done.setdefault(i, set()).add(rank)
+        unfinished = [i for i in range(len(ids)) if len(done.get(i, ())) < world_size]
+        for i in unfinished:
+            for r in range(world_size):
+                if r in done.get(i, ()):
+                    continue
+                if i == unfinished[0]:
+                    results[ids[i]].errors[r] = f"timed out after {timeout:.0f}s; stack:\n{exc.details.get(r, '')}"
+                else:
+                    results[ids[i]].errors[r] = "not run: an earlier case timed out"
+        return results
+    except RankFailure as exc:
+        # The per-case runner catches Exceptions, so this is a crash: every case fails with it.
+        for cid in ids:
+            results[cid].errors.update(exc.details)
+        return results
+    for rank, entries in enumerate(per_rank):
+        for i, entry in enumerate(entries):
+            record(rank, i, entry)
+    return results
