@@ -11,7 +11,7 @@ from cpkit.testing.launcher import (
     launch,
     run_cases,
 )
-from cpkit.testing.params import dist_params
+from cpkit.testing.params import dist_params, grid_params, grid_result
 
 __all__ = [
     "CaseResult",
@@ -19,6 +19,8 @@ __all__ = [
     "RankFailure",
     "device",
     "dist_params",
+    "grid_params",
+    "grid_result",
     "launch",
     "run_cases",
 ]

@@ -19,6 +19,7 @@ import signal
 import tempfile
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -79,6 +80,9 @@ def _worker(rank, world_size, backend, store_path, dump_dir, pg_timeout_s, fn, a
             _BACKEND_ENV: backend,
         }
     )
+    # MCore's import-time notices (no TE/Apex, deprecations) would bury a failing rank's output.
+    warnings.filterwarnings("ignore", module=r"megatron\..*")
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
     try:
         import torch
         import torch.distributed as dist

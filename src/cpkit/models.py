@@ -1,0 +1,359 @@
+"""Small MCore GPT models for tests and benchmarks, built for an explicit ProcessGroupCollection.
+
+Weights are a deterministic function of a seed and of each parameter's layout-independent name
+(`init_weights`), sliced for this rank's tensor-parallel shard, so a cp=1 and a cp=N (or tp=2)
+model start identical. The loss helpers reduce per token over the context-parallel (and
+data-parallel) ranks so every layout reports the same number as the single-rank reference.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field, replace
+from typing import Literal, Optional
+
+import torch
+import torch.distributed as dist
+
+from cpkit.compat import get_pg
+
+__all__ = [
+    "GPTConfig",
+    "build_gpt",
+    "init_weights",
+    "make_batch",
+    "shard_batch",
+    "forward_loss",
+    "train_step",
+    "eval_step",
+    "reduce_gradients",
+    "named_gradients",
+]
+
+AttentionBackend = Literal["cpkit", "local", "te"]
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Sizes of the small GPT; defaults keep a CPU forward + backward well under a second."""
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None
+    """KV heads (GQA); None means num_attention_heads."""
+    ffn_hidden_size: Optional[int] = None
+    vocab_size: int = 128
+    seq_length: int = 64
+    """Full (unsharded) sequence length."""
+    dtype: torch.dtype = torch.float32
+    seed: int = 1234
+    extra: dict = field(default_factory=dict)
+    """Additional TransformerConfig keyword arguments."""
+
+    def with_(self, **changes) -> "GPTConfig":
+        return replace(self, **changes)
+
+
+def _group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _layer_spec(attention: AttentionBackend, num_layers: int):
+    if attention == "local":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        return get_gpt_layer_local_spec()
+    if attention == "cpkit":
+        from cpkit.attention.spec import get_gpt_layer_spec_with_cp_attention
+
+        return get_gpt_layer_spec_with_cp_attention()
+    if attention == "te":
+        from cpkit.attention.spec import get_gpt_layer_spec_te
+
+        return get_gpt_layer_spec_te()
+    raise ValueError(f"attention={attention!r}: must be one of 'cpkit', 'local', 'te'")
+
+
+def build_gpt(
+    cfg: GPTConfig,
+    pg_collection,
+    *,
+    attention: AttentionBackend = "cpkit",
+    cp_comm_type: str | list[str] = "p2p",
+    hierarchical_cp_sizes: Optional[list[int]] = None,
+    sequence_parallel: bool = False,
+    device: Optional[torch.device] = None,
+):
+    """Build an MCore GPTModel (RoPE, no dropout) for `pg_collection`, weights from `cfg.seed`.
+
+    The parallel sizes (tp, pp, cp) are read from the groups in `pg_collection`; pre/post
+    processing follow this rank's pipeline stage. `attention` picks the core attention:
+    "cpkit" (cpkit.attention's ContextParallelAttention, any cp), "local" (MCore's
+    DotProductAttention, cp=1 only) or "te" (TEDotProductAttention, needs Transformer Engine).
+    Raises ValueError for an unknown backend; MCore raises for impossible sizes.
+    """
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    tp = _group_size(get_pg(pg_collection, "tp"))
+    pp_group = get_pg(pg_collection, "pp")
+    pp = _group_size(pp_group)
+    cp = _group_size(get_pg(pg_collection, "cp"))
+    device = device or (torch.device("cuda", torch.cuda.current_device())
+                        if torch.cuda.is_available() else torch.device("cpu"))
+    tc_kwargs = dict(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        cp_comm_type=cp_comm_type,
+        hierarchical_context_parallel_sizes=hierarchical_cp_sizes,
+        sequence_parallel=sequence_parallel,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=cfg.dtype,
+        bf16=cfg.dtype == torch.bfloat16,
+        fp16=cfg.dtype == torch.float16,
+        pipeline_dtype=cfg.dtype,
+        use_cpu_initialization=device.type == "cpu",
+        perform_initialization=False,  # init_weights sets every parameter below
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        **cfg.extra,
+    )
+    config = TransformerConfig(**tc_kwargs)
+    pp_rank = dist.get_rank(pp_group) if pp_group is not None else 0
+    model = GPTModel(
+        config,
+        _layer_spec(attention, cfg.num_layers),
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.seq_length,
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == pp - 1,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+        pg_collection=pg_collection,
+    )
+    model.to(device=device, dtype=cfg.dtype)
+    init_weights(model, cfg.seed, tp_group=get_pg(pg_collection, "tp"))
+    return model
+
+
+# --- deterministic, layout-independent weights -----------------------------------------------
+
+
+def _partition_dims(model) -> dict[str, int]:
+    """Parameter name -> tensor-parallel partition dim, from MCore's parallel module types."""
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+    )
+
+    dims = {}
+    for mod_name, mod in model.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        if isinstance(mod, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dims[f"{prefix}weight"] = 0
+            dims[f"{prefix}bias"] = 0
+        elif isinstance(mod, RowParallelLinear):
+            dims[f"{prefix}weight"] = 1
+    return dims
+
+
+def _global_names(model) -> dict[str, str]:
+    """Parameter name -> name with the layer's global number (pipeline stages number locally)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    renames = {}
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, TransformerLayer):
+            local = mod_name.rsplit(".", 1)[-1]
+            renames[mod_name] = mod_name[: -len(local)] + str(mod.layer_number - 1)
+    out = {}
+    for name, _ in model.named_parameters():
+        mod_name = name.rsplit(".", 1)[0]
+        for prefix, new in renames.items():
+            if mod_name == prefix or mod_name.startswith(prefix + "."):
+                name_global = new + name[len(prefix):]
+                break
+        else:
+            name_global = name
+        out[name] = name_global
+    return out
+
+
+@torch.no_grad()
+def init_weights(model, seed: int, tp_group=None) -> None:
+    """Set every parameter from (seed, its global name), as the same slice a tp=1 model would hold.
+
+    Norm weights are drawn around 1, everything else around 0 with std 0.02 (biases too, so
+    that tests notice a bias that is lost). The full tensor is generated on CPU in fp32 and the
+    tensor-parallel shard sliced from it, so any tp, pp or cp layout starts identical.
+    """
+    tp = _group_size(tp_group)
+    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+    dims = _partition_dims(model)
+    names = _global_names(model)
+    for name, param in model.named_parameters():
+        global_name = names[name]
+        dim = dims.get(name)
+        full_shape = list(param.shape)
+        if dim is not None and tp > 1:
+            full_shape[dim] *= tp
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(global_name.encode()))
+        full = torch.randn(full_shape, generator=gen) * 0.02
+        if "layernorm" in global_name and global_name.endswith("weight"):
+            full = 1.0 + 5 * full
+        if dim is not None and tp > 1:
+            full = full.chunk(tp, dim=dim)[tp_rank]
+        param.copy_(full.to(param.dtype))
+
+
+# --- batches and losses ----------------------------------------------------------------------
+
+
+def make_batch(cfg: GPTConfig, batch_size: int = 2, seed: int = 0, device=None) -> dict:
+    """A fixed batch of the full sequence: tokens, labels, position_ids [b, s]; loss_mask [b, s]."""
+    gen = torch.Generator().manual_seed(cfg.seed + 7919 * seed)
+    tokens = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_length + 1), generator=gen)
+    batch = {
+        "tokens": tokens[:, :-1].contiguous(),
+        "labels": tokens[:, 1:].contiguous(),
+        "position_ids": torch.arange(cfg.seq_length).expand(batch_size, -1).contiguous(),
+        "loss_mask": torch.ones(batch_size, cfg.seq_length),
+    }
+    if device is not None:
+        batch = {k: v.to(device) for k, v in batch.items()}
+    return batch
+
+
+def shard_batch(batch: dict, cp_group) -> dict:
+    """This CP rank's part of a full batch (sequence dim 1), in the load-balanced zigzag layout."""
+    from cpkit.sharding import shard_seq
+
+    cp = _group_size(cp_group)
+    if cp == 1:
+        return dict(batch)
+    rank = dist.get_rank(cp_group)
+    return {k: shard_seq(v, rank, cp, seq_dim=1) for k, v in batch.items()}
+
+
+def _reduce_groups(pg_collection):
+    """The group over which per-token losses and gradients are summed: dp x cp."""
+    group = get_pg(pg_collection, "dp_cp")
+    if group is None:
+        group = get_pg(pg_collection, "cp")
+    return group
+
+
+def forward_loss(model, local_batch: dict, pg_collection, *, total_tokens: float, packed_seq_params=None):
+    """Mean per-token loss as this rank's share: sum(local token losses) / `total_tokens`.
+
+    Summing the returned value over the dp x cp ranks gives the global mean loss, and its
+    gradients, summed the same way, the reference gradients. Logits are gathered over tp for
+    the cross entropy (MCore 0.16's vocab-parallel cross entropy reads global groups).
+    Returns None on pipeline stages other than the last.
+    """
+    logits = model(
+        local_batch["tokens"],
+        local_batch["position_ids"],
+        None,
+        packed_seq_params=packed_seq_params,
+    )
+    if logits is None or not getattr(model, "post_process", True):
+        return logits
+    tp_group = get_pg(pg_collection, "tp")
+    if _group_size(tp_group) > 1:
+        from torch.distributed.nn.functional import all_gather
+
+        logits = torch.cat(all_gather(logits.contiguous(), group=tp_group), dim=-1)
+    losses = torch.nn.functional.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), local_batch["labels"].reshape(-1), reduction="none"
+    )
+    mask = local_batch["loss_mask"].reshape(-1).float()
+    return (losses * mask).sum() / total_tokens
+
+
+def reduce_gradients(model, pg_collection) -> None:
+    """Sum gradients over the dp x cp ranks (what MCore's DDP does over its dp_cp group)."""
+    group = _reduce_groups(pg_collection)
+    if _group_size(group) == 1:
+        return
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
+
+
+def _global_loss(local_loss: torch.Tensor, pg_collection) -> float:
+    value = local_loss.detach().float().clone()
+    group = _reduce_groups(pg_collection)
+    if _group_size(group) > 1:
+        dist.all_reduce(value, group=group)
+    return value.item()
+
+
+def _total_tokens(local_batch: dict, pg_collection) -> float:
+    count = local_batch["loss_mask"].float().sum()
+    group = _reduce_groups(pg_collection)
+    if _group_size(group) > 1:
+        dist.all_reduce(count, group=group)
+    return count.item()
+
+
+def train_step(model, local_batch: dict, pg_collection, *, lr: float = 0.1, packed_seq_params=None) -> float:
+    """Forward, backward, gradient reduction over dp x cp, one SGD step; returns the global loss.
+
+    Gradients stay in `.grad` after the step so tests can compare them (see named_gradients).
+    """
+    model.zero_grad(set_to_none=True)
+    total = _total_tokens(local_batch, pg_collection)
+    loss = forward_loss(model, local_batch, pg_collection, total_tokens=total,
+                        packed_seq_params=packed_seq_params)
+    loss.backward()
+    reduce_gradients(model, pg_collection)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-lr)
+    return _global_loss(loss, pg_collection)
+
+
+@torch.no_grad()
+def eval_step(model, local_batch: dict, pg_collection, *, packed_seq_params=None) -> float:
+    """Forward only; returns the global mean loss over the dp x cp ranks."""
+    was_training = model.training
+    model.eval()
+    try:
+        total = _total_tokens(local_batch, pg_collection)
+        loss = forward_loss(model, local_batch, pg_collection, total_tokens=total,
+                            packed_seq_params=packed_seq_params)
+        return _global_loss(loss, pg_collection)
+    finally:
+        model.train(was_training)
+
+
+def named_gradients(model, tp_group=None) -> dict[str, torch.Tensor]:
+    """Gradients by global parameter name, gathered to the full (tp=1) shape, on CPU in fp32."""
+    tp = _group_size(tp_group)
+    dims = _partition_dims(model)
+    names = _global_names(model)
+    out = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        g = p.grad.detach()
+        dim = dims.get(name)
+        if dim is not None and tp > 1:
+            parts = [torch.empty_like(g) for _ in range(tp)]
+            dist.all_gather(parts, g.contiguous(), group=tp_group)
+            g = torch.cat(parts, dim=dim)
+        out[names[name]] = g.float().cpu()
+    return out

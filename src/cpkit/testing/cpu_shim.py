@@ -1,0 +1,131 @@
+"""Let an MCore GPTModel build and run forward/backward on CPU (gloo), for tests only.
+
+megatron-core calls CUDA unconditionally in a few places. Each patch below replaces exactly one
+such call with its device-neutral equivalent and changes nothing else:
+
+- `RotaryEmbedding.get_emb` moves `inv_freq` to `torch.cuda.current_device()`: keep it on CPU.
+- `rope_utils.get_pos_emb_on_this_cp_rank` builds its index with `pin_memory=True` and `.cuda()`:
+  build it on the embedding's device (patched where it is imported by name too).
+- `CudaRNGStatesTracker.fork` saves and restores the CUDA RNG state: a no-op context on CPU
+  (equivalence tests run with dropout off, so no random numbers are drawn inside it).
+- `transformer.utils.get_default_causal_mask` builds the mask on "cuda" (MCore's local attention
+  at cp=1 uses it through fused_softmax): build it on CPU.
+- `GlobalMemoryBuffer.get_tensor` allocates on the current CUDA device: allocate on CPU; and
+  `parallel_state.get_global_memory_buffer` creates the buffer on first use (the decentralized
+  process-group path never calls initialize_model_parallel, which would create it).
+
+The shim is active only while CUDA is unavailable and is never used by library code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from functools import reduce
+
+import torch
+
+__all__ = ["install_mcore_cpu_shim", "mcore_cpu_shim", "shim_installed"]
+
+_saved: list[tuple[object, str, object]] = []
+
+
+def _get_emb_cpu(self, max_seq_len: int, offset: int = 0):
+    freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+    if not self.rotary_interleaved:
+        emb = torch.cat((freqs, freqs), dim=-1)
+    else:
+        emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+    return emb[:, None, None, :]
+
+
+def _get_pos_emb_on_this_cp_rank_cpu(pos_emb, seq_dim, cp_group):
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    cp_idx = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
+    pos_emb = pos_emb.index_select(seq_dim, cp_idx)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+
+
+def _default_causal_mask_cpu(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+
+@contextlib.contextmanager
+def _fork_noop(self, name=None):
+    yield
+
+
+def _get_tensor_cpu(self, tensor_shape, dtype, name, mem_alloc_context=None):
+    required_len = reduce(operator.mul, tensor_shape, 1)
+    buf = self.buffer.get((name, dtype))
+    if buf is None or buf.numel() < required_len:
+        buf = self.buffer[(name, dtype)] = torch.empty(required_len, dtype=dtype, device="cpu")
+    return buf[:required_len].view(*tensor_shape)
+
+
+def _patch(owner, attr, value):
+    _saved.append((owner, attr, getattr(owner, attr)))
+    setattr(owner, attr, value)
+
+
+def shim_installed() -> bool:
+    return bool(_saved)
+
+
+def install_mcore_cpu_shim() -> bool:
+    """Install the CPU patches (idempotent). Returns False, doing nothing, when CUDA is usable."""
+    if torch.cuda.is_available():
+        return False
+    if _saved:
+        return True
+    from megatron.core import parallel_state, utils
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    _patch(rotary_pos_embedding.RotaryEmbedding, "get_emb", _get_emb_cpu)
+    _patch(rope_utils, "get_pos_emb_on_this_cp_rank", _get_pos_emb_on_this_cp_rank_cpu)
+    for mod_name in ("rotary_pos_embedding", "yarn_rotary_pos_embedding"):
+        try:
+            mod = __import__(f"megatron.core.models.common.embeddings.{mod_name}", fromlist=["_"])
+        except ImportError:
+            continue
+        if hasattr(mod, "get_pos_emb_on_this_cp_rank"):
+            _patch(mod, "get_pos_emb_on_this_cp_rank", _get_pos_emb_on_this_cp_rank_cpu)
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils as transformer_utils
+
+    _patch(transformer_utils, "get_default_causal_mask", _default_causal_mask_cpu)
+    _patch(fused_softmax, "get_default_causal_mask", _default_causal_mask_cpu)
+    _patch(mcore_random.CudaRNGStatesTracker, "fork", _fork_noop)
+    _patch(utils.GlobalMemoryBuffer, "get_tensor", _get_tensor_cpu)
+
+    original_get_buffer = parallel_state.get_global_memory_buffer
+
+    def get_global_memory_buffer():
+        if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+            parallel_state._GLOBAL_MEMORY_BUFFER = utils.GlobalMemoryBuffer()
+        return original_get_buffer()
+
+    _patch(parallel_state, "get_global_memory_buffer", get_global_memory_buffer)
+    return True
+
+
+def uninstall_mcore_cpu_shim() -> None:
+    """Undo every patch, in reverse order."""
+    while _saved:
+        owner, attr, value = _saved.pop()
+        setattr(owner, attr, value)
+
+
+@contextlib.contextmanager
+def mcore_cpu_shim():
+    """Context manager form: install on entry (if needed), restore what it installed on exit."""
+    installed_here = not _saved and install_mcore_cpu_shim()
+    try:
+        yield
+    finally:
+        if installed_here:
+            uninstall_mcore_cpu_shim()
