@@ -17,7 +17,9 @@ import torch.distributed as dist
 
 from cpkit.layout import CPLayout
 from cpkit.groups import build_pg_collection
-from cpkit.models import GPTConfig, build_gpt, make_batch, named_gradients, shard_batch, train_step, eval_step
+from cpkit.models import (
+    GPTConfig, build_gpt, eval_step, make_batch, named_gradients, named_parameters_full, shard_batch, train_step,
+)
 from cpkit.compat import get_pg
 from cpkit.testing import device, grid_params, grid_result
 from cpkit.testing.cpu_shim import install_mcore_cpu_shim
@@ -65,12 +67,18 @@ def gpt_case(case):
     batch = make_batch(cfg, batch_size=2 * layout.dp, device=dev)
 
     ref = build_gpt(cfg, ref_pgc, attention="local" if dtype == torch.float32 else "cpkit", device=dev)
+    ref_weights = named_parameters_full(ref)
     ref_loss = train_step(ref, batch, ref_pgc)
     ref_grads = named_gradients(ref)
     ref_after = eval_step(ref, batch, ref_pgc)
 
     model = build_gpt(cfg, pgc, attention=case["attention"], cp_comm_type=case["comm"],
                       hierarchical_cp_sizes=case["hcp"], device=dev)
+    # Same starting point whatever the layout (tp shards gathered back to full tensors).
+    weights = named_parameters_full(model, get_pg(pgc, "tp"))
+    assert sorted(weights) == sorted(ref_weights)
+    for name, w in weights.items():
+        assert torch.equal(w, ref_weights[name]), f"initial weight {name} differs from the cp=1 model"
     local = _split_dp(batch, dist.get_rank(get_pg(pgc, "dp")), layout.dp)
     local = shard_batch(local, get_pg(pgc, "cp"))
     loss = train_step(model, local, pgc)

@@ -28,6 +28,7 @@ __all__ = [
     "eval_step",
     "reduce_gradients",
     "named_gradients",
+    "named_parameters_full",
 ]
 
 AttentionBackend = Literal["cpkit", "local", "te"]
@@ -143,6 +144,14 @@ def build_gpt(
     )
     model.to(device=device, dtype=cfg.dtype)
     init_weights(model, cfg.seed, tp_group=get_pg(pg_collection, "tp"))
+    if attention == "te":
+        # MCore's TE attention reads the global hierarchical groups, not pg_collection.hcp.
+        from cpkit.attention.te import bind_te_attention_groups
+
+        bind_te_attention_groups(model, pg_collection)
+    from cpkit.groups import log_groups
+
+    log_groups(pg_collection)  # the "verify in logs" signal, once, on global rank 0
     return model
 
 
@@ -272,14 +281,29 @@ def forward_loss(model, local_batch: dict, pg_collection, *, total_tokens: float
         return logits
     tp_group = get_pg(pg_collection, "tp")
     if _group_size(tp_group) > 1:
-        from torch.distributed.nn.functional import all_gather
-
-        logits = torch.cat(all_gather(logits.contiguous(), group=tp_group), dim=-1)
+        logits = _GatherLastDim.apply(logits, tp_group)
     losses = torch.nn.functional.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]), local_batch["labels"].reshape(-1), reduction="none"
     )
     mask = local_batch["loss_mask"].reshape(-1).float()
     return (losses * mask).sum() / total_tokens
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """All-gather vocab shards over tp; every tp rank then computes the same (replicated) loss,
+    so the backward keeps only this rank's slice of the gradient, with no reduction."""
+
+    @staticmethod
+    def forward(ctx, local, group):
+        ctx.group = group
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        chunks = grad.chunk(dist.get_world_size(ctx.group), dim=-1)
+        return chunks[dist.get_rank(ctx.group)].contiguous(), None
 
 
 def reduce_gradients(model, pg_collection) -> None:
@@ -340,20 +364,33 @@ def eval_step(model, local_batch: dict, pg_collection, *, packed_seq_params=None
         model.train(was_training)
 
 
-def named_gradients(model, tp_group=None) -> dict[str, torch.Tensor]:
-    """Gradients by global parameter name, gathered to the full (tp=1) shape, on CPU in fp32."""
+def _full_tensors(model, tp_group, pick) -> dict[str, torch.Tensor]:
     tp = _group_size(tp_group)
     dims = _partition_dims(model)
     names = _global_names(model)
     out = {}
     for name, p in model.named_parameters():
-        if p.grad is None:
+        t = pick(p)
+        if t is None:
             continue
-        g = p.grad.detach()
+        t = t.detach()
         dim = dims.get(name)
         if dim is not None and tp > 1:
-            parts = [torch.empty_like(g) for _ in range(tp)]
-            dist.all_gather(parts, g.contiguous(), group=tp_group)
-            g = torch.cat(parts, dim=dim)
-        out[names[name]] = g.float().cpu()
+            parts = [torch.empty_like(t) for _ in range(tp)]
+            dist.all_gather(parts, t.contiguous(), group=tp_group)
+            t = torch.cat(parts, dim=dim)
+        out[names[name]] = t.float().cpu().clone()  # a snapshot, never a view of the live tensor
     return out
+
+
+def named_gradients(model, tp_group=None) -> dict[str, torch.Tensor]:
+    """Gradients by global parameter name, gathered to the full (tp=1) shape, on CPU in fp32.
+
+    Collective over `tp_group` when its size is > 1.
+    """
+    return _full_tensors(model, tp_group, lambda p: p.grad)
+
+
+def named_parameters_full(model, tp_group=None) -> dict[str, torch.Tensor]:
+    """Parameters by global name, gathered to the full (tp=1) shape, on CPU in fp32."""
+    return _full_tensors(model, tp_group, lambda p: p)

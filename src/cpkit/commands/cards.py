@@ -1,6 +1,77 @@
-"""`cpkit cards` (placeholder until its feature lands)."""
+"""`cpkit cards check` and `cpkit cards status [--feature F] [--run] [--json] [--out PATH]`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from cpkit.anchors import find_repo_root
+from cpkit.cards import (
+    FAILING_RESULTS,
+    CardError,
+    check_cards,
+    format_status_table,
+    status_report,
+    write_report,
+)
+
+__all__ = ["add_parser", "DEFAULT_OUT"]
+
+DEFAULT_OUT = "bench-results/cards-status.json"
 
 
-def add_parser(sub):
-    p = sub.add_parser("cards", help="(not implemented yet)")
-    p.set_defaults(func=lambda args: print("cpkit cards: not implemented yet") or 2)
+def add_parser(sub) -> None:
+    """Register `cpkit cards` and its subcommands."""
+    p = sub.add_parser("cards", help="check feature cards and show their follow-up validation status")
+    cards_sub = p.add_subparsers(dest="cards_command", required=True)
+
+    check = cards_sub.add_parser("check", help="schema, evidence anchors and covering pytest node ids")
+    check.add_argument("--root", type=Path, default=None, help="repository root (default: found from cwd)")
+    check.set_defaults(func=run_check)
+
+    status = cards_sub.add_parser("status", help="per card, follow-ups and the tests that cover them")
+    status.add_argument("--root", type=Path, default=None, help="repository root (default: found from cwd)")
+    status.add_argument("--feature", help="only this card (its folder name)")
+    status.add_argument("--run", action="store_true",
+                        help="run the covering tests that fit this machine and write a JSON evidence file")
+    status.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    status.add_argument("--out", type=Path, default=None,
+                        help=f"evidence file written with --run (default: <root>/{DEFAULT_OUT})")
+    status.set_defaults(func=run_status)
+
+
+def run_check(args) -> int:
+    """Print every card problem; 0 when there are none, else 1."""
+    root = args.root or find_repo_root()
+    notes: list[str] = []
+    problems = check_cards(root, notes=notes)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    for problem in problems:
+        print(problem)
+    print(f"cards check: {len(problems)} problem{'s' * (len(problems) != 1)}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def run_status(args) -> int:
+    """Print the status table (or JSON); with --run also write the evidence file.
+    0 when all run tests pass, 1 on failures or unloadable cards, 2 for an unknown feature."""
+    root = args.root or find_repo_root()
+    try:
+        report = status_report(root, args.feature, args.run)
+    except KeyError as exc:
+        print(f"cpkit cards status: {exc.args[0]}", file=sys.stderr)
+        return 2
+    except CardError as exc:
+        print("\n".join(exc.problems))
+        return 1
+    if args.run:
+        out = write_report(report, args.out or Path(root) / DEFAULT_OUT)
+        print(f"evidence written to {out}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_status_table(report["rows"]))
+    failed = [r for r in report["rows"] if r["result"] in FAILING_RESULTS]
+    return 1 if failed else 0

@@ -1,6 +1,150 @@
-"""`cpkit layout` (placeholder until its feature lands)."""
+"""`cpkit layout check`: validate a CP layout and print the rank groups it would create.
+
+Exit 0 when the layout is valid, 2 with one line per violation on stderr otherwise. `--json`
+prints {"valid", "errors": [{"field", "value", "message"}], "dp", "groups", ...} instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from cpkit.errors import CPConfigError
+from cpkit.layout import CPLayout
+from cpkit.rank_layout import rank_groups
+
+__all__ = ["add_parser", "layout_from_args", "check"]
+
+# Kinds printed in text mode (JSON has them all), with a note on what each is.
+_SHOWN = (
+    ("tp", ""),
+    ("cp", ""),
+    ("dp", ""),
+    ("pp", ""),
+    ("hcp_a2a", "level 0: a2a, contiguous inside each CP group"),
+    ("hcp_p2p", "level 1: p2p, strided across the a2a groups"),
+)
 
 
-def add_parser(sub):
-    p = sub.add_parser("layout", help="(not implemented yet)")
-    p.set_defaults(func=lambda args: print("cpkit layout: not implemented yet") or 2)
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 2,2, got {text!r}")
+
+
+def _comm_type(text: str):
+    parts = [p.strip() for p in text.split(",")]
+    return parts[0] if len(parts) == 1 else parts
+
+
+def add_parser(sub) -> None:
+    """Register `cpkit layout` and its `check` subcommand."""
+    p = sub.add_parser("layout", help="check a CP layout and show its rank groups",
+                       description=__doc__.splitlines()[0])
+    layout_sub = p.add_subparsers(dest="layout_command", required=True)
+    c = layout_sub.add_parser(
+        "check", help="validate sizes, comm type, sequence and heads; print the rank groups",
+        description="Validate a CP layout (every violation listed) and print the rank groups "
+                    "MCore's default order tp-cp-dp-pp gives it.")
+    c.add_argument("--world-size", type=int, required=True, help="number of ranks")
+    c.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    c.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    c.add_argument("--cp", type=int, default=1, help="context-parallel size")
+    c.add_argument("--cp-comm-type", type=_comm_type, default="p2p",
+                   help="p2p | all_gather | a2a | a2a+p2p, or a comma-separated list per layer")
+    c.add_argument("--hierarchical-cp-sizes", type=_int_list, default=None,
+                   help="for a2a+p2p: a2a size,p2p size (product = cp), e.g. 2,2")
+    c.add_argument("--seq-length", type=int, default=None, help="full sequence length")
+    c.add_argument("--num-layers", type=int, default=None, help="transformer layers (for per-layer comm types)")
+    c.add_argument("--num-heads", type=int, default=None, help="attention (query) heads")
+    c.add_argument("--num-kv-heads", type=int, default=None, help="KV heads / query groups (GQA)")
+    c.add_argument("--sequence-parallel", action="store_true", help="MCore sequence parallelism (tp > 1)")
+    c.add_argument("--eval-cp", type=int, default=None, help="CP size used for evaluation")
+    c.add_argument("--json", action="store_true", help="print a JSON report instead of text")
+    c.set_defaults(func=check)
+
+
+def layout_from_args(args: argparse.Namespace) -> CPLayout:
+    """The CPLayout the `check` flags describe (not validated)."""
+    return CPLayout(
+        world_size=args.world_size,
+        tp=args.tp,
+        pp=args.pp,
+        cp=args.cp,
+        cp_comm_type=args.cp_comm_type,
+        hierarchical_context_parallel_sizes=args.hierarchical_cp_sizes,
+        seq_length=args.seq_length,
+        num_layers=args.num_layers,
+        num_attention_heads=args.num_heads,
+        num_query_groups=args.num_kv_heads,
+        sequence_parallel=args.sequence_parallel,
+        eval_context_parallel_size=args.eval_cp,
+    )
+
+
+def _eval_report(layout: CPLayout) -> dict | None:
+    if layout.eval_context_parallel_size is None:
+        return None
+    ev = layout.eval_layout()
+    groups = rank_groups(ev)
+    return {
+        "cp": ev.cp,
+        "dp": ev.dp,
+        "hierarchical_context_parallel_sizes": ev.hierarchical_context_parallel_sizes,
+        "groups": {k: groups[k] for k, _ in _SHOWN if k in groups},
+    }
+
+
+def check(args: argparse.Namespace) -> int:
+    """Handler of `cpkit layout check`: 0 when valid, 2 otherwise."""
+    layout = layout_from_args(args)
+    try:
+        layout.validate()
+    except CPConfigError as exc:
+        if args.json:
+            print(json.dumps({"valid": False, "errors": [v.to_dict() for v in exc.violations],
+                              "dp": layout.dp, "groups": {}}, indent=2))
+        for v in exc.violations:
+            print(f"error: {v.message}", file=sys.stderr)
+        return 2
+    groups = rank_groups(layout)
+    evaluation = _eval_report(layout)
+    if args.json:
+        report = {"valid": True, "errors": [], "dp": layout.dp, "groups": groups,
+                  "layout": layout.to_dict()}
+        if evaluation is not None:
+            report["eval"] = evaluation
+        print(json.dumps(report, indent=2))
+        return 0
+    _print_text(layout, groups, evaluation)
+    return 0
+
+
+def _print_text(layout: CPLayout, groups: dict, evaluation: dict | None) -> None:
+    print("valid layout")
+    print(f"  world_size={layout.world_size} tp={layout.tp} pp={layout.pp} cp={layout.cp} "
+          f"dp={layout.dp} (tp*pp*cp = {layout.model_parallel_size})")
+    comm = layout.cp_comm_type
+    line = f"  cp_comm_type={comm if isinstance(comm, str) else ','.join(comm)}"
+    if layout.uses_hierarchical:
+        a2a, p2p = layout.hierarchical_context_parallel_sizes
+        line += f" hierarchical_context_parallel_sizes=[{a2a}, {p2p}] (a2a={a2a}, p2p={p2p})"
+    print(line)
+    if evaluation is not None:
+        hier = evaluation["hierarchical_context_parallel_sizes"]
+        print(f"  eval: cp={evaluation['cp']} dp={evaluation['dp']}"
+              + (f" hierarchical_context_parallel_sizes={hier}" if layout.uses_hierarchical else ""))
+    print("rank groups (global ranks; MCore order tp-cp-dp-pp):")
+    _print_groups(groups, "  ")
+    if evaluation is not None:
+        print(f"eval rank groups (cp={evaluation['cp']}):")
+        _print_groups(evaluation["groups"], "  ")
+
+
+def _print_groups(groups: dict, indent: str) -> None:
+    for kind, note in _SHOWN:
+        if kind in groups:
+            suffix = f"  ({note})" if note else ""
+            print(f"{indent}{kind:<8} {groups[kind]}{suffix}")

@@ -1,6 +1,29 @@
-"""`cpkit skills` (placeholder until its feature lands)."""
+"""`cpkit skills check`: frontmatter, anchors, commands and evals of every skill."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from cpkit.anchors import find_repo_root
+from cpkit.skills import check_skills
+
+__all__ = ["add_parser"]
 
 
-def add_parser(sub):
-    p = sub.add_parser("skills", help="(not implemented yet)")
-    p.set_defaults(func=lambda args: print("cpkit skills: not implemented yet") or 2)
+def add_parser(sub) -> None:
+    """Register `cpkit skills` and its subcommands."""
+    p = sub.add_parser("skills", help="check the skill guides under skills/")
+    skills_sub = p.add_subparsers(dest="skills_command", required=True)
+    check = skills_sub.add_parser("check", help="frontmatter, anchors, commands and evals.json of every skill")
+    check.add_argument("--root", type=Path, default=None, help="repository root (default: found from cwd)")
+    check.set_defaults(func=run_check)
+
+
+def run_check(args) -> int:
+    """Print every skill problem; 0 when there are none, else 1."""
+    problems = check_skills(args.root or find_repo_root())
+    for problem in problems:
+        print(problem)
+    print(f"skills check: {len(problems)} problem{'s' * (len(problems) != 1)}", file=sys.stderr)
+    return 1 if problems else 0

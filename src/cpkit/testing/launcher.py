@@ -41,19 +41,19 @@ _progress_queue = None
 class RankFailure(RuntimeError):
     """A rank raised (or died). `.rank` is the first failing rank, `.details` maps rank -> text."""
 
-    def __init__(self, message: str, rank: int | None, details: dict[int, str]):
+    def __init__(self, message: str, rank: int | None, details: dict[int, str], progress=()):
         super().__init__(message)
         self.rank = rank
         self.details = details
+        self.progress = list(progress)
 
 
 class LaunchTimeout(RankFailure):
     """The launch ran past its timeout; `.hung_ranks` never reported, `.details` holds stacks."""
 
     def __init__(self, message: str, hung_ranks: list[int], details: dict[int, str], progress):
-        super().__init__(message, hung_ranks[0] if hung_ranks else None, details)
+        super().__init__(message, hung_ranks[0] if hung_ranks else None, details, progress)
         self.hung_ranks = hung_ranks
-        self.progress = progress
 
 
 def device():
@@ -115,6 +115,7 @@ def _worker(rank, world_size, backend, store_path, dump_dir, pg_timeout_s, fn, a
 
 
 def _stop(procs, grace_s: float = 3.0) -> None:
+    procs = [p for p in procs if p.pid is not None]  # never started: nothing to stop
     for p in procs:
         if p.is_alive():
             p.terminate()
@@ -146,7 +147,7 @@ def _collect_stacks(procs, ranks, dump_dir) -> dict[int, str]:
     return stacks
 
 
-def _raise_failure(procs, out_q, world_size, rank, payload):
+def _raise_failure(procs, out_q, world_size, rank, payload, progress):
     """Stop every rank and raise RankFailure for `rank`, listing other ranks' errors after it."""
     details = {rank: payload}
     deadline = time.monotonic() + 0.5  # errors the first failure caused elsewhere, if any
@@ -157,9 +158,16 @@ def _raise_failure(procs, out_q, world_size, rank, payload):
             continue
         if kind == "error":
             details.setdefault(other, text)
+        elif kind == "progress":
+            progress.append((other, text))
+    # A rank that died without a word (a crash, a kill) is often the root cause: name it.
+    for r, p in enumerate(procs):
+        if r not in details and p.exitcode not in (None, 0, 1):
+            details[r] = f"rank {r} died with exit code {p.exitcode} (signal {-p.exitcode})" if p.exitcode < 0 \
+                else f"rank {r} died with exit code {p.exitcode}"
     _stop(procs)
     text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in details.items())
-    raise RankFailure(f"rank {rank} of {world_size} failed first:\n{text}", rank, details)
+    raise RankFailure(f"rank {rank} of {world_size} failed first:\n{text}", rank, details, progress)
 
 
 def launch(
@@ -219,7 +227,7 @@ def launch(
                 if _on_progress is not None:
                     _on_progress(rank, payload)
             elif kind == "error":
-                _raise_failure(procs, out_q, world_size, rank, payload)
+                _raise_failure(procs, out_q, world_size, rank, payload, progress)
             if kind is None:
                 dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
                 if dead:
@@ -227,7 +235,7 @@ def launch(
                     try:
                         kind, rank, payload = out_q.get(timeout=2.0)
                         if kind == "error":
-                            _raise_failure(procs, out_q, world_size, rank, payload)
+                            _raise_failure(procs, out_q, world_size, rank, payload, progress)
                         if kind == "ok":
                             results[rank] = pickle.loads(payload)
                             continue
@@ -236,7 +244,7 @@ def launch(
                     r = dead[0]
                     msg = f"rank {r} of {world_size} died with exit code {procs[r].exitcode}"
                     _stop(procs)
-                    raise RankFailure(msg, r, {r: msg})
+                    raise RankFailure(msg, r, {r: msg}, progress)
                 if time.monotonic() > deadline:
                     hung = [r for r in range(world_size) if r not in results]
                     stacks = _collect_stacks(procs, hung, tmp)
@@ -351,26 +359,26 @@ def run_cases(
     try:
         per_rank = launch(_run_case_list, world_size, backend=backend, timeout=timeout,
                           args=(fn, cases), pg_timeout=pg_timeout)
-    except LaunchTimeout as exc:
+    except RankFailure as exc:
+        # Finished cases keep their results; the first unfinished one carries the failure
+        # (the hung ranks' stacks, or the crash), and the rest were not run.
         done: dict[int, set[int]] = {}
         for rank, payload in exc.progress:
             i, entry = pickle.loads(payload)
             record(rank, i, entry)
             done.setdefault(i, set()).add(rank)
         unfinished = [i for i in range(len(ids)) if len(done.get(i, ())) < world_size]
+        what = "timed out" if isinstance(exc, LaunchTimeout) else "the launch failed"
         for i in unfinished:
             for r in range(world_size):
                 if r in done.get(i, ()):
                     continue
                 if i == unfinished[0]:
-                    results[ids[i]].errors[r] = f"timed out after {timeout:.0f}s; stack:\n{exc.details.get(r, '')}"
+                    detail = exc.details.get(r) or "; ".join(f"rank {k}: {v.strip().splitlines()[-1]}"
+                                                           for k, v in exc.details.items())
+                    results[ids[i]].errors[r] = f"{what}; rank {r}:\n{detail}"
                 else:
-                    results[ids[i]].errors[r] = "not run: an earlier case timed out"
-        return results
-    except RankFailure as exc:
-        # The per-case runner catches Exceptions, so this is a crash: every case fails with it.
-        for cid in ids:
-            results[cid].errors.update(exc.details)
+                    results[ids[i]].errors[r] = f"not run: case {ids[unfinished[0]]} {what}"
         return results
     for rank, entries in enumerate(per_rank):
         for i, entry in enumerate(entries):

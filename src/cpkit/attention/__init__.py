@@ -1,0 +1,36 @@
+"""CP core attention for MCore: `p2p` (ring), `all_gather`, `a2a` (Ulysses) and `a2a+p2p`.
+
+`context_parallel_attention` is the functional entry point (sbhd and THD, causal or no mask,
+GQA, fp32/bf16/fp16, gloo and NCCL). One file per comm type (`p2p.py`, `all_gather.py`,
+`a2a.py`, `hierarchical.py`) over shared `comm.py` (ring, collectives), `merge.py` (fp32
+log-sum-exp merge), `chunks.py` (this rank's two chunks, token permutations) and `kernels.py`
+(single-device attention with LSE: cuDNN/flash/efficient on CUDA, exact math on CPU).
+"""
+
+from cpkit.attention.functional import CP_COMM_TYPES, check_comm_type, context_parallel_attention
+from cpkit.attention.hierarchical import new_hierarchical_groups
+from cpkit.attention.kernels import attn_bwd, attn_fwd, reference_attention
+
+from cpkit.attention.module import ContextParallelAttention
+from cpkit.attention.spec import (
+    get_gpt_layer_spec_te,
+    get_gpt_layer_spec_with_cp_attention,
+    replace_core_attention,
+)
+from cpkit.attention.te import bind_te_attention_groups, te_available
+
+__all__ = [
+    "CP_COMM_TYPES",
+    "ContextParallelAttention",
+    "bind_te_attention_groups",
+    "get_gpt_layer_spec_te",
+    "get_gpt_layer_spec_with_cp_attention",
+    "replace_core_attention",
+    "te_available",
+    "attn_bwd",
+    "attn_fwd",
+    "check_comm_type",
+    "context_parallel_attention",
+    "new_hierarchical_groups",
+    "reference_attention",
+]

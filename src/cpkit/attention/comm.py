@@ -1,0 +1,99 @@
+"""Communication shared by the CP attention variants: the KV ring, all-gather, reduce-scatter
+and all-to-all over an explicitly passed process group (gloo or NCCL).
+
+All helpers take the group as an argument; nothing here keeps a group at module level.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "RingComm",
+    "group_size",
+    "group_rank",
+    "all_gather_seq",
+    "reduce_scatter_seq",
+    "all_to_all_seq",
+]
+
+# torch >= 2.12 renamed the "into tensor" collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def group_size(group: Optional[dist.ProcessGroup]) -> int:
+    """Size of `group`; 1 for None (no CP)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: Optional[dist.ProcessGroup]) -> int:
+    """This process's rank in `group`; 0 for None (no CP)."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+class RingComm:
+    """Send to the next rank of `group` and receive from the previous one, asynchronously.
+
+    `exchange(send, recv)` posts one batched isend/irecv pair and returns a handle whose
+    `wait()` completes both; the caller computes in between, so the transfer overlaps compute
+    (NCCL runs P2P on its own stream; gloo in background threads). Every rank of the ring must
+    post the same sequence of exchanges. Peers are passed as global ranks, which both torch 2.11
+    and 2.13 accept for subgroups.
+    """
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.next_peer = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev_peer = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int = 0) -> "_Pending":
+        """Start sending `send` to the next rank and receiving `recv` from the previous one."""
+        ops = [
+            dist.P2POp(dist.isend, send, self.next_peer, self.group, tag),
+            dist.P2POp(dist.irecv, recv, self.prev_peer, self.group, tag),
+        ]
+        return _Pending(dist.batch_isend_irecv(ops))
+
+
+class _Pending:
+    """Handles of one posted exchange; `wait()` once before reading the received tensor."""
+
+    def __init__(self, works):
+        self._works = works
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._works = []
+
+
+def all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Concatenate every rank's `x` along dim 0 (rank order): [size * x.shape[0], ...]."""
+    x = x.contiguous()
+    out = x.new_empty((group_size(group) * x.shape[0], *x.shape[1:]))
+    _all_gather_single(out, x, group=group)
+    return out
+
+
+def reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum `x` over the ranks and return this rank's 1/size slice of dim 0."""
+    x = x.contiguous()
+    size = group_size(group)
+    out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
+    _reduce_scatter_single(out, x, group=group)
+    return out
+
+
+def all_to_all_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """All-to-all over dim 0: x is [size, ...] with x[j] for rank j; returns [size, ...] with
+    entry j received from rank j."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out

@@ -1,0 +1,225 @@
+"""`context_parallel_attention`: the one entry point of the CP attention variants.
+
+It checks the configuration and the inputs (CPConfigError, a ValueError, naming the field, the
+value, the rule and the fix), then runs `p2p`, `all_gather`, `a2a` or `a2a+p2p`.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from cpkit.attention.a2a import a2a_attention
+from cpkit.attention.all_gather import all_gather_attention
+from cpkit.attention.chunks import local_seq
+from cpkit.attention.comm import group_size
+from cpkit.attention.hierarchical import hierarchical_attention
+from cpkit.attention.p2p import ring_attention
+from cpkit.errors import CPConfigError
+from cpkit.layout import CP_COMM_TYPES
+from cpkit.sharding import check_cu_seqlens
+
+__all__ = ["context_parallel_attention", "check_comm_type", "check_a2a_heads", "CP_COMM_TYPES"]
+
+CPGroup = Union[dist.ProcessGroup, Sequence[dist.ProcessGroup], None]
+
+_HINTS = {
+    "allgather": "all_gather",
+    "all-gather": "all_gather",
+    "ring": "p2p",
+    "ulysses": "a2a",
+    "a2a_p2p": "a2a+p2p",
+    "a2a-p2p": "a2a+p2p",
+    "hierarchical": "a2a+p2p",
+}
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_comm_type(cp_comm_type: str) -> str:
+    """Return `cp_comm_type` if it is one of CP_COMM_TYPES; CPConfigError otherwise."""
+    if cp_comm_type in CP_COMM_TYPES:
+        return cp_comm_type
+    hint = _HINTS.get(str(cp_comm_type).lower())
+    fix = f'use "{hint}"' if hint else f"use one of {', '.join(CP_COMM_TYPES)}"
+    raise CPConfigError.single("cp_comm_type", cp_comm_type, f"must be one of {list(CP_COMM_TYPES)}", fix)
+
+
+def check_a2a_heads(heads: int, kv_heads: int, a2a_size: int, comm: str = "a2a") -> None:
+    """CPConfigError unless heads and kv heads divide by the all-to-all group size."""
+    for name, value in (("heads (q.shape[-2])", heads), ("kv heads (k.shape[-2])", kv_heads)):
+        if value % a2a_size:
+            raise CPConfigError.single(
+                name, value, f"{comm} splits heads over the {a2a_size} ranks of its all-to-all "
+                f"group, so it must be divisible by {a2a_size}",
+                "use p2p or all_gather, a smaller a2a group, or a head count divisible by it",
+            )
+
+
+def _groups(cp_group: CPGroup, comm: str):
+    """(a2a_group, p2p_group) for a2a+p2p, else (group,) ; () for no CP."""
+    if cp_group is None:
+        return ()
+    is_list = isinstance(cp_group, (list, tuple))
+    if comm == "a2a+p2p":
+        if not is_list or len(cp_group) != 2 or not all(isinstance(g, dist.ProcessGroup) for g in cp_group):
+            raise CPConfigError.single(
+                "cp_group", _describe(cp_group),
+                "a2a+p2p needs a two-level list [a2a_group, p2p_group] (TE's convention)",
+                "pass pg_collection.hcp (cpkit.groups builds it; "
+                "cpkit.attention.hierarchical.new_hierarchical_groups for tests)",
+            )
+        return tuple(cp_group)
+    if is_list or not isinstance(cp_group, dist.ProcessGroup):
+        raise CPConfigError.single(
+            "cp_group", _describe(cp_group),
+            f"cp_comm_type={comm!r} takes one process group",
+            "pass the CP group (pg_collection.cp); a [a2a, p2p] list is for cp_comm_type='a2a+p2p'",
+        )
+    return (cp_group,)
+
+
+def _describe(cp_group) -> str:
+    if isinstance(cp_group, (list, tuple)):
+        return f"{type(cp_group).__name__} of {len(cp_group)}: [{', '.join(type(g).__name__ for g in cp_group)}]"
+    return type(cp_group).__name__
+
+
+def _check_tensors(q, k, v, cu_seqlens) -> bool:
+    """Shape/dtype checks; returns True for THD."""
+    if q.dim() not in (3, 4):
+        raise CPConfigError.single("q.shape", tuple(q.shape), "must be [s, b, heads, dim] or THD [t, heads, dim]",
+                                   "pass sequence-first q (MCore's layout)")
+    thd = q.dim() == 3
+    if thd and cu_seqlens is None:
+        raise CPConfigError.single("cu_seqlens", None, "THD input [t, heads, dim] needs cu_seqlens",
+                                   "pass the global padded cu_seqlens (cpkit.sharding.pad_cu_seqlens)")
+    if not thd and cu_seqlens is not None:
+        raise CPConfigError.single("cu_seqlens", "given", "cu_seqlens is only for THD input [t, heads, dim]",
+                                   "drop cu_seqlens, or pass packed [t, heads, dim] tensors")
+    if k.shape != v.shape or k.shape[:-2] != q.shape[:-2] or k.shape[-1] != q.shape[-1]:
+        raise CPConfigError.single(
+            "k.shape/v.shape", (tuple(k.shape), tuple(v.shape)),
+            f"must equal q.shape={tuple(q.shape)} except for the (kv) heads dim",
+            "pass k and v of the same local tokens, batch and head dim as q",
+        )
+    if q.shape[-2] % k.shape[-2]:
+        raise CPConfigError.single("kv heads (k.shape[-2])", k.shape[-2],
+                                   f"must divide the query heads {q.shape[-2]} (GQA)", "fix num_query_groups")
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise CPConfigError.single("dtype", (q.dtype, k.dtype, v.dtype),
+                                   "q, k, v must share one of float32, bfloat16, float16", "cast them")
+    if k.device != q.device or v.device != q.device:
+        raise CPConfigError.single("device", (q.device, k.device, v.device), "q, k, v must be on one device",
+                                   "move them to one device")
+    return thd
+
+
+# id(cu_seqlens) -> (weakref to it, its version, cp, t_local, longest length): the host check
+# (one device sync) runs once per offsets tensor, not once per layer.
+_CU_CHECKED: dict = {}
+
+
+def _longest_sequence(cu_seqlens: torch.Tensor, t_local: int, cp: int) -> int:
+    """Check the global padded offsets on the host (cached per tensor); return the longest length."""
+    key = id(cu_seqlens)
+    hit = _CU_CHECKED.get(key)
+    if hit is not None and hit[0]() is cu_seqlens and hit[1:4] == (cu_seqlens._version, cp, t_local):
+        return hit[4]
+    cu = check_cu_seqlens(cu_seqlens, cp)
+    if cu[-1] != t_local * cp:
+        raise CPConfigError.single(
+            "cu_seqlens[-1]", cu[-1], f"must equal t_local * cp = {t_local} * {cp}",
+            "pass the GLOBAL padded cu_seqlens of the full packed batch, and q of this rank's "
+            "shard (cpkit.sharding.shard_thd)",
+        )
+    longest = max(b - a for a, b in zip(cu[:-1], cu[1:]))
+    if len(_CU_CHECKED) > 64:
+        _CU_CHECKED.clear()
+    _CU_CHECKED[key] = (weakref.ref(cu_seqlens), cu_seqlens._version, cp, t_local, longest)
+    return longest
+
+
+def _check_thd(cu_seqlens: torch.Tensor, max_seqlen, t_local: int, cp: int, device):
+    """(global padded cu_seqlens as int64 on `device`, max length divisible by 2*cp).
+
+    The offsets are checked on the host once per tensor object (one sync per micro-batch on
+    GPU, not per layer). The max length is the larger of `max_seqlen` and the longest padded
+    sequence, so an unpadded max_seqlen is safe too.
+    """
+    if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
+        raise CPConfigError.single("cu_seqlens", (tuple(cu_seqlens.shape), cu_seqlens.dtype),
+                                   "must be 1-D integer offsets [n + 1]", "pass int32 cumulative lengths")
+    longest = _longest_sequence(cu_seqlens, t_local, cp)
+    max_seqlen = longest if max_seqlen is None else max(int(max_seqlen), longest)
+    mult = 2 * cp if cp > 1 else 1
+    max_seqlen = (max_seqlen + mult - 1) // mult * mult
+    return cu_seqlens.to(device=device, dtype=torch.int64), max(max_seqlen, 1)
+
+
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    cp_group: CPGroup,
+    cp_comm_type: str,
+    causal: bool,
+    softmax_scale: Optional[float] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    max_seqlen: Optional[int] = None,
+) -> torch.Tensor:
+    """Context-parallel attention of this rank's shard; differentiable; output shaped like q.
+
+    Shapes (sequence-first, MCore's): q [s_local, b, heads, dim], k/v [s_local, b, kv_heads, dim]
+    (GQA when kv_heads < heads); or THD q [t_local, heads, dim] with `cu_seqlens`. Every input
+    is this rank's shard in the load-balanced layout (`cpkit.sharding`: chunks r and 2cp-1-r).
+
+    cu_seqlens: THD only, the GLOBAL padded offsets (int32 [n + 1], every length a multiple of
+    2*cp; TE's `cu_seqlens_padded`), not the local ones. They are checked on the host once per
+    tensor object (one device sync per micro-batch). max_seqlen: optional hint; the longest
+    padded sequence is used when larger. Padding tokens at the end of a sequence are attended
+    like real tokens, which is exact for the real tokens only under a causal mask. Without CP
+    (cp_group None or of size 1) no length constraint applies.
+
+    cp_group: the CP process group; for "a2a+p2p" the list [a2a_group, p2p_group] (TE's
+    convention, CP position = p2p_rank * |a2a| + a2a_rank); None runs local attention.
+    cp_comm_type: "p2p" (ring), "all_gather", "a2a" (Ulysses) or "a2a+p2p".
+    causal: causal (top-left) mask over the full sequence, or no mask.
+    softmax_scale: defaults to 1/sqrt(dim).
+
+    Raises CPConfigError (ValueError) for an unknown comm type, a group that does not fit it,
+    mismatched shapes/dtypes, an odd local sequence (global not divisible by 2*cp), heads or
+    kv heads not divisible by the a2a size, or THD offsets that are not padded to 2*cp.
+    """
+    comm = check_comm_type(cp_comm_type)
+    groups = _groups(cp_group, comm)
+    thd = _check_tensors(q, k, v, cu_seqlens)
+    cp = math.prod(group_size(g) for g in groups) if groups else 1
+    if comm in ("a2a", "a2a+p2p") and groups:
+        check_a2a_heads(q.shape[-2], k.shape[-2], group_size(groups[0]), comm)
+    if not thd and cp > 1 and q.shape[0] % 2:
+        raise CPConfigError.single(
+            "s_local (q.shape[0])", q.shape[0],
+            "must be even: each rank holds 2 chunks (the global sequence is divisible by 2*cp)",
+            "pad the global sequence to a multiple of 2*cp and shard it with cpkit.sharding.shard_seq",
+        )
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    # The kernels need a unit stride on the head dim; anything else is fine as a view.
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    cu = None
+    if thd:
+        cu, max_seqlen = _check_thd(cu_seqlens, max_seqlen, q.shape[0], cp, q.device)
+
+    if cp == 1:
+        return ring_attention(q, k, v, None, causal, scale, local_seq(q.shape[0], 1, cu, max_seqlen))
+    if comm == "p2p":
+        return ring_attention(q, k, v, groups[0], causal, scale, local_seq(q.shape[0], cp, cu, max_seqlen))
+    if comm == "all_gather":
+        return all_gather_attention(q, k, v, groups[0], causal, scale, local_seq(q.shape[0], cp, cu, max_seqlen))
+    if comm == "a2a":
+        return a2a_attention(q, k, v, groups[0], None, causal, scale, cu, max_seqlen)
+    return hierarchical_attention(q, k, v, groups[0], groups[1], causal, scale, cu, max_seqlen)

@@ -1,0 +1,46 @@
+"""Online log-sum-exp merge of partial attention results, in fp32.
+
+Attention of the same queries over disjoint key blocks gives partial outputs o_i and
+log-sum-exps l_i; the attention over the union of the blocks is
+    l = log(sum_i exp(l_i)),   o = sum_i exp(l_i - l) * o_i.
+Layouts: outputs are sequence-first, [s, b, heads, dim] (sbhd) or [t, heads, dim] (THD); the
+LSE is [b, heads, s] or [heads, t] (what the kernels return), always float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["lse_as_out", "merge_", "merge"]
+
+
+def lse_as_out(lse: torch.Tensor) -> torch.Tensor:
+    """View an LSE ([b, h, s] or [h, t]) so that it broadcasts against its output
+    ([s, b, h, d] or [t, h, d]): [s, b, h, 1] or [t, h, 1]. No copy."""
+    return lse.movedim(-1, 0).unsqueeze(-1)
+
+
+def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Fold one partial result into the running one, in place.
+
+    out: float32 running output (may be a view), lse: float32 running LSE (may be a view);
+    block_out: the new partial output in any float dtype, block_lse: its float32 LSE. Rows
+    where both LSEs are -inf (no key seen yet) stay 0 instead of becoming NaN.
+    """
+    new_lse = torch.logaddexp(lse, block_lse)
+    # exp(-inf - -inf) is NaN for rows with no keys in either part: their weight is 0.
+    w_old = torch.nan_to_num_(torch.exp(lse - new_lse), nan=0.0)
+    w_new = torch.nan_to_num_(torch.exp(block_lse - new_lse), nan=0.0)
+    out.mul_(lse_as_out(w_old)).addcmul_(block_out, lse_as_out(w_new))
+    lse.copy_(new_lse)
+
+
+def merge(outs, lses) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge a list of partial (output, LSE) pairs; returns (float32 output, float32 LSE)."""
+    if not outs or len(outs) != len(lses):
+        raise ValueError(f"merge: need matching non-empty lists, got {len(outs)} outputs, {len(lses)} LSEs")
+    out = outs[0].float().clone()
+    lse = lses[0].float().clone()
+    for o, l in zip(outs[1:], lses[1:]):
+        merge_(out, lse, o, l.float())
+    return out, lse

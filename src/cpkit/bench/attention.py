@@ -1,0 +1,485 @@
+"""`python -m cpkit.bench attention`: CP attention forward + backward throughput.
+
+One launch over max(--cp) ranks (NCCL, one GPU per rank; or gloo with `--device cpu`) times,
+for each total sequence length, causal attention forward + backward with b=1:
+
+- `cpkit`: `cpkit.attention.context_parallel_attention` for every comm type and CP size
+  (`a2a+p2p` with a2a groups of `--hcp-a2a` contiguous ranks, where both levels are > 1);
+- `te`: Transformer Engine's `DotProductAttention` with `set_context_parallel_group`-style
+  construction for the same comm types (when TE imports);
+- `torch`: torch's experimental `context_parallel` (allgather rotation) over a DeviceMesh of
+  the CP ranks;
+- `sdpa`: single-device SDPA (cuDNN on GPUs) on the full sequence, the per-GPU reference.
+
+TFLOP/s per GPU = 3.5 * (2 * b * heads * s^2 * head_dim) / cp / time (causal forward FLOPs,
+x3.5 for forward + backward). Time is the median over `--iters` iterations after `--warmup`
+(CUDA events, barrier before each), the slowest rank's median. Every cell runs in its own
+try/except: a failure prints "error: ..." in its cell. Prints a table, writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from cpkit.bench.common import (
+    DEFAULT_RESULTS_DIR,
+    add_common_args,
+    format_table,
+    machine_info,
+    median,
+    parse_int_list,
+    parse_str_list,
+    short_error,
+    time_fn,
+    write_json,
+)
+
+__all__ = ["main", "Case", "causal_fwd_bwd_flops", "build_cases"]
+
+NAME = "attention"
+COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+BACKENDS = ("cpkit", "te", "torch", "sdpa")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One cell of the table: a backend, comm type, KV heads, CP size and total sequence."""
+
+    backend: str
+    comm: str  # "-" for sdpa / torch
+    kv_heads: int
+    cp: int
+    seq: int
+
+    @property
+    def row(self) -> str:
+        return f"{self.backend} {self.comm} kv{self.kv_heads} cp{self.cp}"
+
+
+@dataclass
+class Settings:
+    heads: int
+    head_dim: int
+    batch: int
+    dtype: str
+    device: str
+    warmup: int
+    iters: int
+    hcp_a2a: int
+    partial_path: Optional[str] = None
+    world_size: int = 1
+    notes: list = field(default_factory=list)
+
+
+def causal_fwd_bwd_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
+    """Forward + backward FLOPs of causal attention: 3.5 * 2 * b * h * s^2 * d."""
+    return 3.5 * 2.0 * batch * heads * float(seq) ** 2 * head_dim
+
+
+def build_cases(backends, comms, kv_heads, cps, seqs, hcp_a2a: int, te_ok: bool) -> list[Case]:
+    """The ordered list of cells to run (sdpa first: it is the reference)."""
+    cases = []
+    for kvh in kv_heads:
+        for seq in seqs:
+            if "sdpa" in backends:
+                cases.append(Case("sdpa", "-", kvh, 1, seq))
+    for cp in cps:
+        for kvh in kv_heads:
+            for comm in comms:
+                if comm == "a2a+p2p" and not (1 < hcp_a2a < cp and cp % hcp_a2a == 0):
+                    continue  # a degenerate hierarchy is plain a2a or p2p
+                for backend in ("cpkit", "te"):
+                    if backend in backends and (backend != "te" or te_ok):
+                        for seq in seqs:
+                            cases.append(Case(backend, comm, kvh, cp, seq))
+            if "torch" in backends:
+                for seq in seqs:
+                    cases.append(Case("torch", "-", kvh, cp, seq))
+    return cases
+
+
+# ------------------------------------------------------------------------------------ workers
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def _make_groups(cps, hcp_a2a: int) -> dict:
+    """Every group any case needs, created by every rank in the same order.
+
+    CP size c uses ranks 0..c-1; its hierarchical groups are a2a = contiguous blocks of
+    `hcp_a2a` ranks, p2p = ranks with the same position in their block (TE's convention).
+    """
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    groups = {}
+    for cp in sorted(set(cps)):
+        g = dist.new_group(list(range(cp)))
+        groups[("cp", cp)] = g if rank < cp else None
+        if 1 < hcp_a2a < cp and cp % hcp_a2a == 0:
+            mine = [None, None]
+            for start in range(0, cp, hcp_a2a):
+                ranks = list(range(start, start + hcp_a2a))
+                ga = dist.new_group(ranks)
+                if rank in ranks:
+                    mine[0] = ga
+            for offset in range(hcp_a2a):
+                ranks = list(range(offset, cp, hcp_a2a))
+                gp = dist.new_group(ranks)
+                if rank in ranks:
+                    mine[1] = gp
+            groups[("hcp", cp)] = mine if rank < cp else None
+    return groups
+
+
+def _rand(shape, s: Settings, dev, grad=True):
+    t = torch.randn(*shape, device=dev, dtype=_dtype(s.dtype))
+    return t.requires_grad_(grad)
+
+
+def _step_cpkit(case: Case, s: Settings, dev, groups):
+    from cpkit.attention import context_parallel_attention
+
+    local = case.seq // case.cp
+    q = _rand((local, s.batch, s.heads, s.head_dim), s, dev)
+    k = _rand((local, s.batch, case.kv_heads, s.head_dim), s, dev)
+    v = _rand((local, s.batch, case.kv_heads, s.head_dim), s, dev)
+    dout = _rand((local, s.batch, s.heads, s.head_dim), s, dev, grad=False)
+    group = groups[("hcp", case.cp)] if case.comm == "a2a+p2p" else groups[("cp", case.cp)]
+
+    def step():
+        out = context_parallel_attention(
+            q, k, v, cp_group=group, cp_comm_type=case.comm, causal=True
+        )
+        torch.autograd.grad(out, (q, k, v), dout)
+
+    return step
+
+
+def _step_te(case: Case, s: Settings, dev, groups):
+    import torch.distributed as dist
+    import transformer_engine.pytorch as te
+
+    local = case.seq // case.cp
+    cp_group = groups[("cp", case.cp)]
+    group = groups[("hcp", case.cp)] if case.comm == "a2a+p2p" else cp_group
+    attn = te.DotProductAttention(
+        num_attention_heads=s.heads,
+        kv_channels=s.head_dim,
+        num_gqa_groups=case.kv_heads,
+        attention_dropout=0.0,
+        qkv_format="sbhd",
+        attn_mask_type="causal",
+    )
+    attn.set_context_parallel_group(
+        group, dist.get_process_group_ranks(cp_group), torch.cuda.Stream(), case.comm
+    )
+    q = _rand((local, s.batch, s.heads, s.head_dim), s, dev)
+    k = _rand((local, s.batch, case.kv_heads, s.head_dim), s, dev)
+    v = _rand((local, s.batch, case.kv_heads, s.head_dim), s, dev)
+    dout = _rand((local, s.batch, s.heads * s.head_dim), s, dev, grad=False)
+
+    def step():
+        out = attn(q, k, v)
+        torch.autograd.grad(out, (q, k, v), dout)
+
+    return step
+
+
+def _sdpa_inputs(case: Case, s: Settings, dev, seq: int, expand_kv: bool):
+    kvh = s.heads if expand_kv else case.kv_heads
+    q = _rand((s.batch, s.heads, seq, s.head_dim), s, dev)
+    k = _rand((s.batch, kvh, seq, s.head_dim), s, dev)
+    v = _rand((s.batch, kvh, seq, s.head_dim), s, dev)
+    return q, k, v
+
+
+def _step_sdpa(case: Case, s: Settings, dev, groups, expand_kv: bool = False):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = _sdpa_inputs(case, s, dev, case.seq, expand_kv)
+    dout = torch.randn_like(q)
+    gqa = k.shape[1] != q.shape[1]
+    backends = [SDPBackend.CUDNN_ATTENTION] if dev.type == "cuda" else None
+
+    def step():
+        if backends is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            with sdpa_kernel(backends):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        torch.autograd.grad(out, (q, k, v), dout)
+
+    return step
+
+
+class _TorchCP:
+    """torch's experimental context_parallel (allgather rotation), entered around the timing."""
+
+    def __init__(self, case: Case, s: Settings, dev, groups, expand_kv: bool = False):
+        from torch.distributed.device_mesh import DeviceMesh
+
+        self.case, self.s, self.dev, self.expand_kv = case, s, dev, expand_kv
+        self.mesh = DeviceMesh.from_group(groups[("cp", case.cp)], device_type=dev.type)
+
+    def __enter__(self):
+        import torch.nn.functional as F
+        from torch.distributed.tensor.experimental import context_parallel
+        from torch.distributed.tensor.experimental import _attention as cp_attention
+
+        self._options = cp_attention._cp_options
+        self._old_rotate = self._options.rotate_method
+        cp_attention.set_rotate_method("allgather")
+        try:
+            q, k, v = (t.detach() for t in _sdpa_inputs(self.case, self.s, self.dev, self.case.seq, self.expand_kv))
+            self._ctx = context_parallel(
+                self.mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2], no_restore_buffers={q, k, v}
+            )
+            self._ctx.__enter__()
+        except BaseException:
+            self._options.rotate_method = self._old_rotate
+            raise
+        # The buffers are now this rank's shards; differentiate with respect to them.
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        dout = torch.randn_like(q)
+        gqa = k.shape[1] != q.shape[1]
+
+        def step():
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            torch.autograd.grad(out, (q, k, v), dout)
+
+        return step
+
+    def __exit__(self, *exc):
+        try:
+            self._ctx.__exit__(*exc)
+        finally:
+            self._options.rotate_method = self._old_rotate
+        return False
+
+
+def _time_case(case: Case, s: Settings, dev, groups) -> tuple[float, Optional[str]]:
+    """(median ms on this rank, None) or (nan, error text); runs only on the case's ranks."""
+    import torch.distributed as dist
+
+    cp_group = groups.get(("cp", case.cp))
+    barrier = (lambda: dist.barrier(group=cp_group)) if case.cp > 1 else None
+
+    def run(step):
+        return median(time_fn(step, warmup=s.warmup, iters=s.iters, device=dev, barrier=barrier))
+
+    try:
+        if case.backend == "cpkit":
+            return run(_step_cpkit(case, s, dev, groups)), None
+        if case.backend == "te":
+            return run(_step_te(case, s, dev, groups)), None
+        # sdpa / torch: native GQA first; expanded KV heads when the kernel refuses GQA.
+        last = None
+        for expand in ([False, True] if case.kv_heads != s.heads else [False]):
+            try:
+                if case.backend == "sdpa":
+                    ms = run(_step_sdpa(case, s, dev, groups, expand))
+                else:
+                    with _TorchCP(case, s, dev, groups, expand) as step:
+                        ms = run(step)
+                return ms, ("note: kv heads expanded" if expand else None)
+            except Exception as exc:  # noqa: BLE001 - retried once with expanded KV
+                last = exc
+        raise last
+    except Exception as exc:  # noqa: BLE001 - one bad cell must not end the run
+        return float("nan"), f"{short_error(exc)}\n{traceback.format_exc()}"
+    finally:
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _worker(cases: list, settings: Settings) -> Optional[list]:
+    import torch.distributed as dist
+
+    from cpkit.testing import device
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = device()
+    groups = _make_groups([c.cp for c in cases], settings.hcp_a2a)
+    results = []
+    for case in cases:
+        torch.manual_seed(1234 + rank)
+        if case.backend == "sdpa":
+            mine = _time_case(case, settings, dev, groups) if rank == 0 else None
+        else:
+            mine = _time_case(case, settings, dev, groups) if rank < case.cp else None
+        gathered = [None] * world
+        dist.all_gather_object(gathered, mine)  # also keeps the ranks in step between cases
+        if rank == 0:
+            results.append(_summarize(case, settings, [g for g in gathered if g is not None]))
+            if settings.partial_path:
+                with open(settings.partial_path, "a") as fh:
+                    fh.write(json.dumps(results[-1]) + "\n")
+    return results if rank == 0 else None
+
+
+def _summarize(case: Case, s: Settings, per_rank: list) -> dict:
+    errors = [e for _, e in per_rank if e and not e.startswith("note:")]
+    notes = sorted({e for _, e in per_rank if e and e.startswith("note:")})
+    entry = asdict(case) | {"heads": s.heads, "head_dim": s.head_dim, "batch": s.batch,
+                            "dtype": s.dtype, "ms": None, "tflops_per_gpu": None,
+                            "error": None, "notes": notes}
+    if errors:
+        entry["error"] = errors[0]
+        return entry
+    ms = max(m for m, _ in per_rank)  # the slowest rank sets the pace
+    entry["ms"] = ms
+    entry["tflops_per_gpu"] = causal_fwd_bwd_flops(s.batch, s.heads, case.seq, s.head_dim) / case.cp / (ms * 1e-3) / 1e12
+    return entry
+
+
+# ------------------------------------------------------------------------------------- driver
+
+
+def _seq_label(seq: int) -> str:
+    return f"{seq // 1024}K" if seq % 1024 == 0 else str(seq)
+
+
+def render(results: list[dict], seqs: list[int]) -> str:
+    """The result table: rows backend/comm/kv-heads/cp, columns total sequence, TFLOP/s per GPU."""
+    rows, cells = [], {}
+    for r in results:
+        label = Case(r["backend"], r["comm"], r["kv_heads"], r["cp"], r["seq"]).row
+        if label not in rows:
+            rows.append(label)
+        if r["error"]:
+            text = r["error"].splitlines()[0]
+        else:
+            text = f"{r['tflops_per_gpu']:.1f}" if r["tflops_per_gpu"] >= 1 else f"{r['tflops_per_gpu']:.3g}"
+            if r.get("notes"):
+                text += "*"
+        cells[(label, _seq_label(r["seq"]))] = text
+    table = format_table(rows, [_seq_label(s) for s in seqs], cells, corner="TFLOP/s per GPU")
+    if any(r.get("notes") for r in results):
+        table += "\n* kv heads expanded to the query heads (the kernel refused native GQA)"
+    return table
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m cpkit.bench attention", description=__doc__.splitlines()[0])
+    p.add_argument("--seq", default=None, help="total sequence lengths, e.g. 32768,65536 or 32K,64K")
+    p.add_argument("--cp", default=None, help="CP sizes, e.g. 2,4")
+    p.add_argument("--comm", default=",".join(COMM_TYPES), help="comm types (p2p,all_gather,a2a,a2a+p2p)")
+    p.add_argument("--kv-heads", default=None, help="KV head counts, e.g. 8,32")
+    p.add_argument("--backends", default=None, help="cpkit,te,torch,sdpa (te skipped without TE)")
+    p.add_argument("--heads", type=int, default=None, help="query heads (default 32; 4 on cpu)")
+    p.add_argument("--head-dim", type=int, default=None, help="head dim (default 128; 16 on cpu)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
+                   help="default bf16 on cuda, fp32 on cpu")
+    p.add_argument("--hcp-a2a", type=int, default=2, help="a2a group size for a2a+p2p (default 2: [2,2] at cp=4)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds for the whole launch")
+    add_common_args(p)
+    return p
+
+
+def _defaults(args) -> None:
+    cpu = args.device == "cpu"
+    pick = lambda value, gpu, gpu_quick, cpu_value: value if value is not None else (  # noqa: E731
+        cpu_value if cpu else (gpu_quick if args.quick else gpu))
+    args.seq = parse_int_list(pick(args.seq, "32768,65536,131072", "32768", "256" if args.quick else "1024"))
+    args.cp = parse_int_list(pick(args.cp, "2,4", "4", "2"))
+    args.kv_heads = parse_int_list(pick(args.kv_heads, "8,32", "8", "2" if args.quick else "2,4"))
+    args.backends = parse_str_list(pick(args.backends, "cpkit,te,torch,sdpa", "cpkit,te,torch,sdpa", "cpkit,sdpa"))
+    args.comm = parse_str_list(args.comm)
+    args.heads = args.heads or (4 if cpu else 32)
+    args.head_dim = args.head_dim or (16 if cpu else 128)
+    args.dtype = args.dtype or ("fp32" if cpu else "bf16")
+    if args.quick:
+        args.warmup, args.iters = min(args.warmup, 1 if cpu else 2), min(args.iters, 2 if cpu else 5)
+    args.timeout = args.timeout or (300.0 if cpu else 3600.0)
+
+
+def _check_args(args) -> Optional[str]:
+    bad = [c for c in args.comm if c not in COMM_TYPES]
+    if bad:
+        return f"--comm {bad}: each must be one of {list(COMM_TYPES)}"
+    bad = [b for b in args.backends if b not in BACKENDS]
+    if bad:
+        return f"--backends {bad}: each must be one of {list(BACKENDS)}"
+    if any(c < 1 for c in args.cp):
+        return f"--cp {args.cp}: CP sizes must be >= 1"
+    odd = [s for s in args.seq for c in args.cp if s % (2 * c)]
+    if odd:
+        return f"--seq {sorted(set(odd))}: every length must be divisible by 2 * cp for each --cp {args.cp}"
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            return ("no CUDA device: this benchmark needs one GPU per CP rank; "
+                    "for a CPU smoke run use `python -m cpkit.bench attention --device cpu --quick`")
+        if torch.cuda.device_count() < max(args.cp):
+            return f"--cp {args.cp} needs {max(args.cp)} GPUs, found {torch.cuda.device_count()}"
+    return None
+
+
+def main(argv=None) -> int:
+    """Run the benchmark; print the table; write JSON. Returns the process exit code."""
+    from cpkit.attention.te import te_available
+    from cpkit.testing import RankFailure, launch
+
+    args = _parser().parse_args(argv)
+    _defaults(args)
+    problem = _check_args(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    te_ok = "te" in args.backends and args.device == "cuda" and te_available()
+    if "te" in args.backends and not te_ok:
+        print("note: te backend skipped (Transformer Engine not importable, or --device cpu)")
+    cases = build_cases(args.backends, args.comm, args.kv_heads, args.cp, args.seq, args.hcp_a2a, te_ok)
+    world = max([c.cp for c in cases] + [1])
+    out_path = Path(args.out) if args.out else Path(DEFAULT_RESULTS_DIR) / f"{NAME}.json"
+    partial = out_path.with_suffix(".partial.jsonl")
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    partial.unlink(missing_ok=True)
+    settings = Settings(
+        heads=args.heads, head_dim=args.head_dim, batch=1, dtype=args.dtype, device=args.device,
+        warmup=args.warmup, iters=args.iters, hcp_a2a=args.hcp_a2a,
+        partial_path=str(partial), world_size=world,
+    )
+    print(f"attention bench: {len(cases)} cells on {world} rank(s), {args.device}, {args.dtype}, "
+          f"heads={args.heads} head_dim={args.head_dim} b=1 causal fwd+bwd", flush=True)
+    failure = None
+    try:
+        results = launch(
+            _worker, world, backend="nccl" if args.device == "cuda" else "gloo",
+            timeout=args.timeout, args=(cases, settings),
+        )[0]
+    except RankFailure as exc:  # keep what finished; name what did not
+        failure = str(exc)
+        results = [json.loads(line) for line in partial.read_text().splitlines()] if partial.exists() else []
+    partial.unlink(missing_ok=True)
+    print(render(results, args.seq))
+    payload = {
+        "bench": NAME,
+        "machine": machine_info(),
+        "settings": {k: v for k, v in asdict(settings).items() if k not in ("partial_path", "notes")},
+        "args": {k: v for k, v in vars(args).items() if k != "out"},
+        "flops": "causal fwd+bwd = 3.5 * 2*b*h*s^2*d; per GPU = total / cp",
+        "results": results,
+        "failure": failure,
+    }
+    path = write_json(NAME, payload, str(out_path))
+    print(f"wrote {path}")
+    if failure:
+        print(f"error: the launch failed after {len(results)} of {len(cases)} cells:\n{failure}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

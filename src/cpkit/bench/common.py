@@ -1,0 +1,175 @@
+"""Shared benchmark helpers: timing, result tables, JSON output, machine description.
+
+Timing: `time_fn` runs warm-ups, then times each iteration with CUDA events on GPUs (host
+clock on CPU), with an optional barrier before each iteration so ranks start together, and
+returns the per-iteration milliseconds; `median` summarizes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+
+__all__ = [
+    "add_common_args",
+    "parse_int_list",
+    "parse_str_list",
+    "time_fn",
+    "median",
+    "format_table",
+    "write_json",
+    "machine_info",
+    "short_error",
+]
+
+DEFAULT_RESULTS_DIR = "bench-results"
+
+
+def parse_int_list(text: str) -> list[int]:
+    """"32768,65536" -> [32768, 65536]; accepts a K suffix ("32K")."""
+    out = []
+    for piece in text.split(","):
+        piece = piece.strip()
+        if not piece:
+            continue
+        mult = 1024 if piece[-1] in "kK" else 1
+        out.append(int(piece.rstrip("kK")) * mult)
+    return out
+
+
+def parse_str_list(text: str) -> list[str]:
+    """"p2p,a2a" -> ["p2p", "a2a"]."""
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def add_common_args(parser: argparse.ArgumentParser, *, warmup: int = 3, iters: int = 10) -> None:
+    """--warmup, --iters, --out, --quick, --device for a benchmark's argument parser."""
+    parser.add_argument("--warmup", type=int, default=warmup, help="untimed iterations first")
+    parser.add_argument("--iters", type=int, default=iters, help="timed iterations (median reported)")
+    parser.add_argument("--out", default=None, help=f"JSON path (default {DEFAULT_RESULTS_DIR}/<name>.json)")
+    parser.add_argument("--quick", action="store_true", help="small sizes and few iterations")
+    parser.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda",
+        help="cuda (NCCL, one GPU per rank) or cpu (gloo, tiny smoke run)",
+    )
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_fn(
+    fn: Callable[[], Any],
+    *,
+    warmup: int,
+    iters: int,
+    device: torch.device,
+    barrier: Optional[Callable[[], None]] = None,
+) -> list[float]:
+    """Run `fn` `warmup` times untimed, then `iters` times timed; return milliseconds per iteration.
+
+    On CUDA each iteration is timed with a pair of CUDA events on the current stream (after a
+    synchronize and the optional `barrier`, so ranks start together); on CPU with the host clock.
+    """
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(iters):
+        if barrier is not None:
+            barrier()
+        _sync(device)
+        if device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def median(values: Iterable[float]) -> float:
+    """The median of `values` (NaN when empty)."""
+    values = list(values)
+    return statistics.median(values) if values else float("nan")
+
+
+def short_error(exc: BaseException, limit: int = 60) -> str:
+    """"error: <Type>: <first line>" cut to `limit` characters, for a table cell."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    text = f"error: {type(exc).__name__}: {first}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def format_table(
+    row_labels: Sequence[str],
+    columns: Sequence[str],
+    cells: dict[tuple[str, str], str],
+    *,
+    corner: str = "",
+) -> str:
+    """A plain-text table: one row per label, one column per name; missing cells are "-"."""
+    header = [corner] + list(columns)
+    rows = [[label] + [cells.get((label, c), "-") for c in columns] for label in row_labels]
+    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+
+    def line(r):
+        return "  ".join(
+            (r[i].ljust(widths[i]) if i == 0 else r[i].rjust(widths[i])) for i in range(len(r))
+        ).rstrip()
+
+    sep = "  ".join("-" * w for w in widths)
+    return "\n".join([line(header), sep] + [line(r) for r in rows])
+
+
+def write_json(name: str, payload: dict, out: Optional[str] = None) -> Path:
+    """Write `payload` to `out`, or to bench-results/<name>.json; return the path."""
+    path = Path(out) if out else Path(DEFAULT_RESULTS_DIR) / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, sort_keys=False, default=str) + "\n")
+    return path
+
+
+def machine_info() -> dict:
+    """Versions and devices of this machine, recorded next to every benchmark result."""
+    info: dict[str, Any] = {
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+    }
+    try:
+        from megatron.core import package_info
+
+        info["megatron_core"] = package_info.__version__
+    except Exception:  # noqa: BLE001 - informational only
+        info["megatron_core"] = None
+    from cpkit.attention.te import te_version
+
+    info["transformer_engine"] = te_version()
+    if torch.cuda.is_available():
+        info["cuda"] = torch.version.cuda
+        info["gpu_count"] = torch.cuda.device_count()
+        info["gpu"] = torch.cuda.get_device_name(0)
+        try:
+            info["cudnn"] = torch.backends.cudnn.version()
+        except Exception:  # noqa: BLE001
+            info["cudnn"] = None
+    else:
+        info["gpu_count"] = 0
+    return info

@@ -1,0 +1,423 @@
+"""Unit tests of the dynamic-CP scheduler (cpkit.dynamic.scheduler) and its plan (cpkit.dynamic.plan).
+
+Invariants are checked by an oracle written here from the spec, independent of the scheduler's
+own arithmetic; hypothesis runs derandomized so CI is deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cpkit.dynamic import (
+    CPGroupAssignment,
+    Microbatch,
+    Plan,
+    aligned_roots,
+    cp_size_for,
+    default_workload,
+    schedule,
+)
+from cpkit.dynamic.plan import assign_slots
+from cpkit.errors import CPConfigError
+
+PROPERTY = settings(
+    max_examples=150, derandomize=True, deadline=None, database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+# ---------------------------------------------------------------- oracle (independent of the code)
+
+def _largest_pow2_le(n: int) -> int:
+    k = 1
+    while k * 2 <= n:
+        k *= 2
+    return k
+
+
+def _need(L: int, M: int, min_cp: int) -> int:
+    cp = min_cp
+    while math.ceil(L / cp) > M:
+        cp *= 2
+    return cp
+
+
+def _roots(n: int) -> list[tuple[int, int]]:
+    roots, first = [], 0
+    while first < n:
+        size = _largest_pow2_le(n - first)
+        roots.append((first, size))
+        first += size
+    return roots
+
+
+def _valid(lens, n, M, min_cp) -> bool:
+    largest = _largest_pow2_le(n)
+    return n % min_cp == 0 and all(_need(L, M, min_cp) <= largest for L in lens)
+
+
+def _span(L: int, M: int, min_cp: int, largest: int) -> int:
+    """Largest group a sample can lead: each rank gets a token of it (or its need forces more)."""
+    return max(_need(L, M, min_cp), _largest_pow2_le(min(L, largest)))
+
+
+def _can_cover(lens, roots, M, min_cp) -> bool:
+    """A sufficient condition for the samples to keep every rank busy.
+
+    A group of size k needs a leader whose span is >= k. One root: the leaders' spans must add
+    up to the root. Several roots: no group crosses a root, so each root needs its own leader;
+    match roots (smallest first) to samples whose need <= root size <= span (smallest span first).
+    """
+    largest = roots[0][1]
+    spans = [(_span(L, M, min_cp, largest), _need(L, M, min_cp)) for L in lens]
+    if len(roots) == 1:
+        return sum(min(span, largest) for span, _ in spans) >= largest
+    free = sorted(spans)
+    for _, size in sorted(roots, key=lambda r: r[1]):
+        match = next((j for j, (span, need) in enumerate(free) if need <= size <= span), None)
+        if match is None:
+            return False
+        free.pop(match)
+    return True
+
+
+def check_invariants(plan: Plan, lens, n, M, min_cp=1, group_size=None) -> None:
+    """Every invariant of issue 6, asserted on one plan."""
+    roots = _roots(n)
+    largest = roots[0][1]
+    seen = []
+    if group_size:
+        assert len(plan.microbatches) % group_size == 0
+    assert len(plan.microbatches) >= 1
+    for m, mb in enumerate(plan.microbatches):
+        covered = [0] * n
+        for g in mb.groups:
+            k = g.cp_size
+            assert k & (k - 1) == 0 and k >= min_cp, g
+            assert g.ranks == tuple(range(g.ranks[0], g.ranks[0] + k)), g  # contiguous, size k
+            assert g.ranks[0] % k == 0, g  # aligned to its size
+            assert any(f <= g.ranks[0] and g.ranks[-1] < f + s for f, s in roots), g  # one root
+            assert g.samples, "a group without samples"
+            for r in g.ranks:
+                covered[r] += 1
+            for s in g.samples:
+                assert _need(lens[s], M, min_cp) <= k, (s, lens[s], g)
+            tokens = sum(math.ceil(lens[s] / k) for s in g.samples)
+            assert tokens <= M, (tokens, M, g)  # no rank holds more than M tokens
+            seen.extend(g.samples)
+        assert max(covered) <= 1, f"micro-batch {m}: a rank is in two groups"
+        # Every rank has work where the samples allow it (see _can_cover).
+        if _can_cover([lens[s] for s in mb.samples], roots, M, min_cp):
+            assert min(covered) == 1, f"micro-batch {m}: idle ranks although the samples allow work"
+    assert sorted(seen) == list(range(len(lens))), "each sample exactly once"
+    empty = sum(1 for mb in plan.microbatches if not mb.groups)
+    assert empty == max(0, len(plan.microbatches) - len(lens)), "empty micro-batches only as padding"
+
+
+# ---------------------------------------------------------------- cp_size_for
+
+@pytest.mark.parametrize("L, M, min_cp, expected", [
+    (1, 1024, 1, 1), (1024, 1024, 1, 1), (1025, 1024, 1, 2), (2048, 1024, 1, 2),
+    (2049, 1024, 1, 4), (3 * 1024, 1024, 1, 4), (1, 1024, 4, 4), (9000, 1024, 2, 16),
+])
+def test_cp_size_for_is_smallest_power_of_two_with_ceil_fit(L, M, min_cp, expected):
+    assert cp_size_for(L, M, min_cp) == expected
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(seq_len=0, max_seq_len_per_rank=8), "seq_len"),
+    (dict(seq_len=-3, max_seq_len_per_rank=8), "seq_len"),
+    (dict(seq_len=5, max_seq_len_per_rank=0), "max_seq_len_per_rank"),
+    (dict(seq_len=5, max_seq_len_per_rank=8, min_cp_size=3), "min_cp_size"),
+    (dict(seq_len=5, max_seq_len_per_rank=8, min_cp_size=0), "min_cp_size"),
+    (dict(seq_len=100, max_seq_len_per_rank=8, dp_cp_size=8), "seq_len"),
+])
+def test_cp_size_for_rejects_bad_input_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError) as info:  # CPConfigError is a ValueError
+        cp_size_for(**kwargs)
+    assert isinstance(info.value, CPConfigError)
+    assert info.value.field == field
+
+
+def test_cp_size_for_full_error_message():
+    # Regression: Megatron's message was split over two lines without parentheses and lost its
+    # second half; assert the whole text.
+    with pytest.raises(CPConfigError) as info:
+        cp_size_for(5000, 1024, dp_cp_size=4)
+    assert str(info.value) == (
+        "1 CP configuration error:\n"
+        "  - seq_len=5000: needs cp_size 8 (ceil(5000 / 8) <= max_seq_len_per_rank=1024) but the "
+        "largest aligned CP group of dp_cp_size=4 has 4 ranks; fix: raise max_seq_len_per_rank "
+        "to >= 1250, raise dp_cp_size to >= 8, or split the sequence"
+    )
+
+
+def test_schedule_full_error_message_for_a_sample_that_cannot_fit():
+    with pytest.raises(CPConfigError) as info:
+        schedule([10, 33], dp_cp_size=4, max_seq_len_per_rank=8)
+    assert str(info.value) == (
+        "1 CP configuration error:\n"
+        "  - seq_lens[1]=33: needs cp_size 8 (ceil(33 / 8) <= max_seq_len_per_rank=8) but the "
+        "largest aligned CP group of dp_cp_size=4 has 4 ranks; fix: raise max_seq_len_per_rank "
+        "to >= 9, raise dp_cp_size to >= 8, or split the sequence"
+    )
+
+
+def test_aligned_roots_is_the_binary_decomposition():
+    assert aligned_roots(1) == [(0, 1)]
+    assert aligned_roots(8) == [(0, 8)]
+    assert aligned_roots(6) == [(0, 4), (4, 2)]
+    assert aligned_roots(13) == [(0, 8), (8, 4), (12, 1)]
+
+
+# ---------------------------------------------------------------- schedule: examples
+
+def test_brief_example_is_valid_and_balanced():
+    lens = [4000, 100, 200, 3000, 800, 50, 1024, 1025]
+    plan = schedule(lens, dp_cp_size=8, max_seq_len_per_rank=1024)
+    check_invariants(plan, lens, 8, 1024)
+    assert plan.stats.critical_path_efficiency >= 0.95
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(seq_lens=[], dp_cp_size=4, max_seq_len_per_rank=8), "seq_lens"),
+    (dict(seq_lens=[1], dp_cp_size=0, max_seq_len_per_rank=8), "dp_cp_size"),
+    (dict(seq_lens=[1], dp_cp_size=4, max_seq_len_per_rank=0), "max_seq_len_per_rank"),
+    (dict(seq_lens=[1], dp_cp_size=4, max_seq_len_per_rank=8, min_cp_size=3), "min_cp_size"),
+    (dict(seq_lens=[1], dp_cp_size=6, max_seq_len_per_rank=8, min_cp_size=4), "min_cp_size"),
+    (dict(seq_lens=[1], dp_cp_size=4, max_seq_len_per_rank=8, microbatch_group_size=0),
+     "microbatch_group_size"),
+    (dict(seq_lens=[1], dp_cp_size=4, max_seq_len_per_rank=8, balance_tolerance=-1),
+     "balance_tolerance"),
+    (dict(seq_lens=[0, 3], dp_cp_size=4, max_seq_len_per_rank=8), "seq_lens[0]"),
+    (dict(seq_lens=[2.5], dp_cp_size=4, max_seq_len_per_rank=8), "seq_lens[0]"),
+    (dict(seq_lens=[1], dp_cp_size=4, max_seq_len_per_rank=8, workload=lambda L: -1.0), "workload"),
+    (dict(seq_lens=[1], dp_cp_size=4, max_seq_len_per_rank=8, workload=lambda L: math.nan),
+     "workload"),
+])
+def test_schedule_rejects_invalid_input_with_cp_config_error(kwargs, field):
+    with pytest.raises(CPConfigError) as info:
+        schedule(**kwargs)
+    assert info.value.field == field
+
+
+def test_schedule_lists_every_bad_sample_up_to_five():
+    with pytest.raises(CPConfigError) as info:
+        schedule([100] * 8, dp_cp_size=2, max_seq_len_per_rank=8)
+    fields = [v.field for v in info.value.violations]
+    assert fields == [f"seq_lens[{i}]" for i in range(5)] + ["seq_lens"]
+    assert info.value.violations[-1].value == "3 more"
+
+
+def test_workload_is_called_with_one_argument_once_per_sample():
+    # Regression: Megatron called its estimator with one argument in one place and two in
+    # another; ours takes exactly one.
+    calls = []
+
+    def workload(seq_len):
+        calls.append(seq_len)
+        return float(seq_len)
+
+    lens = [5, 17, 3, 40, 9]
+    plan = schedule(lens, dp_cp_size=4, max_seq_len_per_rank=16, workload=workload)
+    assert sorted(calls) == sorted(lens)
+    assert plan.workloads == tuple(float(L) for L in lens)
+
+
+def test_numpy_style_integers_are_accepted():
+    class Index:  # any object with __index__, like numpy.int64
+        def __init__(self, v):
+            self.v = v
+
+        def __index__(self):
+            return self.v
+
+    plan = schedule([Index(5), Index(9)], dp_cp_size=2, max_seq_len_per_rank=8)
+    assert plan.seq_lens == (5, 9)
+
+
+def test_plan_is_deterministic():
+    rng = random.Random(3)
+    lens = [rng.randint(1, 4000) for _ in range(300)]
+    a = schedule(lens, dp_cp_size=24, max_seq_len_per_rank=1024)
+    b = schedule(list(lens), dp_cp_size=24, max_seq_len_per_rank=1024)
+    assert json.dumps(a.to_dict()) == json.dumps(b.to_dict())
+
+
+def test_microbatch_group_size_gives_a_multiple_and_spreads_samples():
+    lens = [100] * 5
+    plan = schedule(lens, dp_cp_size=4, max_seq_len_per_rank=1024, microbatch_group_size=4)
+    assert len(plan.microbatches) == 4
+    assert all(mb.groups for mb in plan.microbatches)  # 5 samples: none left empty
+    plan = schedule([100] * 3, dp_cp_size=4, max_seq_len_per_rank=1024, microbatch_group_size=4)
+    assert [bool(mb.groups) for mb in plan.microbatches].count(False) == 1  # must pad one
+
+
+def test_balance_on_a_lognormal_batch_meets_the_targets():
+    rng = random.Random(0)
+    lens = [max(1, min(int(rng.lognormvariate(math.log(2000), 1.0)), 64 * 8192))
+            for _ in range(512)]
+    plan = schedule(lens, dp_cp_size=64, max_seq_len_per_rank=8192)
+    check_invariants(plan, lens, 64, 8192)
+    assert plan.stats.median_imbalance <= 1.05
+    assert plan.stats.critical_path_efficiency >= 0.95
+
+
+def test_short_samples_stay_at_their_needed_cp_size_when_memory_allows():
+    # 64 equal short samples on 8 ranks: 8 per rank at cp 1, perfectly balanced, no expansion.
+    plan = schedule([500] * 64, dp_cp_size=8, max_seq_len_per_rank=8192)
+    assert plan.stats.expanded_samples == 0
+    assert plan.stats.imbalance == (1.0,)
+
+
+def test_to_dict_has_exactly_the_documented_shape():
+    plan = schedule([30, 5, 5, 12], dp_cp_size=4, max_seq_len_per_rank=16)
+    d = plan.to_dict()
+    assert set(d) == {"microbatches", "stats"}
+    for mb in d["microbatches"]:
+        assert set(mb) == {"groups"}
+        for g in mb["groups"]:
+            assert set(g) == {"ranks", "samples", "cp_size"}
+            assert isinstance(g["ranks"], list) and isinstance(g["samples"], list)
+    assert json.loads(json.dumps(d)) == d
+    for key in ("ideal_critical_path", "actual_critical_path", "critical_path_efficiency",
+                "imbalance", "num_microbatches"):
+        assert key in d["stats"]
+
+
+def test_stats_definitions():
+    # Two samples, 2 ranks, linear workload: one micro-batch, each sample on one rank.
+    plan = schedule([4, 2], dp_cp_size=2, max_seq_len_per_rank=4, workload=float,
+                    balance_tolerance=10.0)
+    assert len(plan.microbatches) == 1
+    s = plan.stats
+    assert s.ideal_critical_path == pytest.approx((4 + 2) / 2)
+    assert s.actual_critical_path == pytest.approx(4)
+    assert s.critical_path_efficiency == pytest.approx(3 / 4)
+    assert s.imbalance == (pytest.approx(4 / 3),)
+
+
+# ---------------------------------------------------------------- regressions (Megatron review)
+
+def _hand_plan() -> Plan:
+    # Sample 0 sits in the LAST group of the LAST micro-batch.
+    mb0 = Microbatch(groups=(CPGroupAssignment(ranks=(0, 1), samples=(1, 2), cp_size=2),))
+    mb1 = Microbatch(groups=(
+        CPGroupAssignment(ranks=(0,), samples=(3,), cp_size=1),
+        CPGroupAssignment(ranks=(1,), samples=(0,), cp_size=1),
+    ))
+    return Plan(microbatches=(mb0, mb1), seq_lens=(4, 4, 4, 4), dp_cp_size=2,
+                max_seq_len_per_rank=8, workloads=(1.0,) * 4, needed_cp_sizes=(1,) * 4)
+
+
+def test_sample_in_last_group_is_found_without_negative_index_wraparound():
+    # Regression: `while sid0 in groups[i] and i >= 0` read groups[-1] before the bounds check.
+    plan = _hand_plan()
+    m, g = plan.locate(0)
+    assert (m, g.ranks) == (1, (1,))
+    assert plan.assignment_for_rank(1, 1).samples == (0,)
+    assert plan.samples_per_rank(1) == [[3], [0]]
+    with pytest.raises(CPConfigError):
+        plan.assignment_for_rank(0, -1)  # no silent "last micro-batch"
+    with pytest.raises(CPConfigError):
+        plan.assignment_for_rank(-1, 0)
+    with pytest.raises(CPConfigError):
+        plan.locate(4)
+
+
+def test_first_sample_in_last_group_of_a_real_schedule():
+    lens = [1, 1, 1, 1, 1, 1, 1, 100]  # the long one goes first, sample 0 is placed last
+    plan = schedule(lens, dp_cp_size=8, max_seq_len_per_rank=100)
+    m, g = plan.locate(0)
+    assert 0 in g.samples and g in plan.microbatches[m].groups
+    check_invariants(plan, lens, 8, 100)
+
+
+def test_slot_check_never_overwrites_a_taken_slot():
+    # Regression: an inverted `assert not all(...)` let a partly taken block be overwritten.
+    a = CPGroupAssignment(ranks=(0, 1), samples=(0,), cp_size=2)
+    b = CPGroupAssignment(ranks=(1,), samples=(1,), cp_size=1)  # overlaps rank 1 only
+    with pytest.raises(CPConfigError, match="rank 1 is already in group"):
+        assign_slots([a, b], 4)
+    slots = assign_slots([a, CPGroupAssignment(ranks=(2, 3), samples=(1,), cp_size=2)], 4)
+    assert [s.samples for s in slots] == [(0,), (0,), (1,), (1,)]
+    with pytest.raises(CPConfigError, match="outside"):
+        assign_slots([CPGroupAssignment(ranks=(4,), samples=(0,), cp_size=1)], 4)
+
+
+def test_overlapping_plan_is_rejected_on_lookup():
+    bad = Plan(
+        microbatches=(Microbatch(groups=(
+            CPGroupAssignment(ranks=(0, 1), samples=(0,), cp_size=2),
+            CPGroupAssignment(ranks=(1,), samples=(1,), cp_size=1),
+        )),),
+        seq_lens=(2, 2), dp_cp_size=2, max_seq_len_per_rank=4,
+        workloads=(1.0, 1.0), needed_cp_sizes=(1, 1),
+    )
+    with pytest.raises(CPConfigError):
+        bad.assignment_for_rank(0, 0)
+
+
+def test_per_rank_lists_do_not_alias():
+    # Regression: `[[]] * N` shared one list among all ranks.
+    plan = schedule([3] * 8, dp_cp_size=4, max_seq_len_per_rank=8)
+    per_rank = plan.samples_per_rank(0)
+    before = [list(x) for x in per_rank]
+    per_rank[0].append(999)
+    assert per_rank[1:] == before[1:]
+    assert plan.samples_per_rank(0) == before
+    assert all(999 not in g.samples for g in plan.microbatches[0].groups)
+
+
+# ---------------------------------------------------------------- properties
+
+def _lengths(M: int, largest: int):
+    edge = st.sampled_from([1, M, M + 1, 2 * M, largest * M, largest * M + 1])
+    return st.lists(st.one_of(edge, st.integers(1, largest * M + 1)), min_size=1, max_size=40)
+
+
+@st.composite
+def _cases(draw):
+    n = draw(st.integers(1, 64))
+    M = draw(st.integers(1, 64))
+    largest = _largest_pow2_le(n)
+    lens = draw(_lengths(M, largest))
+    min_cp = draw(st.sampled_from([1, 2, 4, 8]))
+    group_size = draw(st.one_of(st.none(), st.integers(1, 4)))
+    return lens, n, M, min_cp, group_size
+
+
+@PROPERTY
+@given(_cases())
+def test_every_invariant_holds_or_input_is_rejected(case):
+    lens, n, M, min_cp, group_size = case
+    kwargs = dict(dp_cp_size=n, max_seq_len_per_rank=M, min_cp_size=min_cp,
+                  microbatch_group_size=group_size)
+    if not _valid(lens, n, M, min_cp):
+        with pytest.raises(CPConfigError):
+            schedule(lens, **kwargs)
+        return
+    plan = schedule(lens, **kwargs)
+    check_invariants(plan, lens, n, M, min_cp, group_size)
+    assert schedule(lens, **kwargs).to_dict() == plan.to_dict()  # deterministic
+    for m in range(len(plan.microbatches)):
+        for r in range(n):
+            g = plan.assignment_for_rank(r, m)
+            assert g is None or r in g.ranks
+
+
+@PROPERTY
+@given(st.lists(st.integers(1, 3000), min_size=1, max_size=200), st.integers(1, 64))
+def test_realistic_lengths_balance_within_tolerance_or_use_every_rank(lens, n):
+    plan = schedule(lens, dp_cp_size=n, max_seq_len_per_rank=4096)
+    check_invariants(plan, lens, n, 4096)
+    stats = plan.stats
+    assert stats.max_tokens_per_rank <= 4096
+    assert stats.actual_critical_path >= stats.ideal_critical_path * (1 - 1e-9)
+    assert sum(plan.workloads) == pytest.approx(sum(default_workload(L) for L in lens))

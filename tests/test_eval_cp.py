@@ -1,0 +1,430 @@
+"""Eval-CP rebinding at world size 1: real MCore GPT modules (cpkit.models), stand-in groups where
+a CP size > 1 is needed. Inside eval_cp_context every rebound attribute is the target's; after it
+every attribute `is` the original object, also after an exception or 1000 cycles."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from cpkit.compat import get_pg, new_pg_collection
+from cpkit.errors import CPConfigError
+from cpkit.eval_cp import (
+    CP_ATTENTION_ATTRS,
+    REBIND_TABLE,
+    EvalCPWarning,
+    build_eval_pg_collection,
+    eval_cp_context,
+    eval_layout,
+    eval_shard,
+    evaluate,
+    install_pg_collection,
+)
+from cpkit.layout import CPLayout
+from cpkit.models import GPTConfig, build_gpt, eval_step, make_batch
+from cpkit.testing.reference import single_rank_pg_collection
+
+CFG = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=16)
+TABLE_ATTRS = [r.attr for r in REBIND_TABLE]
+
+
+class FakeGroup:
+    """A stand-in process group: size, rank and global ranks, nothing else."""
+
+    def __init__(self, ranks, rank=0):
+        self.ranks = list(ranks)
+        self._rank = rank
+
+    def size(self):
+        return len(self.ranks)
+
+    def rank(self):
+        return self._rank
+
+    def __repr__(self):
+        return f"FakeGroup({self.ranks})"
+
+
+@pytest.fixture(scope="module")
+def pgc(mcore_cpu):
+    return single_rank_pg_collection()
+
+
+def fake_target(pgc, cp_ranks=(0, 1), hcp=None, **overrides):
+    """An eval collection at CP = len(cp_ranks) on the model's tp and pp groups."""
+    cp = FakeGroup(cp_ranks)
+    groups = dict(tp=pgc.tp, pp=pgc.pp, mp=pgc.mp, cp=cp, dp=FakeGroup([0]), tp_cp=FakeGroup(cp_ranks),
+                  dp_cp=FakeGroup(cp_ranks), tp_dp_cp=FakeGroup(cp_ranks), hcp=hcp)
+    groups.update(overrides)
+    return new_pg_collection(**groups)
+
+
+def snapshot(model):
+    """(module, attr) -> the object there now, for every table / CP-attention attribute, plus
+    every config's CP fields."""
+    out = {}
+    for name, m in model.named_modules():
+        for attr in set(TABLE_ATTRS) | set(CP_ATTENTION_ATTRS):
+            if attr in vars(m):
+                out[(name, attr)] = vars(m)[attr]
+        cfg = getattr(m, "config", None)
+        if cfg is not None:
+            for attr in ("context_parallel_size", "hierarchical_context_parallel_sizes", "cp_comm_type"):
+                out[(f"{name}.config", attr)] = getattr(cfg, attr)
+    return out
+
+
+def assert_same_objects(model, before):
+    after = snapshot(model)
+    assert after.keys() == before.keys()
+    for key, value in before.items():
+        assert after[key] is value, f"{key}: {after[key]!r} is not the original {value!r}"
+
+
+def rope_cache_size(model):
+    return type(model.rotary_pos_emb).forward.cache_info().currsize
+
+
+# ---------------------------------------------------------------------------------------------
+# Rebinding
+
+
+def test_every_rebound_attribute_is_the_target_inside_and_the_original_after(pgc):
+    model = build_gpt(CFG, pgc, attention="cpkit")
+    target = fake_target(pgc)
+    before = snapshot(model)
+    with eval_cp_context(model, target) as rebinding:
+        rebound = set(rebinding.rebound)
+        checked = 0
+        for name, m in model.named_modules():
+            attrs = vars(m)
+            if "pg_collection" in attrs:
+                assert attrs["pg_collection"] is target, name
+                checked += 1
+            if "cp_group" in attrs:
+                assert attrs["cp_group"] is target.cp, name
+                checked += 1
+            if hasattr(m, "set_context_parallel_group"):
+                assert m.cp_global_ranks == [0, 1] and m.cp_comm_type == "p2p"
+                assert f"{name}.set_context_parallel_group" in rebound
+            cfg = getattr(m, "config", None)
+            if cfg is not None:
+                assert cfg.context_parallel_size == 2
+        assert model.rotary_pos_emb.cp_group is target.cp and model.cp_group is target.cp
+        assert model.decoder.layers[1].self_attention.core_attention.cp_group is target.cp
+        # GPTModel, decoder, 2 layers, 2 attentions, 2 core attentions (+ RoPE and model cp_group)
+        assert checked >= 10
+    assert_same_objects(model, before)
+    assert model.config.context_parallel_size == 1
+
+
+def test_an_exception_inside_the_block_restores(pgc):
+    model = build_gpt(CFG, pgc, attention="cpkit")
+    before = snapshot(model)
+    with pytest.raises(RuntimeError, match="boom"):
+        with eval_cp_context(model, fake_target(pgc)):
+            assert model.config.context_parallel_size == 2
+            raise RuntimeError("boom")
+    assert_same_objects(model, before)
+    with eval_cp_context(model, fake_target(pgc)):  # and the model can be switched again
+        pass
+
+
+def test_1000_enter_exit_cycles_leave_no_drift(pgc):
+    model = build_gpt(CFG, pgc, attention="cpkit")
+    before = snapshot(model)
+    dicts = {name: dict(vars(m)) for name, m in model.named_modules()}
+    targets = [fake_target(pgc), fake_target(pgc, cp_ranks=(0, 1, 2, 3))]
+    for i in range(1000):
+        with eval_cp_context(model, targets[i % 2]):
+            pass
+    assert_same_objects(model, before)
+    for name, m in model.named_modules():
+        now = vars(m)
+        assert now.keys() == dicts[name].keys(), name
+        assert all(now[k] is v for k, v in dicts[name].items()), name
+
+
+def test_a_list_of_vpp_chunks_is_rebound_and_a_shared_config_updated_once(pgc):
+    model = build_gpt(CFG, pgc, attention="cpkit")
+    chunks = [model.decoder.layers[0], model.decoder.layers[1]]  # two chunks sharing model.config
+    before = snapshot(model)
+    target = fake_target(pgc)
+    with eval_cp_context(chunks, target) as rebinding:
+        for chunk in chunks:
+            assert chunk.pg_collection is target
+            assert chunk.self_attention.core_attention.cp_group is target.cp
+        assert rebinding.rebound.count("config.context_parallel_size") == 1
+        assert model.config.context_parallel_size == 2
+        assert model.pg_collection is pgc  # not part of the chunks
+    assert_same_objects(model, before)
+
+
+def test_two_models_in_a_list_each_get_their_config(pgc):
+    a, b = build_gpt(CFG, pgc), build_gpt(CFG, pgc)
+    assert a.config is not b.config
+    with eval_cp_context([a, b], fake_target(pgc)) as rebinding:
+        assert a.config.context_parallel_size == b.config.context_parallel_size == 2
+        assert rebinding.rebound.count("config.context_parallel_size") == 2
+        assert any(r.startswith("[1].") for r in rebinding.rebound)
+    assert a.config.context_parallel_size == b.config.context_parallel_size == 1
+
+
+def test_rope_cache_is_cleared_on_entry_and_on_exit(pgc):
+    model = build_gpt(CFG, pgc, attention="cpkit")
+    rope = model.rotary_pos_emb
+    full = rope(CFG.seq_length)
+    assert rope_cache_size(model) >= 1
+    with eval_cp_context(model, fake_target(pgc)):
+        assert rope_cache_size(model) == 0
+        sliced = rope(CFG.seq_length)  # CP rank 0 of 2: chunks 0 and 3 of 4
+        assert sliced.shape[0] == CFG.seq_length // 2
+        q = CFG.seq_length // 4
+        torch.testing.assert_close(sliced, torch.cat([full[:q], full[3 * q:]]), rtol=0, atol=0)
+        assert rope_cache_size(model) >= 1
+    assert rope_cache_size(model) == 0
+    assert rope(CFG.seq_length).shape[0] == CFG.seq_length
+
+
+def test_eval_at_cp1_inside_the_context_equals_outside(pgc):
+    model = build_gpt(CFG, pgc, attention="cpkit")
+    batch = make_batch(CFG, batch_size=2)
+    outside = eval_step(model, batch, pgc)
+    with eval_cp_context(model, single_rank_pg_collection()) as rebinding:
+        assert model.pg_collection is rebinding.target
+        inside = eval_step(model, batch, rebinding.target)
+    assert inside == outside
+
+
+class TELikeAttention(torch.nn.Module):
+    """Stands in for TE's DotProductAttention / MCore's TEDotProductAttention: TE's signature, a
+    class-level cp_stream like MCore's, and a record of every call."""
+
+    cp_stream = object()  # MCore keeps TEDotProductAttention.cp_stream on the class
+
+    def __init__(self, cp_comm_type="p2p"):
+        super().__init__()
+        self.cp_group, self.cp_global_ranks, self.cp_comm_type = None, None, cp_comm_type
+        self.load_balancing_strategy = "dual_chunk_swap"
+        self.calls = []
+
+    def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream, cp_comm_type="p2p",
+                                   load_balancing_strategy="default"):
+        self.calls.append((cp_group, cp_global_ranks, cp_stream, cp_comm_type, load_balancing_strategy))
+        self.cp_group, self.cp_global_ranks, self.cp_stream = cp_group, cp_global_ranks, cp_stream
+        self.cp_comm_type, self.load_balancing_strategy = cp_comm_type, load_balancing_strategy
+
+
+class Holder(torch.nn.Module):
+    def __init__(self, pgc, attention):
+        super().__init__()
+        self.pg_collection = pgc
+        self.attention = attention
+
+
+def test_te_like_attention_gets_set_context_parallel_group_with_the_right_arguments(pgc):
+    te = TELikeAttention()
+    holder = Holder(pgc, te)
+    target = fake_target(pgc)
+    with eval_cp_context(holder, target):
+        assert te.calls == [(target.cp, [0, 1], TELikeAttention.cp_stream, "p2p", "dual_chunk_swap")]
+        assert holder.pg_collection is target
+    assert len(te.calls) == 1, "restore must put the snapshot back, not call set_context_parallel_group"
+    assert te.cp_group is None and te.cp_comm_type == "p2p"
+    assert "cp_stream" not in vars(te), "the instance must not keep a shadow of the class stream"
+
+
+def test_te_like_attention_a2a_p2p_gets_the_hierarchical_pair(pgc):
+    te = TELikeAttention()
+    a2a, p2p = FakeGroup([0, 1]), FakeGroup([0, 2])
+    target = fake_target(pgc, cp_ranks=(0, 1, 2, 3), hcp=[a2a, p2p])
+    with eval_cp_context(Holder(pgc, te), target, cp_comm_type="a2a+p2p"):
+        group, ranks, stream, comm, _ = te.calls[0]
+        assert group == [a2a, p2p] and ranks == [0, 1, 2, 3] and comm == "a2a+p2p"
+        assert stream is TELikeAttention.cp_stream
+    assert te.cp_comm_type == "p2p"
+
+
+def test_te_like_attention_at_eval_cp1_turns_cp_off(pgc):
+    te = TELikeAttention(cp_comm_type="a2a")
+    te.cp_group = FakeGroup([0, 1])
+    with eval_cp_context(Holder(pgc, te), fake_target(pgc, cp_ranks=(0,))):
+        assert te.calls[0][:4] == (None, None, None, "a2a")
+    assert te.cp_group.ranks == [0, 1]
+
+
+def test_a2a_p2p_without_hierarchical_groups_is_rejected_before_anything_changes(pgc):
+    holder = Holder(pgc, TELikeAttention(cp_comm_type="a2a+p2p"))
+    with pytest.raises(CPConfigError, match="eval_pgs.hcp"):
+        install_pg_collection(holder, fake_target(pgc, cp_ranks=(0, 1, 2, 3)))
+    assert holder.pg_collection is pgc and holder.attention.calls == []
+
+
+def test_nested_use_on_the_same_model_is_rejected(pgc):
+    model = build_gpt(CFG, pgc, attention="cpkit")
+    before = snapshot(model)
+    with eval_cp_context(model, fake_target(pgc)):
+        inner = snapshot(model)
+        with pytest.raises(CPConfigError, match="already active"):
+            with eval_cp_context(model, fake_target(pgc)):
+                pass
+        with pytest.raises(CPConfigError, match="already active"):
+            install_pg_collection([model.decoder], fake_target(pgc))  # overlapping part too
+        assert_same_objects(model, inner)
+    assert_same_objects(model, before)
+
+
+def test_target_with_other_tp_or_pp_members_is_rejected(pgc):
+    model = build_gpt(CFG, pgc, attention="cpkit")
+    before = snapshot(model)
+    with pytest.raises(CPConfigError) as info:
+        install_pg_collection(model, fake_target(pgc, tp=FakeGroup([0, 1]), pp=FakeGroup([0, 4])))
+    fields = {v.field for v in info.value.violations}
+    assert fields == {"eval_pgs.tp", "eval_pgs.pp"}
+    assert_same_objects(model, before)
+    with eval_cp_context(model, fake_target(pgc)):  # not left marked as active
+        pass
+
+
+def test_target_without_a_cp_group_is_rejected(pgc):
+    model = build_gpt(CFG, pgc, attention="cpkit")
+    with pytest.raises(CPConfigError, match="eval_pgs.cp"):
+        install_pg_collection(model, new_pg_collection(tp=pgc.tp, pp=pgc.pp))
+
+
+def test_a_model_without_cp_bearing_modules_warns():
+    with pytest.warns(EvalCPWarning, match="no CP-bearing module"):
+        with eval_cp_context(torch.nn.Linear(2, 2), new_pg_collection(cp=FakeGroup([0, 1]))) as rebinding:
+            assert rebinding.rebound == []
+
+
+def test_mcore_local_attention_cannot_change_cp_size(pgc):
+    model = build_gpt(CFG, pgc, attention="local")
+    with pytest.raises(CPConfigError, match="DotProductAttention"):
+        install_pg_collection(model, fake_target(pgc))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with eval_cp_context(model, single_rank_pg_collection()):  # same CP size: fine
+            pass
+
+
+class GatedDeltaNetLike(torch.nn.Module):
+    """Like MCore 0.19's GatedDeltaNet: keeps cp_size = pg_collection.cp.size()."""
+
+    def __init__(self, pgc):
+        super().__init__()
+        self.pg_collection = pgc
+        self.cp_size = pgc.cp.size()
+
+
+class YarnLike(torch.nn.Module):
+    """Like YarnRotaryEmbedding: a cp_group and a cos/sin cache built at the training CP."""
+
+    def __init__(self, cp_group):
+        super().__init__()
+        self.cp_group = cp_group
+        self.max_seq_len_cached, self.offset_cached, self.dtype_cached, self.packed_seq_cached = 16, 0, torch.float32, False
+        self.register_buffer("cos_cached", torch.ones(16), persistent=False)
+        self.register_buffer("sin_cached", torch.zeros(16), persistent=False)
+
+
+def test_cached_cp_size_and_derived_caches_follow_the_target(pgc):
+    gdn, yarn = GatedDeltaNetLike(pgc), YarnLike(pgc.cp)
+    cos = yarn.cos_cached
+    holder = torch.nn.ModuleList([gdn, yarn])
+    with eval_cp_context(holder, fake_target(pgc, cp_ranks=(0, 1, 2, 3))):
+        assert gdn.cp_size == 4 and yarn.cp_group.size() == 4
+        assert yarn.max_seq_len_cached == -1  # forces a rebuild at the eval CP
+        yarn.cos_cached = torch.full((8,), 2.0)  # what a rebuild would do
+    assert gdn.cp_size == 1 and yarn.max_seq_len_cached == 16
+    assert yarn.cos_cached is cos and yarn.cp_group is pgc.cp
+
+
+class FailingAttention(TELikeAttention):
+    fail = True
+
+    def set_context_parallel_group(self, *args, **kwargs):
+        if self.fail:
+            self.cp_group = "half-written"
+            raise RuntimeError("TE refused the group")
+        super().set_context_parallel_group(*args, **kwargs)
+
+
+def test_a_failure_midway_restores_what_was_changed(pgc):
+    holder = Holder(pgc, FailingAttention())
+    with pytest.raises(RuntimeError, match="TE refused"):
+        install_pg_collection(holder, fake_target(pgc))
+    assert holder.pg_collection is pgc and holder.attention.cp_group is None
+    holder.attention.fail = False
+    install_pg_collection(holder, fake_target(pgc)).restore()  # the model was not left active
+
+
+def test_restore_is_idempotent(pgc):
+    model = build_gpt(CFG, pgc, attention="cpkit")
+    before = snapshot(model)
+    rebinding = install_pg_collection(model, fake_target(pgc))
+    assert rebinding.active
+    rebinding.restore()
+    rebinding.restore()
+    assert not rebinding.active
+    assert_same_objects(model, before)
+
+
+# ---------------------------------------------------------------------------------------------
+# Eval layout, groups, data ownership
+
+
+def test_eval_layout_moves_cp_and_dp_only():
+    ev = eval_layout(CPLayout(world_size=16, tp=2, pp=2, cp=1), 4)
+    assert (ev.tp, ev.pp, ev.cp, ev.dp) == (2, 2, 4, 1)
+    hier = eval_layout(CPLayout(world_size=4), 4, hierarchical_sizes=[2, 2])
+    assert hier.cp_comm_type == "a2a+p2p" and hier.hierarchical_context_parallel_sizes == [2, 2]
+    back = eval_layout(CPLayout(world_size=4, cp=4, cp_comm_type="a2a+p2p",
+                                hierarchical_context_parallel_sizes=[2, 2]), 1)
+    assert back.cp == 1 and back.dp == 4
+
+
+def test_eval_layout_errors_name_the_eval_field():
+    with pytest.raises(CPConfigError) as info:
+        eval_layout(CPLayout(world_size=8, tp=2, seq_length=100), 8)
+    fields = {v.field for v in info.value.violations}
+    assert "eval_context_parallel_size" in fields
+    with pytest.raises(CPConfigError, match="product"):
+        eval_layout(CPLayout(world_size=4), 4, hierarchical_sizes=[2, 4])
+
+
+def test_build_eval_pg_collection_reuses_training_groups_of_the_same_members(pgc):
+    layout = CPLayout(world_size=1)
+    train = single_rank_pg_collection()
+    fresh = build_eval_pg_collection(layout, 1)
+    reused = build_eval_pg_collection(layout, 1, train_pgs=train)
+    assert fresh.tp is not train.tp
+    for field in ("tp", "pp", "cp", "dp", "dp_cp", "tp_cp", "tp_dp_cp", "mp"):
+        assert get_pg(reused, field) is get_pg(train, field), field
+
+
+@pytest.mark.parametrize("num_samples,dp_size", [(0, 1), (1, 4), (7, 3), (12, 4), (1024, 256), (13, 8)])
+def test_eval_shard_covers_every_sample_exactly_once(num_samples, dp_size):
+    shards = [eval_shard(num_samples, r, dp_size) for r in range(dp_size)]
+    flat = [i for s in shards for i in s]
+    assert sorted(flat) == list(range(num_samples)) and len(flat) == len(set(flat))
+    assert max(map(len, shards)) - min(map(len, shards)) <= 1
+
+
+def test_eval_shard_rejects_a_bad_rank():
+    with pytest.raises(CPConfigError, match="dp_rank"):
+        eval_shard(8, 4, 4)
+    with pytest.raises(CPConfigError, match="num_samples"):
+        eval_shard(-1, 0, 1)
+
+
+def test_evaluate_at_world_size_1_equals_eval_step(pgc):
+    model = build_gpt(CFG, pgc, attention="cpkit")
+    data = make_batch(CFG, batch_size=5, seed=3)
+    result = evaluate(model, data, pgc, micro_batch_size=2)
+    assert result.samples == range(5) and result.micro_batches == 3
+    assert result.num_tokens == 5 * CFG.seq_length
+    assert abs(result.loss - eval_step(model, data, pgc)) < 1e-6
+    assert model.training

@@ -1,0 +1,251 @@
+"""Rank groups as pure arithmetic (no processes): literal hand-checked layouts, cross-checked with
+MCore's RankGenerator, create_hierarchical_groups and HyperCommGrid; the a2a+p2p build gate."""
+
+import itertools
+import math
+
+import pytest
+
+from cpkit.errors import CPConfigError
+from cpkit.groups import require_hierarchical_groups
+from cpkit.layout import CPLayout
+from cpkit.rank_layout import (
+    GROUP_KINDS,
+    groups_of_rank,
+    hierarchical_levels,
+    rank_coordinates,
+    rank_groups,
+)
+
+
+def hcp(world_size, hier, tp=1, **kw):
+    return CPLayout(world_size=world_size, tp=tp, cp=math.prod(hier), cp_comm_type="a2a+p2p",
+                    hierarchical_context_parallel_sizes=hier, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Literal layouts, checked by hand against rank = tp_rank + tp*(cp_rank + cp*(dp_rank + dp*pp_rank))
+
+def test_a2a_p2p_2x2_on_4_ranks():
+    g = rank_groups(hcp(4, [2, 2]))
+    assert g["cp"] == [[0, 1, 2, 3]]
+    assert g["hcp_a2a"] == [[0, 1], [2, 3]]
+    assert g["hcp_p2p"] == [[0, 2], [1, 3]]
+    assert g["tp"] == [[0], [1], [2], [3]] and g["dp"] == [[0], [1], [2], [3]]
+
+
+def test_a2a_p2p_4x1_is_all_a2a():
+    g = rank_groups(hcp(4, [4, 1]))
+    assert g["hcp_a2a"] == [[0, 1, 2, 3]]
+    assert g["hcp_p2p"] == [[0], [1], [2], [3]]
+
+
+def test_a2a_p2p_1x4_is_all_p2p():
+    g = rank_groups(hcp(4, [1, 4]))
+    assert g["hcp_a2a"] == [[0], [1], [2], [3]]
+    assert g["hcp_p2p"] == [[0, 1, 2, 3]]
+
+
+def test_a2a_p2p_2x2_with_tp2_on_8_ranks():
+    g = rank_groups(hcp(8, [2, 2], tp=2))
+    assert g["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert g["cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert g["dp"] == [[r] for r in range(8)]
+    # level 0: contiguous CP positions (0,1) and (2,3); level 1: positions (0,2) and (1,3)
+    assert g["hcp_a2a"] == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert g["hcp_p2p"] == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    assert g["tp_cp"] == [list(range(8))]
+
+
+def test_a2a_p2p_2x2_with_dp2_on_8_ranks():
+    g = rank_groups(hcp(8, [2, 2]))
+    assert g["cp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert g["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert g["dp_cp"] == [list(range(8))]
+    assert g["hcp_a2a"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert g["hcp_p2p"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+
+
+def test_a2a_p2p_2x2_with_tp2_dp2_on_16_ranks():
+    g = rank_groups(hcp(16, [2, 2], tp=2))
+    assert g["tp"] == [[2 * i, 2 * i + 1] for i in range(8)]
+    assert g["cp"] == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+    assert g["dp"] == [[r, r + 8] for r in range(8)]
+    assert g["dp_cp"] == [[0, 2, 4, 6, 8, 10, 12, 14], [1, 3, 5, 7, 9, 11, 13, 15]]
+    assert g["tp_cp"] == [list(range(8)), list(range(8, 16))]
+    assert g["tp_dp_cp"] == [list(range(16))]
+    assert g["hcp_a2a"] == [[0, 2], [4, 6], [1, 3], [5, 7], [8, 10], [12, 14], [9, 11], [13, 15]]
+    assert g["hcp_p2p"] == [[0, 4], [2, 6], [1, 5], [3, 7], [8, 12], [10, 14], [9, 13], [11, 15]]
+
+
+def test_pipeline_and_embedding_groups():
+    g = rank_groups(CPLayout(world_size=8, tp=2, pp=4))
+    assert g["pp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert g["mp"] == [list(range(8))]
+    assert g["embd"] == [[0, 6], [1, 7]]  # first and last stage
+    assert g["pos_embd"] == [[0], [1]]  # first stage
+    g1 = rank_groups(CPLayout(world_size=2, cp=2))
+    assert g1["embd"] == [[0], [1]] and g1["pos_embd"] == [[0], [1]]
+
+
+def test_p2p_layout_has_no_hierarchical_groups():
+    g = rank_groups(CPLayout(world_size=4, tp=2, cp=2))
+    assert set(g) == set(GROUP_KINDS) - {"hcp_a2a", "hcp_p2p"}
+    assert g["cp"] == [[0, 2], [1, 3]]
+
+
+def test_rank_groups_validates_first():
+    with pytest.raises(CPConfigError):
+        rank_groups(CPLayout(world_size=4, cp=4, cp_comm_type="a2a+p2p"))
+
+
+def test_groups_of_rank_and_coordinates():
+    layout = hcp(16, [2, 2], tp=2)
+    mine = groups_of_rank(rank_groups(layout), 13)
+    assert mine["tp"] == [12, 13] and mine["cp"] == [9, 11, 13, 15] and mine["dp"] == [5, 13]
+    assert mine["hcp_a2a"] == [13, 15] and mine["hcp_p2p"] == [9, 13]
+    assert rank_coordinates(layout, 13) == {"tp": 1, "cp": 2, "dp": 1, "pp": 0}
+    middle = groups_of_rank(rank_groups(CPLayout(world_size=4, pp=4)), 1)
+    assert "embd" not in middle and "pos_embd" not in middle
+
+
+def test_every_rank_in_exactly_one_group_per_kind():
+    for layout in [hcp(16, [2, 2], tp=2), CPLayout(world_size=24, tp=2, pp=3, cp=2)]:
+        for kind, groups in rank_groups(layout).items():
+            if kind in ("embd", "pos_embd"):
+                continue
+            assert sorted(r for g in groups for r in g) == list(range(layout.world_size)), kind
+
+
+# ---------------------------------------------------------------------------------------------
+# Cross-checks against MCore's own arithmetic (no processes)
+
+LAYOUTS = [
+    (ws, tp, pp, cp)
+    for ws, tp, pp, cp in itertools.product([1, 2, 4, 8, 16, 24], [1, 2, 4], [1, 2, 3], [1, 2, 4, 8])
+    if ws % (tp * pp * cp) == 0
+]
+TOKENS = {"tp": "tp", "cp": "cp", "dp": "dp", "pp": "pp", "mp": "tp-pp", "tp_cp": "tp-cp",
+          "dp_cp": "dp-cp", "tp_dp_cp": "tp-dp-cp"}
+
+
+def test_axis_groups_equal_mcore_rank_generator():
+    from megatron.core.parallel_state import RankGenerator, default_embedding_ranks
+
+    assert len(LAYOUTS) > 40
+    for ws, tp, pp, cp in LAYOUTS:
+        layout = CPLayout(world_size=ws, tp=tp, pp=pp, cp=cp)
+        mine = rank_groups(layout)
+        gen = RankGenerator(tp=tp, ep=1, dp=layout.dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+        for kind, token in TOKENS.items():
+            assert mine[kind] == gen.get_ranks(token), (ws, tp, pp, cp, kind)
+        assert mine["embd"] == [default_embedding_ranks(p) for p in gen.get_ranks("pp")]
+
+
+@pytest.mark.parametrize("sizes", [[2, 2], [4, 1], [1, 4], [2, 4], [4, 2], [2, 2, 2]])
+def test_hierarchical_levels_equal_mcore_create_hierarchical_groups(monkeypatch, sizes):
+    import megatron.core.parallel_state as ps
+
+    made = []
+    # Record the memberships MCore would create instead of creating process groups.
+    monkeypatch.setattr(ps, "create_group", lambda ranks, **kw: made.append(list(ranks)) or tuple(ranks))
+    cp_group = list(range(1, 2 * math.prod(sizes), 2))  # a strided CP group, as with tp=2
+    ps.create_hierarchical_groups(cp_group[0], cp_group, sizes)
+    assert [g for level in hierarchical_levels(cp_group, sizes) for g in level] == made
+
+
+def test_hierarchical_groups_of_layouts_equal_mcore(monkeypatch):
+    import megatron.core.parallel_state as ps
+
+    for layout in [hcp(4, [2, 2]), hcp(8, [2, 2], tp=2), hcp(16, [2, 2], tp=2), hcp(16, [4, 2], pp=2)]:
+        made = []
+        monkeypatch.setattr(ps, "create_group", lambda ranks, **kw: made.append(list(ranks)) or tuple(ranks))
+        g = rank_groups(layout)
+        for cp_group in g["cp"]:
+            ps.create_hierarchical_groups(cp_group[0], cp_group, layout.hierarchical_context_parallel_sizes)
+        assert sorted(made) == sorted(g["hcp_a2a"] + g["hcp_p2p"])
+
+
+def test_axis_groups_equal_hyper_comm_grid_membership(monkeypatch):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.hyper_comm_grid import HyperCommGrid
+
+    for ws, tp, pp, cp in LAYOUTS:
+        monkeypatch.setenv("WORLD_SIZE", str(ws))  # lets the grid enumerate without processes
+        layout = CPLayout(world_size=ws, tp=tp, pp=pp, cp=cp)
+        grid = HyperCommGrid([tp, cp, layout.dp, pp], ["tp", "cp", "dp", "pp"])
+        mine = rank_groups(layout)
+        for kind, token in TOKENS.items():
+            theirs = grid.get_rank_enum(token.split("-") if "-" in token else token)
+            assert sorted(map(sorted, theirs)) == sorted(map(sorted, mine[kind])), (ws, tp, pp, cp, kind)
+
+
+# ---------------------------------------------------------------------------------------------
+# The a2a+p2p build gate (stand-in groups: sizes only, no processes)
+
+class FakeGroup:
+    def __init__(self, size):
+        self._size = size
+
+    def size(self):
+        return self._size
+
+
+def pgc(**groups):
+    from cpkit.compat import new_pg_collection
+
+    return new_pg_collection(**groups)
+
+
+@pytest.mark.parametrize("comm", ["p2p", "a2a", "all_gather", ["p2p", "a2a"]])
+def test_gate_is_a_no_op_without_a2a_p2p(comm):
+    assert require_hierarchical_groups(pgc(cp=FakeGroup(4)), comm) is None
+    assert require_hierarchical_groups(None, comm) is None
+
+
+@pytest.mark.parametrize("comm", ["a2a+p2p", ["p2p", "a2a+p2p"]])
+def test_gate_fails_when_hcp_is_missing(comm):
+    with pytest.raises(CPConfigError) as info:
+        require_hierarchical_groups(pgc(cp=FakeGroup(4)), comm)
+    assert [v.field for v in info.value.violations] == ["pg_collection.hcp"]
+    assert "build_pg_collection" in info.value.violations[0].fix
+
+
+def test_gate_fails_without_collection_or_cp():
+    with pytest.raises(CPConfigError) as info:
+        require_hierarchical_groups(None, "a2a+p2p")
+    assert [v.field for v in info.value.violations] == ["pg_collection.cp", "pg_collection.hcp"]
+
+
+@pytest.mark.parametrize("hcp_value", [
+    [FakeGroup(4)],                              # one level
+    [FakeGroup(2), FakeGroup(2), FakeGroup(1)],  # three levels
+    [FakeGroup(2), None],                        # a level missing
+    FakeGroup(4),                                # not a list
+])
+def test_gate_fails_for_not_two_groups(hcp_value):
+    with pytest.raises(CPConfigError, match="exactly two groups"):
+        require_hierarchical_groups(pgc(cp=FakeGroup(4), hcp=hcp_value), "a2a+p2p")
+
+
+@pytest.mark.parametrize("sizes", [(2, 1), (1, 1), (4, 4), (2, 3)])
+def test_gate_fails_when_sizes_do_not_multiply_to_cp(sizes):
+    with pytest.raises(CPConfigError, match="multiply to the cp group size 4"):
+        require_hierarchical_groups(pgc(cp=FakeGroup(4), hcp=[FakeGroup(s) for s in sizes]), "a2a+p2p")
+
+
+def test_gate_checks_the_configured_sizes():
+    groups = pgc(cp=FakeGroup(4), hcp=[FakeGroup(4), FakeGroup(1)])
+    with pytest.raises(CPConfigError) as info:
+        require_hierarchical_groups(groups, "a2a+p2p", hierarchical_context_parallel_sizes=[2, 2])
+    assert info.value.field == "hierarchical_context_parallel_sizes"
+
+
+def test_gate_passes_and_returns_the_two_groups():
+    a2a, p2p = FakeGroup(2), FakeGroup(2)
+    out = require_hierarchical_groups(pgc(cp=FakeGroup(4), hcp=[a2a, p2p]), "a2a+p2p",
+                                      hierarchical_context_parallel_sizes=[2, 2])
+    assert out == (a2a, p2p)

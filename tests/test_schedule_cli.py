@@ -1,0 +1,106 @@
+"""`cpkit schedule`, run in-process through cpkit.cli.main."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cpkit.cli import main
+
+BRIEF = ["schedule", "--dp-cp", "8", "--max-seq-len-per-rank", "1024",
+         "--seq-lens", "4000,100,200,3000,800,50,1024,1025"]
+
+
+def _grid(out: str) -> dict[str, list[str]]:
+    rows = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if parts and parts[0].isdigit() and len(parts) > 1 and "/cp" in line:
+            rows[parts[0]] = parts[1:]
+    return rows
+
+
+def test_text_report_has_grid_and_balance_figures(capsys):
+    assert main(BRIEF) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    assert out.startswith("dynamic CP plan: 8 samples over dp_cp_size=8, max_seq_len_per_rank=1024")
+    grid = _grid(out)
+    assert sorted(grid, key=int) == [str(r) for r in range(8)]
+    n_mb = len(grid["0"])
+    assert all(len(cells) == n_mb for cells in grid.values())
+    assert all(c == "-" or ("/cp" in c and c.startswith("s")) for cells in grid.values() for c in cells)
+    assert "max/mean" in out and "ideal/actual" in out
+    shown = {int(s[1:]) for cells in grid.values() for c in cells if c != "-"
+             for s in c.split("/")[0].split(",") if s.startswith("s")}
+    assert shown <= set(range(8))
+
+
+def test_json_is_the_plan_to_dict(capsys):
+    assert main(BRIEF + ["--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert set(plan) == {"microbatches", "stats"}
+    samples = sorted(s for mb in plan["microbatches"] for g in mb["groups"] for s in g["samples"])
+    assert samples == list(range(8))
+    for mb in plan["microbatches"]:
+        for g in mb["groups"]:
+            assert set(g) == {"ranks", "samples", "cp_size"}
+            assert len(g["ranks"]) == g["cp_size"] and g["ranks"][0] % g["cp_size"] == 0
+
+
+def test_seq_lens_file_json_or_plain(tmp_path, capsys):
+    plain = tmp_path / "lens.txt"
+    plain.write_text("4000, 100\n200 3000\n")
+    as_json = tmp_path / "lens.json"
+    as_json.write_text("[4000, 100, 200, 3000]")
+    base = ["schedule", "--dp-cp", "4", "--max-seq-len-per-rank", "1024", "--json"]
+    assert main(base + ["--seq-lens-file", str(plain)]) == 0
+    a = json.loads(capsys.readouterr().out)
+    assert main(base + ["--seq-lens-file", str(as_json)]) == 0
+    b = json.loads(capsys.readouterr().out)
+    assert a == b
+
+
+def test_vpp_group_size_and_min_cp(capsys):
+    argv = ["schedule", "--dp-cp", "8", "--max-seq-len-per-rank", "100", "--min-cp", "2",
+            "--microbatch-group-size", "3", "--seq-lens", "50,50,50,50,150", "--json"]
+    assert main(argv) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert len(plan["microbatches"]) % 3 == 0
+    assert all(g["cp_size"] >= 2 for mb in plan["microbatches"] for g in mb["groups"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seq-lens", "5000,1", "--dp-cp", "4"],
+     "error: seq_lens[0]=5000: needs cp_size 8 (ceil(5000 / 8) <= max_seq_len_per_rank=1024) but "
+     "the largest aligned CP group of dp_cp_size=4 has 4 ranks; fix: raise max_seq_len_per_rank "
+     "to >= 1250, raise dp_cp_size to >= 8, or split the sequence"),
+    (["--seq-lens", "100,abc", "--dp-cp", "4"], "error: --seq-lens: item 1 ('abc') is not an integer"),
+    (["--seq-lens", ",", "--dp-cp", "4"], "error: --seq-lens: no sequence lengths given"),
+    (["--seq-lens", "100", "--dp-cp", "0"],
+     "error: dp_cp_size=0: must be an int >= 1; fix: pass e.g. 8"),
+    (["--seq-lens", "100", "--dp-cp", "4", "--min-cp", "3"],
+     "error: min_cp_size=3: must be a power of two >= 1; fix: pass 1, 2, 4, ..."),
+    (["--seq-lens", "0", "--dp-cp", "4"],
+     "error: seq_lens[0]=0: must be an int >= 1; fix: drop empty samples before scheduling"),
+])
+def test_invalid_input_exits_2_with_one_clear_line(capsys, argv, message):
+    assert main(["schedule", "--max-seq-len-per-rank", "1024"] + argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.splitlines() == [message]
+
+
+def test_missing_file_exits_2(tmp_path, capsys):
+    missing = tmp_path / "nope.txt"
+    argv = ["schedule", "--dp-cp", "4", "--max-seq-len-per-rank", "8", "--seq-lens-file", str(missing)]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [f"error: --seq-lens-file {missing}: No such file or directory"]
+
+
+def test_lengths_are_required(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["schedule", "--dp-cp", "4", "--max-seq-len-per-rank", "8"])
+    assert info.value.code == 2

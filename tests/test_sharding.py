@@ -1,0 +1,144 @@
+"""cpkit.sharding: MCore/TE load-balanced layout, round trips, THD partition, position ids, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cpkit.errors import CPConfigError
+from cpkit.sharding import (
+    check_cu_seqlens,
+    gather_seq,
+    gather_thd,
+    pad_cu_seqlens,
+    position_ids,
+    shard_seq,
+    shard_thd,
+    thd_local_cu_seqlens,
+    thd_partition,
+    thd_position_ids,
+    zigzag_indices,
+)
+
+
+def _te_partition(cu: list[int], rank: int, cp: int) -> list[int]:
+    """TE's thd_partition_indices_kernel transcribed token by token (the layout to match)."""
+    cu_s = [c // cp for c in cu]
+    out = []
+    for token in range(cu[-1] // cp):
+        seq = max(i for i in range(len(cu_s) - 1) if cu_s[i] <= token)
+        seq_len = cu_s[seq + 1] - cu_s[seq]
+        index = token - cu_s[seq]
+        offset = rank if index < seq_len // 2 else (cp - 1) * 2 - rank
+        out.append(index + cu_s[seq] * cp + seq_len // 2 * offset)
+    return out
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_shard_seq_matches_mcore_get_batch_on_this_cp_rank(cp, monkeypatch):
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    tokens = torch.arange(3 * 32).view(3, 32)  # [b, s]: MCore's batch layout
+    for rank in range(cp):
+        monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: cp)
+        monkeypatch.setattr(parallel_state, "get_context_parallel_rank", lambda r=rank: r)
+        expected = get_batch_on_this_cp_rank({"tokens": tokens.clone()})["tokens"]
+        assert torch.equal(shard_seq(tokens, rank, cp, seq_dim=1), expected)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("layout,seq_dim", [("sbhd", 0), ("bshd", 1)])
+def test_shard_gather_round_trip(cp, layout, seq_dim):
+    x = torch.randn(16, 3, 2, 5) if layout == "sbhd" else torch.randn(3, 16, 2, 5)
+    shards = [shard_seq(x, r, cp, seq_dim) for r in range(cp)]
+    assert all(s.shape[seq_dim] == 16 // cp for s in shards)
+    assert torch.equal(gather_seq(shards, seq_dim), x)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_zigzag_indices_and_position_ids_follow_the_shards(cp):
+    for rank in range(cp):
+        expected = shard_seq(torch.arange(24 if cp != 4 else 32), rank, cp, seq_dim=0)
+        seq_len = expected.numel() * cp
+        assert torch.equal(zigzag_indices(seq_len, rank, cp), expected)
+        assert torch.equal(position_ids(seq_len, rank, cp), expected)
+    assert zigzag_indices(16, 1, 2).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+
+
+def test_pad_cu_seqlens_pads_each_sequence_to_2cp():
+    assert pad_cu_seqlens([5, 8, 1, 0], 2).tolist() == [0, 8, 16, 20, 20]
+    assert pad_cu_seqlens(torch.tensor([3, 6]), 1).tolist() == [0, 4, 10]
+    assert pad_cu_seqlens([1], 4).dtype == torch.int32
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_thd_partition_matches_te_kernel(cp):
+    cu = pad_cu_seqlens([13, 1, 40, 0, 7], cp)
+    for rank in range(cp):
+        got = thd_partition(cu, rank, cp)
+        if cp > 1:
+            assert got.tolist() == _te_partition(cu.tolist(), rank, cp)
+        assert got.numel() == int(cu[-1]) // cp
+    union = torch.cat([thd_partition(cu, r, cp) for r in range(cp)]).sort().values
+    assert torch.equal(union, torch.arange(int(cu[-1])))
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_thd_round_trip_local_cu_and_position_ids(cp):
+    cu = pad_cu_seqlens([13, 40, 7], cp)
+    total = int(cu[-1])
+    x = torch.randn(total, 3, 4)
+    shards = [shard_thd(x, cu, r, cp) for r in range(cp)]
+    assert torch.equal(gather_thd(shards, cu), x)
+    # [1, t] token tensors shard along dim 1
+    tokens = torch.arange(total).view(1, total)
+    assert torch.equal(shard_thd(tokens, cu, 0, cp, seq_dim=1)[0], thd_partition(cu, 0, cp))
+    local_cu = thd_local_cu_seqlens(cu, cp)
+    assert local_cu.tolist() == [c // cp for c in cu.tolist()]
+    starts = cu.tolist()
+    for r in range(cp):
+        index = thd_partition(cu, r, cp).tolist()
+        expected = [i - max(s for s in starts[:-1] if s <= i) for i in index]
+        assert thd_position_ids(cu, r, cp).tolist() == expected
+
+
+@settings(max_examples=25, deadline=None)
+@given(cp=st.sampled_from([1, 2, 4, 8]), lens=st.lists(st.integers(0, 50), min_size=1, max_size=6),
+       rank_seed=st.integers(0, 7))
+def test_thd_partition_property(cp, lens, rank_seed):
+    cu = pad_cu_seqlens(lens, cp)
+    rank = rank_seed % cp
+    index = thd_partition(cu, rank, cp)
+    if cp > 1:
+        assert index.tolist() == _te_partition(cu.tolist(), rank, cp)
+    shards = [shard_thd(torch.arange(int(cu[-1])), cu, r, cp) for r in range(cp)]
+    assert torch.equal(gather_thd(shards, cu), torch.arange(int(cu[-1])))
+
+
+def test_seq_not_divisible_by_2cp_raises_config_error():
+    with pytest.raises(CPConfigError, match=r"divisible by 2\*cp = 4") as info:
+        shard_seq(torch.zeros(6, 2), 0, 2, seq_dim=0)
+    assert isinstance(info.value, ValueError)
+    assert info.value.field == "x.shape[0]" and info.value.value == 6
+    assert "pad the sequence by 2" in str(info.value)
+    with pytest.raises(CPConfigError, match=r"divisible by 2\*cp = 8"):
+        zigzag_indices(12, 0, 4)
+
+
+def test_thd_lengths_not_padded_raise_config_error():
+    with pytest.raises(CPConfigError, match=r"sequence 1.*multiple of 2\*cp = 4.*pad_cu_seqlens"):
+        thd_partition(torch.tensor([0, 8, 14]), 0, 2)
+    with pytest.raises(CPConfigError, match=r"cu_seqlens\[0\]"):
+        check_cu_seqlens(torch.tensor([2, 8]), 2)
+    with pytest.raises(CPConfigError, match="1-D"):
+        check_cu_seqlens(torch.tensor([[0, 8]]), 2)
+
+
+def test_bad_cp_rank_or_size_raise_config_error():
+    with pytest.raises(CPConfigError, match="cp_rank"):
+        shard_seq(torch.zeros(8), 2, 2, seq_dim=0)
+    with pytest.raises(CPConfigError, match="cp_size"):
+        zigzag_indices(8, 0, 0)
