@@ -22,6 +22,6 @@ try:
 except Exception as e:
     print("transformer-engine: not importable:", type(e).__name__)
 PY
-python3 -m pytest -m "$markers" -p cpkit.testing.pytest_plugin -p no:cacheprovider -q -rfEs \
+python3 -m pytest -m "$markers" -p no:cacheprovider -q -rfEs \
   --junitxml="$out/junit.xml" "$@" 2>&1 | tee "$out/pytest.log" | tail -60
 exit "${PIPESTATUS[0]}"
