@@ -18,10 +18,12 @@ from cpkit.dynamic import (
     CPGroupAssignment,
     Microbatch,
     Plan,
+    QuadraticWorkload,
     aligned_roots,
     cp_size_for,
     default_workload,
     schedule,
+    workload_for_model,
 )
 from cpkit.dynamic.plan import assign_slots
 from cpkit.errors import CPConfigError
@@ -228,6 +230,15 @@ def test_workload_is_called_with_one_argument_once_per_sample():
     plan = schedule(lens, dp_cp_size=4, max_seq_len_per_rank=16, workload=workload)
     assert sorted(calls) == sorted(lens)
     assert plan.workloads == tuple(float(L) for L in lens)
+
+
+def test_workload_models():
+    assert default_workload(1000) == 1000.0 ** 2 + 4096.0 * 1000
+    # causal GPT layer: L**2 + (4h + 2 ffn) L
+    assert workload_for_model(1024).linear_coeff == 4 * 1024 + 2 * 4096
+    assert workload_for_model(1024, ffn_hidden_size=1000).linear_coeff == 4 * 1024 + 2000
+    with pytest.raises(CPConfigError):
+        QuadraticWorkload(linear_coeff=-1.0)
 
 
 def test_numpy_style_integers_are_accepted():

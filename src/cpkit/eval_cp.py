@@ -548,7 +548,7 @@ def _apply(rebinding: Rebinding, with_rules, attention, target, cp_comm_type, be
             for attr in _DERIVED_CACHE_ATTRS[1:]:
                 rebinding._snapshot(module, attr)
             rebinding._set(module, "max_seq_len_cached", -1)  # the next get_cached_cos_sin rebuilds
-    rebinding._clears = _cache_clears(bearing)
+    rebinding._clears = []
     for clear in rebinding._clears:
         clear.cache_clear()
 

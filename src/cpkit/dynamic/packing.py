@@ -171,10 +171,12 @@ class _Packing:
             raise Overflow
         g = best[1]
         gi = self.groups.index(g)
-        self.room = [entry for entry in self.room if entry[1] != gi]  # its room shrank: re-file it
+        filed = [entry for entry in self.room if entry[1] == gi]
+        if filed:  # its room shrinks: re-file it (rare path, so a linear scan is fine)
+            self.room.remove(filed[0])
         self.add(g, i, best[2])
         left = self.mean * g.size - g.work
-        if left > 0 and g.size > 1:
+        if filed and left > 0:
             bisect.insort(self.room, (left, gi))
 
 

@@ -154,7 +154,7 @@ class Plan:
     max_seq_len_per_rank: int
     workloads: tuple[float, ...]
     needed_cp_sizes: tuple[int, ...]
-    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+    _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def _check_microbatch_index(self, microbatch_index: int) -> None:
         # No negative indexing: -1 silently meaning "the last micro-batch" hides caller bugs.

@@ -324,17 +324,17 @@ def schedule(
                       balance_tolerance)
     group_size = microbatch_group_size or 1
     works = _workloads(workload or default_workload, lens)
-    packer = _Distributor(lens, works, needs, dp_cp_size, max_seq_len_per_rank, min_cp_size,
-                          balance_tolerance)
+    planner = _Distributor(lens, works, needs, dp_cp_size, max_seq_len_per_rank, min_cp_size,
+                           balance_tolerance)
     # Largest need first (so need-blocks pack like first-fit-decreasing), then heaviest (LPT).
     order = sorted(range(len(lens)), key=lambda i: (-needs[i], -works[i], -lens[i], i))
 
-    count = _round_up(_initial_count(works, lens, packer.blocks, dp_cp_size,
+    count = _round_up(_initial_count(works, lens, planner.blocks, dp_cp_size,
                                      max_seq_len_per_rank, balance_tolerance), group_size)
     last = _round_up(len(lens), group_size)  # one sample per micro-batch: always packable
     while True:
         try:
-            microbatches = tuple(packer.pack(b) for b in packer.distribute(order, count))
+            microbatches = tuple(planner.pack(b) for b in planner.distribute(order, count))
             break
         except Overflow:
             if count >= last:

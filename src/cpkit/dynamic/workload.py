@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from cpkit.errors import CPConfigError
+
 __all__ = [
     "DEFAULT_LINEAR_COEFF",
     "QuadraticWorkload",
@@ -34,8 +36,6 @@ class QuadraticWorkload:
 
     def __post_init__(self):
         if not (math.isfinite(self.linear_coeff) and self.linear_coeff >= 0):
-            from cpkit.errors import CPConfigError
-
             raise CPConfigError.single(
                 "linear_coeff", self.linear_coeff, "must be finite and >= 0", "pass e.g. 4096.0"
             )
