@@ -548,7 +548,7 @@ def _apply(rebinding: Rebinding, with_rules, attention, target, cp_comm_type, be
             for attr in _DERIVED_CACHE_ATTRS[1:]:
                 rebinding._snapshot(module, attr)
             rebinding._set(module, "max_seq_len_cached", -1)  # the next get_cached_cos_sin rebuilds
-    rebinding._clears = []
+    rebinding._clears = _cache_clears(bearing)
     for clear in rebinding._clears:
         clear.cache_clear()
 
@@ -630,20 +630,29 @@ class EvalResult:
     """Micro-batches this rank ran."""
 
 
-def _micro_batches(dataset: Mapping[str, torch.Tensor], indices: range, mbs: int, pad: bool) -> list[dict]:
-    """Full-sequence micro-batches of `indices`; with `pad`, the last one is filled up to `mbs`
-    with loss-masked copies (fixed shapes for the pipeline schedule)."""
-    out = []
+def _micro_batches(dataset: Mapping[str, torch.Tensor], indices: range, mbs: int, *, pad: bool,
+                   at_least: int = 0) -> list[dict]:
+    """Full-sequence micro-batches of `indices`. With `pad`, the last one is filled up to `mbs`
+    with loss-masked copies (fixed shapes for the pipeline schedule); loss-masked filler
+    micro-batches are added up to `at_least` (a full pipeline, as the planner counts it)."""
     idx = list(indices)
+    spare = idx[0] if idx else 0
+
+    def masked(rows: int) -> dict:
+        filler = {k: v[[spare] * rows] for k, v in dataset.items()}
+        filler["loss_mask"] = torch.zeros_like(filler["loss_mask"])
+        return filler
+
+    out = []
     for start in range(0, len(idx), mbs):
         chunk = idx[start:start + mbs]
         mb = {k: v[chunk] for k, v in dataset.items()}
-        short = mbs - len(chunk)
-        if pad and short:
-            filler = {k: v[[chunk[0]] * short] for k, v in dataset.items()}
-            filler["loss_mask"] = torch.zeros_like(filler["loss_mask"])
+        if pad and len(chunk) < mbs:
+            filler = masked(mbs - len(chunk))
             mb = {k: torch.cat([mb[k], filler[k]]) for k in mb}
         out.append(mb)
+    while len(out) < at_least:
+        out.append(masked(mbs))
     return out
 
 
@@ -661,7 +670,7 @@ def _loss_sum(logits: torch.Tensor, mb: Mapping[str, torch.Tensor], tp_group: An
 
 @torch.no_grad()
 def evaluate(model: ModelOrChunks, dataset: Mapping[str, torch.Tensor], pg_collection: Any, *,
-             micro_batch_size: int = 1) -> EvalResult:
+             micro_batch_size: int = 1, min_micro_batches: int = 0) -> EvalResult:
     """Evaluate a GPT-style model over a validation set, each sample once, under `pg_collection`.
 
     `dataset` holds full-sequence tensors [S, L]: tokens, labels, position_ids, loss_mask (the
@@ -671,8 +680,10 @@ def evaluate(model: ModelOrChunks, dataset: Mapping[str, torch.Tensor], pg_colle
     the forward runs through MCore's forward-only pipeline schedule (get_forward_backward_func
     with an explicit P2PCommunicator and pg_collection; GPU only, as MCore's p2p buffers are
     CUDA tensors) and the last stage's sums are shared over pp. The loss is reduced over
-    dp x cp (reduce_eval_loss). Call it inside eval_cp_context with the eval collection, or
-    outside with the training one. Virtual pipeline chunks are not supported here.
+    dp x cp (reduce_eval_loss). `min_micro_batches` adds loss-masked filler micro-batches up to
+    that count (pass pp to run a full pipeline, as Megatron's eval and cpkit.eval_plan count
+    it); they change the time, not the loss. Call it inside eval_cp_context with the eval
+    collection, or outside with the training one. Virtual pipeline chunks are not supported.
     """
     from cpkit.models import shard_batch
 
@@ -689,7 +700,8 @@ def evaluate(model: ModelOrChunks, dataset: Mapping[str, torch.Tensor], pg_colle
     cp_group, tp_group = get_pg(pg_collection, "cp"), get_pg(pg_collection, "tp")
     device = next(module.parameters()).device
     local = [{k: v.to(device) for k, v in shard_batch(mb, cp_group).items()}
-             for mb in _micro_batches(dataset, shard, micro_batch_size, pad=pp > 1)]
+             for mb in _micro_batches(dataset, shard, micro_batch_size, pad=pp > 1,
+                                      at_least=min_micro_batches)]
     was_training = module.training
     module.eval()
     try:

@@ -11,13 +11,25 @@ from cpkit.attention.functional import CP_COMM_TYPES, check_comm_type, context_p
 from cpkit.attention.hierarchical import new_hierarchical_groups
 from cpkit.attention.kernels import attn_bwd, attn_fwd, reference_attention
 
-from cpkit.attention.module import ContextParallelAttention
-from cpkit.attention.spec import (
-    get_gpt_layer_spec_te,
-    get_gpt_layer_spec_with_cp_attention,
-    replace_core_attention,
-)
-from cpkit.attention.te import bind_te_attention_groups, te_available
+
+# The MCore-facing names import megatron-core: load them on first use, so the functional core
+# (and every rank that only needs it) does not pay for importing MCore.
+_LAZY = {
+    "ContextParallelAttention": "cpkit.attention.module",
+    "get_gpt_layer_spec_te": "cpkit.attention.spec",
+    "get_gpt_layer_spec_with_cp_attention": "cpkit.attention.spec",
+    "replace_core_attention": "cpkit.attention.spec",
+    "bind_te_attention_groups": "cpkit.attention.te",
+    "te_available": "cpkit.attention.te",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'cpkit.attention' has no attribute {name!r}")
 
 __all__ = [
     "CP_COMM_TYPES",

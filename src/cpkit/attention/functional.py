@@ -191,6 +191,12 @@ def context_parallel_attention(
     causal: causal (top-left) mask over the full sequence, or no mask.
     softmax_scale: defaults to 1/sqrt(dim).
 
+    Memory: inputs are used through views (sbhd -> the kernels' layouts); p2p and all_gather
+    keep one float32 output accumulator (merged by LSE) and float32 dq/dKV accumulators in
+    backward, nothing of size s^2 and, besides all_gather's gathered KV, nothing of size
+    cp x local. The output is in q.dtype and may be a non-contiguous view (use reshape).
+    Backward returns grads in the dtypes of q, k, v.
+
     Raises CPConfigError (ValueError) for an unknown comm type, a group that does not fit it,
     mismatched shapes/dtypes, an odd local sequence (global not divisible by 2*cp), heads or
     kv heads not divisible by the a2a size, or THD offsets that are not padded to 2*cp.
