@@ -148,6 +148,9 @@ def _check_build_refuses_broken_hcp(cfg, pgc, single, dev) -> list[str]:
 
 
 def hierarchical_case(case):
+    """One case on every rank (numbered checks as in the module docstring); returns the global
+    losses, the local-only loss and gradient gaps, rank 0's HCP log lines, the refusal messages
+    and the CP model's step times (seconds, for comparing comm types on GPUs)."""
     install_mcore_cpu_shim()
     dev = device()
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
@@ -220,10 +223,12 @@ def hierarchical_case(case):
     cp_grad_diff = _rel_diff(grads[probe], ref_grads[probe])
     assert local_grad_diff > LOCAL_GRAD_MARGIN, \
         f"local-only attention changes {probe}'s gradient by only {local_grad_diff:.3g} of its scale"
-    assert cp_grad_diff < tol["atol"], f"{probe}: CP gradient off by {cp_grad_diff:.3g} of its scale"
+    # the bound assert_close above allows at the largest element
+    assert cp_grad_diff <= tol["atol"] + tol["rtol"], \
+        f"{probe}: CP gradient off by {cp_grad_diff:.3g} of its scale"
     if dtype == torch.float32:
         assert abs(local_loss - ref_losses[0]) > LOCAL_LOSS_MARGIN_FP32, \
-            f"local-only loss {local_loss} is within {LOCAL_LOSS_MARGIN_FP32} of the reference {ref_losses[0]}"
+            f"local-only loss {local_loss} within {LOCAL_LOSS_MARGIN_FP32} of the reference {ref_losses[0]}"
     return dict(losses=losses, ref_losses=ref_losses, local_loss=local_loss,
                 local_grad_diff=local_grad_diff, cp_grad_diff=cp_grad_diff,
                 hcp_lines=hcp_lines, refused=refused, step_seconds=seconds)

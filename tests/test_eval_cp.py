@@ -428,3 +428,13 @@ def test_evaluate_at_world_size_1_equals_eval_step(pgc):
     assert result.num_tokens == 5 * CFG.seq_length
     assert abs(result.loss - eval_step(model, data, pgc)) < 1e-6
     assert model.training
+
+
+def test_evaluate_filler_micro_batches_change_nothing_but_the_count(pgc):
+    model = build_gpt(CFG, pgc, attention="cpkit")
+    data = make_batch(CFG, batch_size=2, seed=4)
+    plain = evaluate(model, data, pgc, micro_batch_size=1)
+    filled = evaluate(model, data, pgc, micro_batch_size=1, min_micro_batches=4)
+    assert (plain.micro_batches, filled.micro_batches) == (2, 4)
+    assert filled.num_tokens == plain.num_tokens == 2 * CFG.seq_length
+    assert abs(filled.loss - plain.loss) < 1e-7

@@ -99,3 +99,11 @@ def test_cli_invalid_exits_2_with_one_line_per_violation(capsys):
     assert rc == 2
     assert len(err) >= 3 and all(line.startswith("error: ") for line in err)
     assert any("eval_samples=0" in line for line in err)
+
+
+def test_bench_layout_spec_parses():
+    from cpkit.bench.eval_cp import parse_layout
+
+    assert parse_layout("tp2pp1") == (2, 1) and parse_layout(" tp1pp4 ") == (1, 4)
+    with pytest.raises(ValueError, match="tp<N>pp<M>"):
+        parse_layout("pp2")

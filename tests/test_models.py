@@ -51,3 +51,20 @@ def test_cpkit_attention_at_cp1_matches_mcore_local_attention(pgc):
 def test_unknown_attention_backend_is_rejected(pgc):
     with pytest.raises(ValueError, match="attention='flash'"):
         build_gpt(CFG, pgc, attention="flash")
+
+
+def test_config_error_survives_mcore_build_module_rewrap(pgc):
+    """MCore's build_module re-raises `type(e)(f"{e} when instantiating X")`: CPConfigError must
+    keep its violations through that, or users get an AttributeError instead of the fix."""
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+    from cpkit.errors import CPConfigError
+
+    class Refuses(torch.nn.Module):
+        def __init__(self):
+            raise CPConfigError.single("cp_comm_type", "a2a+p2p", "needs pg_collection.hcp", "pass hcp")
+
+    with pytest.raises(CPConfigError) as info:
+        build_module(ModuleSpec(module=Refuses))
+    assert info.value.field == "cp_comm_type"
+    assert "needs pg_collection.hcp" in str(info.value) and "when instantiating" in str(info.value)

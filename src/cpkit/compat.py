@@ -2,6 +2,9 @@
 
 cpkit runs on MCore 0.16.x (Python 3.11, CPU CI) and 0.19.x (Python 3.12, GPU machines).
 Known differences handled here:
+- MCore's local DotProductAttention takes scratch space from parallel_state's global memory
+  buffer, which only initialize_model_parallel creates; the decentralized path must create it
+  (`ensure_global_memory_buffer`; a buffer, not a process group).
 - An unset ProcessGroupCollection field raises AttributeError in 0.16 and returns None in 0.19:
   `get_pg` returns None for both.
 """
@@ -13,7 +16,14 @@ from typing import Any
 from megatron.core import package_info
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-__all__ = ["MCORE_VERSION", "mcore_version_at_least", "get_pg", "set_pg", "new_pg_collection"]
+__all__ = [
+    "MCORE_VERSION",
+    "ensure_global_memory_buffer",
+    "get_pg",
+    "mcore_version_at_least",
+    "new_pg_collection",
+    "set_pg",
+]
 
 
 def _parse(version: str) -> tuple[int, ...]:
@@ -54,3 +64,11 @@ def set_pg(pg_collection: ProcessGroupCollection, name: str, value: Any) -> None
 def new_pg_collection(**groups: Any) -> ProcessGroupCollection:
     """A ProcessGroupCollection with only the given (non-None) groups set."""
     return ProcessGroupCollection(**{k: v for k, v in groups.items() if v is not None})
+
+
+def ensure_global_memory_buffer() -> None:
+    """Create MCore's global memory buffer if initialize_model_parallel has not (idempotent)."""
+    from megatron.core import parallel_state
+
+    if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
+        parallel_state._set_global_memory_buffer()

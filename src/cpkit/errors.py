@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -40,7 +41,17 @@ class CPConfigError(ValueError):
     single-violation case.
     """
 
-    def __init__(self, violations: Iterable[Violation]):
+    def __init__(self, violations: Iterable[Violation] | str):
+        if isinstance(violations, str):
+            # MCore's build_module re-raises `type(e)(f"{e} when instantiating X")` while the
+            # original is being handled: keep the original's violations and MCore's message.
+            handled = sys.exc_info()[1]
+            self.violations = list(getattr(handled, "violations", None) or [])
+            first = self.violations[0] if self.violations else None
+            self.field = getattr(first, "field", None)
+            self.value = getattr(first, "value", None)
+            super().__init__(violations)
+            return
         self.violations = list(violations)
         if not self.violations:
             raise ValueError("CPConfigError needs at least one Violation")

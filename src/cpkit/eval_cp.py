@@ -408,8 +408,8 @@ def _preflight(walked, target, cp_comm_type) -> tuple[list, list]:
                     "only cp and dp; tp and pp stay as trained)", fix_build))
     for name, module in walked:
         reason = None if _is_cp_attention(module) else _unsupported_reason(module)
-        current = _current_cp_size(module)
-        if reason and current != cp_size:
+        current = _current_cp_size(module) if reason else cp_size
+        if current != cp_size:
             found.append(Violation(f"model.{name}", type(module).__name__,
                                    f"cannot change CP size {current} -> {cp_size}: {reason}",
                                    "evaluate at the training CP size, or rebuild the model"))

@@ -129,26 +129,31 @@ def _row(tp: int, pp: int, s: Settings) -> str:
 # ------------------------------------------------------------------------------------ workers
 
 
-def _cell(tp, pp, seq, s: Settings, world: int, dev) -> dict:
-    import torch.distributed as dist
-
-    from cpkit.eval_cp import build_eval_pg_collection, eval_cp_context, evaluate
-    from cpkit.eval_plan import plan_eval_cp
+def _groups(tp, pp, s: Settings, world: int):
+    """The training layout and both collections of one table row (built once per row)."""
+    from cpkit.eval_cp import build_eval_pg_collection
     from cpkit.groups import build_pg_collection
     from cpkit.layout import CPLayout
+
+    layout = CPLayout(world_size=world, tp=tp, pp=pp, cp=s.cp_train, num_attention_heads=s.heads,
+                      num_query_groups=s.kv_heads, eval_context_parallel_size=s.cp_eval).validate()
+    train_pgs = build_pg_collection(layout)
+    return layout, train_pgs, build_eval_pg_collection(layout, s.cp_eval, train_pgs=train_pgs)
+
+
+def _cell(tp, pp, seq, s: Settings, groups, dev) -> dict:
+    import torch.distributed as dist
+
+    from cpkit.eval_cp import eval_cp_context, evaluate
+    from cpkit.eval_plan import plan_eval_cp
     from cpkit.models import GPTConfig, build_gpt, make_batch
 
     dtype = torch.bfloat16 if s.dtype == "bf16" else torch.float32
-    layout = CPLayout(world_size=world, tp=tp, pp=pp, cp=s.cp_train, seq_length=seq,
-                      num_attention_heads=s.heads, num_query_groups=s.kv_heads,
-                      eval_context_parallel_size=s.cp_eval).validate()
-    dp_eval = layout.eval_layout().dp
-    samples = s.eval_samples or dp_eval * pp * s.micro_batch_size
-    plan = plan_eval_cp(world_size=world, tp=tp, pp=pp, cp_train=s.cp_train, cp_eval=s.cp_eval,
+    layout, train_pgs, eval_pgs = groups
+    samples = s.eval_samples or layout.eval_layout().dp * pp * s.micro_batch_size
+    plan = plan_eval_cp(world_size=layout.world_size, tp=tp, pp=pp, cp_train=s.cp_train, cp_eval=s.cp_eval,
                         eval_samples=samples, micro_batch_size=s.micro_batch_size, seq_length=seq,
                         num_layers=s.layers, hidden_size=s.hidden)
-    train_pgs = build_pg_collection(layout)
-    eval_pgs = build_eval_pg_collection(layout, s.cp_eval, train_pgs=train_pgs)
     cfg = GPTConfig(num_layers=s.layers, hidden_size=s.hidden, num_attention_heads=s.heads,
                     num_query_groups=s.kv_heads, vocab_size=s.vocab, seq_length=seq, dtype=dtype)
     model = build_gpt(cfg, train_pgs, attention="cpkit", device=dev)
@@ -206,9 +211,14 @@ def _worker(s: Settings):
     world = dist.get_world_size()
     results = []
     for tp, pp in s.layouts:
+        try:
+            groups = _groups(tp, pp, s, world)
+        except Exception as exc:  # noqa: BLE001 - e.g. a layout that does not fit the world
+            results += [{"tp": tp, "pp": pp, "seq": seq, "error": short_error(exc)} for seq in s.seqs]
+            continue
         for seq in s.seqs:
             try:
-                results.append(_cell(tp, pp, seq, s, world, dev))
+                results.append(_cell(tp, pp, seq, s, groups, dev))
             except Exception as exc:  # noqa: BLE001 - one failing cell must not hide the rest
                 results.append({"tp": tp, "pp": pp, "seq": seq, "error": short_error(exc)})
     return results

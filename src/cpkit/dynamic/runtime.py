@@ -7,7 +7,7 @@ Per micro-batch m, on the rank at DPxCP position p (`dp_cp_position`):
    rank's tokens (`cpkit.sharding.shard_thd`) with their per-sequence RoPE positions.
 3. `packed_seq_params_for` carries the group to the model: PackedSeqParams(qkv_format="thd",
    cu_seqlens_q = real offsets, cu_seqlens_q_padded = padded offsets, local_cp_size,
-   cp_group). MCore >= 0.17 core attention and RoPE read cp_group from it; MCore 0.16's
+   cp_group). Newer MCore resolves the group from it (`resolve_cp_group`); MCore 0.16's
    TEDotProductAttention switches to it and never switches back, and 0.16's Attention applies
    THD RoPE over `self.pg_collection.cp`, the group it was built with.
 4. `use_cp_group(model, group)` therefore also rebinds every cached CP group of the model
@@ -57,6 +57,7 @@ __all__ = [
     "LocalMicrobatch",
     "prepare_microbatch",
     "reduce_gradients",
+    "forward_backward_local",
     "DynamicStepResult",
     "dynamic_cp_step",
 ]
@@ -84,12 +85,8 @@ class PackedTHD:
     cu_seqlens: torch.Tensor
     cu_seqlens_padded: torch.Tensor
     cp_size: int
-
-    @property
-    def max_seqlen(self) -> int:
-        """The longest padded sequence (what TE and MCore's RoPE take as max_seqlen)."""
-        cu = self.cu_seqlens_padded.tolist()
-        return max(b - a for a, b in zip(cu[:-1], cu[1:]))
+    max_seqlen: int
+    """The longest padded sequence (what TE and MCore's RoPE take as max_seqlen)."""
 
     def shard(self, cp_rank: int) -> dict[str, torch.Tensor]:
         """CP rank `cp_rank`'s tokens of every tensor ([1, T / cp_size], the 2*cp zigzag of
@@ -150,7 +147,7 @@ def pack_thd(
     device = tensors[keys[0]].device
     cu = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(torch.int32)
     return PackedTHD(tensors=tensors, seq_lens=tuple(lens), cu_seqlens=cu.to(device),
-                     cu_seqlens_padded=cu_padded.to(device), cp_size=cp_size)
+                     cu_seqlens_padded=cu_padded.to(device), cp_size=cp_size, max_seqlen=max(padded))
 
 
 def packed_seq_params_for(packed: PackedTHD, group: Any):
@@ -281,6 +278,13 @@ class LocalMicrobatch:
         return float(self.batch["loss_mask"].float().sum())
 
 
+def _check_plan(plan: Plan, registry: GroupRegistry) -> None:
+    if plan.dp_cp_size != len(registry.dp_cp_ranks):
+        raise CPConfigError.single(
+            "plan.dp_cp_size", plan.dp_cp_size, f"must equal the registry's DPxCP size {len(registry.dp_cp_ranks)}",
+            "schedule with dp_cp_size = the size of the DPxCP group the registry was built for")
+
+
 def prepare_microbatch(
     plan: Plan,
     index: int,
@@ -297,10 +301,7 @@ def prepare_microbatch(
     Raises CPConfigError when the plan and the registry disagree on the DPxCP size or the
     registry lacks the assignment's group.
     """
-    if plan.dp_cp_size != len(registry.dp_cp_ranks):
-        raise CPConfigError.single(
-            "plan.dp_cp_size", plan.dp_cp_size, f"must equal the registry's DPxCP size {len(registry.dp_cp_ranks)}",
-            "schedule with dp_cp_size = the size of the DPxCP group the registry was built for")
+    _check_plan(plan, registry)
     assignment = plan.assignment_for_rank(position, index)
     if assignment is None:
         return None
@@ -364,6 +365,34 @@ def _default_loss(model, batch, pg_collection, *, total_tokens, packed_seq_param
                         packed_seq_params=packed_seq_params)
 
 
+def forward_backward_local(
+    model: torch.nn.Module,
+    microbatches: Sequence[Optional[LocalMicrobatch]],
+    *,
+    total_tokens: float,
+    pg_collection: Any,
+    loss_fn: LossFn = _default_loss,
+    cp_comm_type: Optional[str] = None,
+) -> list[torch.Tensor]:
+    """Forward and backward of this rank's micro-batches, in order; no DPxCP collective.
+
+    Each micro-batch runs under use_cp_group on its own group (only that group communicates);
+    None (idle) backpropagates zero_loss. Gradients accumulate into `.grad`. Returns this
+    rank's detached loss share per micro-batch (float64 scalars, 0 where idle).
+    """
+    shares = []
+    for mb in microbatches:
+        if mb is None:
+            loss = zero_loss(model)
+        else:
+            with use_cp_group(model, mb.group, pg_collection=pg_collection, cp_comm_type=cp_comm_type):
+                loss = loss_fn(model, mb.batch, pg_collection, total_tokens=total_tokens,
+                               packed_seq_params=mb.packed_seq_params)
+        loss.backward()  # outside the switch: autograd kept the forward's group
+        shares.append(loss.detach().double())
+    return shares
+
+
 def dynamic_cp_step(
     model: torch.nn.Module,
     plan: Plan,
@@ -392,6 +421,7 @@ def dynamic_cp_step(
         raise CPConfigError.single(
             "dp_cp_group", members, f"must have the registry's ranks {sorted(registry.dp_cp_ranks)}",
             "pass the DPxCP group the registry was built from")
+    _check_plan(plan, registry)
     if device is None:
         device = next(model.parameters()).device
     position = dp_cp_position(registry)
@@ -405,16 +435,8 @@ def dynamic_cp_step(
         dist.all_reduce(count, group=group)
     total = count.item()
 
-    shares = []
-    for mb in local:
-        if mb is None:
-            loss = zero_loss(model)
-        else:
-            with use_cp_group(model, mb.group, pg_collection=pg_collection, cp_comm_type=cp_comm_type):
-                loss = loss_fn(model, mb.batch, pg_collection, total_tokens=total,
-                               packed_seq_params=mb.packed_seq_params)
-        loss.backward()  # outside the switch: autograd kept the forward's group
-        shares.append(loss.detach().double())
+    shares = forward_backward_local(model, local, total_tokens=total, pg_collection=pg_collection,
+                                    loss_fn=loss_fn, cp_comm_type=cp_comm_type)
     reduce_gradients(model, group)
 
     summed = torch.stack(shares).sum() if shares else torch.zeros((), dtype=torch.float64, device=device)

@@ -1,0 +1,325 @@
+"""Dynamic-CP runtime at world size 1: packing, sharding, the per-micro-batch group switch and
+its restore, idle ranks, and one whole step at cp=1 against per-sequence forwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpkit.dynamic import CPGroupAssignment, Microbatch, Plan, build_group_registry, cp_size_for
+from cpkit.dynamic.runtime import (
+    dp_cp_position,
+    dynamic_cp_step,
+    forward_backward_local,
+    pack_thd,
+    packed_seq_params_for,
+    prepare_microbatch,
+    reduce_gradients,
+    use_cp_group,
+    zero_loss,
+)
+from cpkit.errors import CPConfigError
+from cpkit.models import GPTConfig, build_gpt, forward_loss, named_gradients
+from cpkit.sharding import gather_thd
+from cpkit.testing.reference import single_rank_pg_collection
+
+CFG = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=64)
+
+
+class FakeGroup:
+    """A stand-in process group: size, rank and global ranks, nothing else."""
+
+    def __init__(self, ranks, rank=0):
+        self.ranks = list(ranks)
+        self._rank = rank
+
+    def size(self):
+        return len(self.ranks)
+
+    def rank(self):
+        return self._rank
+
+    def __repr__(self):
+        return f"FakeGroup({self.ranks})"
+
+
+def _sample(length: int, seed: int, vocab: int = CFG.vocab_size) -> dict:
+    seq = torch.randint(0, vocab, (length + 1,), generator=torch.Generator().manual_seed(seed))
+    return {"tokens": seq[:-1], "labels": seq[1:], "loss_mask": torch.ones(length)}
+
+
+def _plan(groups_per_mb, lens, dp_cp_size) -> Plan:
+    mbs = tuple(Microbatch(tuple(CPGroupAssignment(tuple(r), tuple(s), len(r)) for r, s in mb))
+                for mb in groups_per_mb)
+    return Plan(microbatches=mbs, seq_lens=tuple(lens), dp_cp_size=dp_cp_size, max_seq_len_per_rank=64,
+                workloads=tuple(float(n * n) for n in lens),
+                needed_cp_sizes=tuple(cp_size_for(n, 64) for n in lens))
+
+
+def _fake_registry(dp_cp_size: int, position: int):
+    """A registry over global ranks 0..n-1 of FakeGroups whose rank() is `position`'s in each."""
+    def new_group(ranks):
+        return FakeGroup(ranks, rank=ranks.index(position) if position in ranks else -1)
+    return build_group_registry([list(range(dp_cp_size))], position, new_group=new_group)
+
+
+# --------------------------------------------------------------------------------- packing
+
+
+def test_pack_thd_cu_seqlens_and_padding():
+    samples = [_sample(3, 0), _sample(5, 1), _sample(8, 2)]
+    packed = pack_thd(samples, cp_size=2)
+    assert packed.cu_seqlens.tolist() == [0, 3, 8, 16]
+    assert packed.cu_seqlens_padded.tolist() == [0, 4, 12, 20]  # each padded to a multiple of 2*cp = 4
+    assert packed.cu_seqlens.dtype == packed.cu_seqlens_padded.dtype == torch.int32
+    assert packed.seq_lens == (3, 5, 8) and packed.max_seqlen == 8
+    for key in ("tokens", "labels", "loss_mask"):
+        t = packed.tensors[key]
+        assert t.shape == (1, 20)
+        for (a, n), s in zip([(0, 3), (4, 5), (12, 8)], samples):
+            assert torch.equal(t[0, a:a + n], s[key])
+    mask = packed.tensors["loss_mask"][0]
+    assert mask.sum() == 16 and mask[3] == 0 and mask[9:12].sum() == 0
+    assert packed.tensors["tokens"][0, 3] == 0
+
+
+def test_pack_thd_cp1_pads_to_even_and_honours_pad_values():
+    packed = pack_thd([_sample(3, 0), _sample(5, 1)], cp_size=1)  # 2*cp = 2, as pad_cu_seqlens
+    assert packed.cu_seqlens.tolist() == [0, 3, 8] and packed.cu_seqlens_padded.tolist() == [0, 4, 10]
+    packed4 = pack_thd([_sample(3, 0)], cp_size=4, pad_values={"labels": -100})
+    assert packed4.cu_seqlens_padded.tolist() == [0, 8]
+    assert packed4.tensors["labels"][0, 3:].tolist() == [-100] * 5
+
+
+@pytest.mark.parametrize("bad, what", [
+    ([], "at least one sample"),
+    ([{"tokens": torch.zeros(3)}, {"labels": torch.zeros(3)}], "must have the keys"),
+    ([{"tokens": torch.zeros(3), "labels": torch.zeros(4)}], "one length"),
+    ([{"tokens": torch.zeros(1, 3)}], "1-D"),
+    ([{"tokens": torch.zeros(0)}], ">= 1"),
+])
+def test_pack_thd_rejects_bad_samples(bad, what):
+    with pytest.raises(CPConfigError, match=what):
+        pack_thd(bad, cp_size=2)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_shard_covers_every_token_once_with_sequence_positions(cp):
+    samples = [_sample(n, i) for i, n in enumerate([5, 16, 9, 1])]
+    packed = pack_thd(samples, cp_size=cp)
+    shards = [packed.shard(r) for r in range(cp)]
+    for key in ("tokens", "labels", "loss_mask"):
+        full = gather_thd([s[key] for s in shards], packed.cu_seqlens_padded, seq_dim=1)
+        assert torch.equal(full, packed.tensors[key])
+    # RoPE positions restart at 0 in every packed sequence.
+    cu = packed.cu_seqlens_padded.tolist()
+    want = torch.cat([torch.arange(b - a) for a, b in zip(cu[:-1], cu[1:])]).unsqueeze(0)
+    got = gather_thd([s["position_ids"] for s in shards], packed.cu_seqlens_padded, seq_dim=1)
+    assert torch.equal(got, want)
+    assert sum(float(s["loss_mask"].sum()) for s in shards) == 31
+
+
+def test_packed_seq_params_carry_group_and_offsets():
+    packed = pack_thd([_sample(3, 0), _sample(6, 1)], cp_size=2)
+    group = FakeGroup([4, 5])
+    psp = packed_seq_params_for(packed, group)
+    assert psp.qkv_format == "thd"
+    assert psp.cp_group is group and psp.local_cp_size == 2
+    assert psp.cu_seqlens_q.tolist() == psp.cu_seqlens_kv.tolist() == [0, 3, 9]
+    assert psp.cu_seqlens_q_padded.tolist() == psp.cu_seqlens_kv_padded.tolist() == [0, 4, 12]
+    assert psp.max_seqlen_q == psp.max_seqlen_kv == 8
+
+
+# --------------------------------------------------------------------------- micro-batches
+
+
+def test_prepare_microbatch_idle_and_busy_ranks():
+    lens = [5, 7, 3]
+    plan = _plan([[((0, 1), (0, 1))], [((1,), (2,))]], lens, dp_cp_size=2)
+    fetched = []
+
+    def get(i):
+        fetched.append(i)
+        return _sample(lens[i], i)
+
+    reg0 = _fake_registry(2, 0)
+    assert prepare_microbatch(plan, 1, reg0, 0, get) is None  # rank 0 idles in micro-batch 1
+    assert fetched == []  # an idle rank fetches nothing
+    mb = prepare_microbatch(plan, 0, reg0, 0, get)
+    assert fetched == [0, 1]
+    assert mb.assignment.cp_size == 2 and mb.cp_rank == 0 and mb.group.ranks == [0, 1]
+    assert mb.packed.cu_seqlens_padded.tolist() == [0, 8, 16]
+    # Chunks 0 and 3 of each sequence: 2 real tokens of the 5, 3 of the 7 (its last is padding).
+    assert mb.batch["tokens"].shape == (1, 8) and mb.num_tokens == 5.0
+    reg1 = _fake_registry(2, 1)
+    other = prepare_microbatch(plan, 0, reg1, 1, get)
+    assert other.cp_rank == 1 and other.num_tokens == 7.0  # every real token counted once
+    assert prepare_microbatch(plan, 1, reg1, 1, get).batch["tokens"].shape == (1, 4)  # 3, even at cp=1
+
+
+def test_prepare_microbatch_rejects_a_plan_for_another_dp_cp_size():
+    plan = _plan([[((0,), (0,))]], [4], dp_cp_size=1)
+    with pytest.raises(CPConfigError, match="DPxCP size 2"):
+        prepare_microbatch(plan, 0, _fake_registry(2, 0), 0, lambda i: _sample(4, i))
+
+
+def test_dp_cp_position():
+    reg = build_group_registry([[4, 6, 5, 7]], 5, new_group=lambda ranks: FakeGroup(ranks))
+    assert dp_cp_position(reg, 5) == 2
+    with pytest.raises(CPConfigError, match="not in the DPxCP group"):
+        dp_cp_position(reg, 0)
+
+
+# ---------------------------------------------------------------------- the group switch
+
+
+@pytest.fixture(scope="module")
+def pgc(mcore_cpu):
+    return single_rank_pg_collection()
+
+
+@pytest.fixture()
+def model(pgc):
+    return build_gpt(CFG, pgc, attention="cpkit")
+
+
+def _bindings(model):
+    """Every cached group reference and CP size, by (module name, attr): objects, not copies."""
+    out = {}
+    for name, m in model.named_modules():
+        for attr in ("pg_collection", "cp_group", "cp_global_ranks", "cp_comm_type", "tp_cp_group"):
+            if attr in vars(m):
+                out[(name, attr)] = vars(m)[attr]
+        if getattr(m, "config", None) is not None:
+            out[(name, "config.context_parallel_size")] = m.config.context_parallel_size
+    return out
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(a[k] is b[k] or a[k] == b[k] and type(a[k]) is int for k in a)
+
+
+def test_use_cp_group_switches_and_restores_after_an_exception(model, pgc):
+    before = _bindings(model)
+    static_cp = pgc.cp
+    group = FakeGroup([0, 1])
+    with pytest.raises(RuntimeError, match="boom"):
+        with use_cp_group(model, group, pg_collection=pgc):
+            attn = [m for m in model.modules() if type(m).__name__ == "ContextParallelAttention"]
+            assert attn and all(m.cp_group is group for m in attn)
+            colls = [vars(m)["pg_collection"] for m in model.modules() if "pg_collection" in vars(m)]
+            assert colls and all(c.cp is group and c is not pgc for c in colls)  # MCore 0.16 RoPE reads it
+            assert model.config.context_parallel_size == 2
+            assert pgc.cp is static_cp  # the caller's collection is never mutated
+            raise RuntimeError("boom")
+    assert _same(_bindings(model), before)
+    assert pgc.cp is static_cp
+    # And it can be entered again (no stale "already active" state).
+    with use_cp_group(model, FakeGroup([0, 1, 2, 3]), pg_collection=pgc):
+        assert model.config.context_parallel_size == 4
+    assert _same(_bindings(model), before)
+
+
+class StickyAttention(torch.nn.Module):
+    """TE-style CP attention as MCore 0.16 wraps it: forward switches to packed_seq_params.cp_group
+    through set_context_parallel_group and never switches back."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.set_context_parallel_group(group, [0], None, "p2p")
+
+    def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream, cp_comm_type="p2p"):
+        self.cp_group, self.cp_global_ranks = cp_group, cp_global_ranks
+        self.cp_stream, self.cp_comm_type = cp_stream, cp_comm_type
+
+    def forward(self, packed_seq_params):
+        group = packed_seq_params.cp_group
+        self.set_context_parallel_group(group, group.ranks, None, self.cp_comm_type)
+
+
+def test_use_cp_group_undoes_a_sticky_te_style_switch(pgc):
+    static = pgc.cp
+    net = torch.nn.Sequential(StickyAttention(static))
+    group = FakeGroup([0, 1])
+    packed = pack_thd([_sample(4, 0)], cp_size=2)
+    with use_cp_group(net, group, pg_collection=pgc):
+        assert net[0].cp_group is group and net[0].cp_global_ranks == [0, 1]
+        net[0](packed_seq_params_for(packed, FakeGroup([2, 3])))  # the forward's own switch
+    assert net[0].cp_group is static and net[0].cp_global_ranks == [0]
+    net[0](packed_seq_params_for(packed, group))  # without use_cp_group the switch sticks
+    assert net[0].cp_group is group
+
+
+def test_use_cp_group_finds_the_model_collection(model, pgc):
+    before = _bindings(model)
+    with use_cp_group(model, FakeGroup([0, 1])):
+        assert model.pg_collection.cp.ranks == [0, 1]
+    assert _same(_bindings(model), before)
+
+
+def test_use_cp_group_refuses_nesting(model, pgc):
+    with use_cp_group(model, FakeGroup([0, 1]), pg_collection=pgc):
+        with pytest.raises(CPConfigError, match="already active"):
+            with use_cp_group(model, FakeGroup([0, 1]), pg_collection=pgc):
+                pass
+
+
+def test_idle_rank_contributes_a_zero_loss_and_zero_gradients(model, pgc):
+    model.zero_grad(set_to_none=True)
+    shares = forward_backward_local(model, [None, None], total_tokens=10.0, pg_collection=pgc)
+    assert [float(s) for s in shares] == [0.0, 0.0]
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert params and all(p.grad is not None and not p.grad.any() for p in params)
+
+
+def test_zero_loss_reaches_every_parameter():
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    loss = zero_loss(net)
+    assert loss.dtype == torch.float32 and float(loss.detach()) == 0.0
+    loss.backward()
+    assert all(p.grad is not None and not p.grad.any() for p in net.parameters())
+    with pytest.raises(CPConfigError, match="no trainable parameter"):
+        zero_loss(torch.nn.ReLU())
+
+
+def test_reduce_gradients_fills_missing_grads(world1):
+    net = torch.nn.Linear(3, 2)
+    net.weight.grad = torch.ones_like(net.weight)
+    reduce_gradients(net, world1)
+    assert torch.equal(net.weight.grad, torch.ones(2, 3)) and torch.equal(net.bias.grad, torch.zeros(2))
+
+
+# ----------------------------------------------------------------------------- a whole step
+
+
+def test_step_at_cp1_equals_per_sequence_forwards(pgc):
+    """World size 1: two micro-batches of packed THD (at cp=1) give the mean loss over all
+    tokens and the gradients of forwarding every sequence on its own with MCore's attention."""
+    lens = [7, 12, 3, 9]
+    samples = [_sample(n, 10 + i) for i, n in enumerate(lens)]
+    ref = build_gpt(CFG, pgc, attention="local")
+    ref_loss = 0.0
+    for s in samples:
+        batch = {k: v.unsqueeze(0) for k, v in s.items()}
+        batch["position_ids"] = torch.arange(s["tokens"].numel()).unsqueeze(0)
+        loss = forward_loss(ref, batch, pgc, total_tokens=float(sum(lens)))
+        loss.backward()
+        ref_loss += loss.item()
+
+    model = build_gpt(CFG, pgc, attention="cpkit")
+    registry = build_group_registry([[0]], 0)
+    plan = _plan([[((0,), (0, 2))], [((0,), (1, 3))]], lens, dp_cp_size=1)
+    result = dynamic_cp_step(model, plan, registry, lambda i: samples[i], pg_collection=pgc)
+    assert result.num_tokens == sum(lens) and result.cp_sizes == (1, 1)
+    assert abs(result.loss - ref_loss) <= 1e-5
+    assert abs(sum(result.local_losses) - result.loss) <= 1e-12
+    ref_grads, grads = named_gradients(ref), named_gradients(model)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-5)
+
+
+def test_step_rejects_a_dp_cp_group_that_is_not_the_registry(pgc, model):
+    registry = build_group_registry([[0, 1]], 0, new_group=lambda ranks: FakeGroup(ranks))
+    plan = _plan([[((0, 1), (0,))]], [4], dp_cp_size=2)
+    with pytest.raises(CPConfigError, match="registry's ranks"):
+        dynamic_cp_step(model, plan, registry, lambda i: _sample(4, i), pg_collection=pgc)
