@@ -7,9 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cpkit.testing import LaunchTimeout, RankFailure, launch, run_cases
-
-pytestmark = pytest.mark.dist
+from cpkit.testing import LaunchTimeout, RankFailure, device, dist_params, launch, run_cases
 
 
 def _rank_and_sum():
@@ -42,6 +40,13 @@ def _case(case):
     return (case, t.item())
 
 
+def _all_reduce_on_device():
+    dev = device()
+    t = torch.full((4,), float(dist.get_rank() + 1), device=dev)
+    dist.all_reduce(t)
+    return str(dev), t.cpu().tolist()
+
+
 def _pid_alive(pid):
     try:
         os.kill(pid, 0)
@@ -50,6 +55,7 @@ def _pid_alive(pid):
     return True
 
 
+@pytest.mark.dist
 def test_results_come_back_per_rank_and_no_process_survives():
     out = launch(_rank_and_sum, 2, timeout=120)
     assert [(r, s) for r, s, _ in out] == [(0, 3.0), (1, 3.0)]
@@ -57,6 +63,7 @@ def test_results_come_back_per_rank_and_no_process_survives():
     assert not any(_pid_alive(pid) for _, _, pid in out)
 
 
+@pytest.mark.dist
 def test_raising_rank_is_named_with_traceback_and_others_stopped():
     start = time.monotonic()
     with pytest.raises(RankFailure) as info:
@@ -67,6 +74,7 @@ def test_raising_rank_is_named_with_traceback_and_others_stopped():
     assert time.monotonic() - start < 60  # rank 0 was stopped, not left in its barrier
 
 
+@pytest.mark.dist
 def test_hanging_rank_fails_within_timeout_with_stack():
     start = time.monotonic()
     with pytest.raises(LaunchTimeout) as info:
@@ -76,6 +84,7 @@ def test_hanging_rank_fails_within_timeout_with_stack():
     assert "_hang_on_rank" in str(info.value)  # the stack dump names where it hangs
 
 
+@pytest.mark.dist
 def test_case_grid_reports_each_case_separately():
     cases = ["ok-a", "fail-all", "ok-b", "fail-rank1", "after"]
     res = run_cases(_case, cases, 2, timeout=120)
@@ -87,3 +96,13 @@ def test_case_grid_reports_each_case_separately():
         res["fail-rank1"].check()
     # After a one-sided failure the ranks may be out of step: later cases are not run.
     assert "not run" in res["after"].errors[0]
+
+
+@pytest.mark.parametrize("backend,world_size", dist_params((2, 4)))
+def test_all_reduce_smoke(backend, world_size):
+    """NCCL (gpu2/gpu4) or gloo (dist) smoke test: each rank on its own device, right sum."""
+    out = launch(_all_reduce_on_device, world_size, backend=backend, timeout=120)
+    total = float(sum(range(1, world_size + 1)))
+    assert [values for _, values in out] == [[total] * 4] * world_size
+    expected = [f"cuda:{r}" for r in range(world_size)] if backend == "nccl" else ["cpu"] * world_size
+    assert [dev for dev, _ in out] == expected

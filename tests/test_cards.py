@@ -275,3 +275,12 @@ def test_check_command_exit_codes(repo, capsys):
     with pytest.raises(SystemExit) as err:
         main(["cards"])
     assert err.value.code == 2
+
+
+def test_last_result_must_name_outcome_date_and_machine():
+    from cpkit.cards import _check_follow_up
+
+    item = {"id": "x", "text": "t", "status": "covered", "needs": "gpu4", "covered_by": ["tests/a.py::b"]}
+    assert _check_follow_up({**item, "last_result": "passed 2026-11-21 on 4x NVIDIA H200: 3 passed"}, "f") == []
+    problems = _check_follow_up({**item, "last_result": "looked fine"}, "f")
+    assert problems == ["f.last_result: 'looked fine' must read '<passed|failed|partial> YYYY-MM-DD on <machine>: <detail>'"]

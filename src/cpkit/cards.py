@@ -78,8 +78,12 @@ CARD_KEYS = {
     "evidence": "list[str]",
     "follow_up_validation": "list[follow_up]",
 }
-FOLLOW_UP_KEYS = {"id": "str", "text": "str", "status": "str", "covered_by": "list[str]", "needs": "str"}
-_FOLLOW_UP_OPTIONAL = {"covered_by"}  # an open item may have no coverage yet
+FOLLOW_UP_KEYS = {"id": "str", "text": "str", "status": "str", "covered_by": "list[str]", "needs": "str",
+                  "last_result": "str"}
+# An open item may have no coverage yet. `last_result` records the last run where this machine
+# cannot repeat it (a GPU run seen from a CPU machine): "<outcome> <YYYY-MM-DD> on <machine>: <detail>".
+_FOLLOW_UP_OPTIONAL = {"covered_by", "last_result"}
+_LAST_RESULT = re.compile(r"^(passed|failed|partial) \d{4}-\d{2}-\d{2} on \S.*$")
 
 _SLUG = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
 _DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
@@ -169,6 +173,7 @@ class FollowUp:
     status: str
     needs: str
     covered_by: tuple[str, ...] = ()
+    last_result: str | None = None
 
 
 @dataclass(frozen=True)
@@ -254,6 +259,9 @@ def _check_follow_up(item: Any, where: str) -> list[str]:
         problems.append(f"{where}.needs: {needs!r} is not one of {', '.join(NEEDS)}")
     if status == "covered" and not item.get("covered_by"):
         problems.append(f"{where}.covered_by: a covered item needs at least one pytest node id")
+    last = item.get("last_result")
+    if isinstance(last, str) and not _LAST_RESULT.match(last):
+        problems.append(f"{where}.last_result: {last!r} must read '<passed|failed|partial> YYYY-MM-DD on <machine>: <detail>'")
     return problems
 
 
@@ -321,7 +329,7 @@ def load_card(path: str | Path, root: str | Path | None = None, *, today: _dt.da
     follow_ups = tuple(
         FollowUp(
             id=i["id"], text=i["text"], status=i["status"], needs=i["needs"],
-            covered_by=tuple(i.get("covered_by") or ()),
+            covered_by=tuple(i.get("covered_by") or ()), last_result=i.get("last_result"),
         )
         for i in data["follow_up_validation"]
     )
@@ -589,6 +597,7 @@ def status_report(
                 "text": item.text,
                 "covered_by": list(item.covered_by),
                 "result": None,
+                "last_result": item.last_result,
                 "results": {},
                 "_run": run and fits and bool(item.covered_by),
                 "_why": None if fits else f"needs {item.needs}",
@@ -615,7 +624,7 @@ def status_report(
         if not row["covered_by"]:
             row["result"] = "no tests"
         elif not run_it:
-            row["result"] = why
+            row["result"] = why + (f"; last: {row['last_result']}" if row["last_result"] else "")
         else:
             for node in row["covered_by"]:
                 found = _node_outcomes(node, outcomes)
@@ -644,7 +653,7 @@ def format_status_table(rows: list[dict]) -> str:
         table = [("id", "status", "needs", "result", "covered_by")]
         for row in card_rows:
             nodes = row["covered_by"] or ["-"]
-            result = row["result"] or "-"
+            result = row["result"] or (f"last: {row['last_result']}" if row["last_result"] else "-")
             table.append((row["id"], row["status"], row["needs"], result, _with_result(nodes[0], row)))
             table += [("", "", "", "", _with_result(n, row)) for n in nodes[1:]]
         widths = [max(len(r[c]) for r in table) for c in range(4)]
