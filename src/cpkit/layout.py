@@ -14,19 +14,20 @@ from typing import Any, Optional, Union
 
 from cpkit.errors import CPConfigError, Violation
 
-__all__ = ["CP_COMM_TYPES", "CPLayout", "validate_layout"]
+__all__ = ["COMM_TYPE_SPELLING_HINTS", "CP_COMM_TYPES", "CPLayout", "validate_layout"]
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 """The CP communication types, spelled as MCore's TransformerConfig.cp_comm_type and TE spell them."""
 
-# Misspellings that are common enough to deserve their own message.
-_SPELLING_HINTS = {
+# Misspellings common enough to deserve their own "did you mean" in every error that names them.
+COMM_TYPE_SPELLING_HINTS = {
     "allgather": "all_gather",
     "all-gather": "all_gather",
     "ring": "p2p",
     "ulysses": "a2a",
     "a2a_p2p": "a2a+p2p",
     "a2a-p2p": "a2a+p2p",
+    "hierarchical": "a2a+p2p",
 }
 
 
@@ -282,7 +283,7 @@ def _check_comm_type(layout: CPLayout, out: list[Violation]) -> None:
         if entry in CP_COMM_TYPES:
             continue
         where = "" if isinstance(value, str) else f" (layer {i})"
-        hint = _SPELLING_HINTS.get(str(entry).lower()) if isinstance(entry, str) else None
+        hint = COMM_TYPE_SPELLING_HINTS.get(str(entry).lower()) if isinstance(entry, str) else None
         fix = f'use "{hint}" (MCore and TE spell it so)' if hint else f"use one of {list(CP_COMM_TYPES)}"
         out.append(Violation("cp_comm_type", value,
                              f"{entry!r}{where} is not a CP comm type {list(CP_COMM_TYPES)}", fix))

@@ -20,22 +20,13 @@ from cpkit.attention.comm import group_size
 from cpkit.attention.hierarchical import hierarchical_attention
 from cpkit.attention.p2p import ring_attention
 from cpkit.errors import CPConfigError
-from cpkit.layout import CP_COMM_TYPES
+from cpkit.layout import COMM_TYPE_SPELLING_HINTS, CP_COMM_TYPES
 from cpkit.sharding import check_cu_seqlens
 
 __all__ = ["context_parallel_attention", "check_comm_type", "check_a2a_heads", "CP_COMM_TYPES"]
 
 CPGroup = Union[dist.ProcessGroup, Sequence[dist.ProcessGroup], None]
 
-_HINTS = {
-    "allgather": "all_gather",
-    "all-gather": "all_gather",
-    "ring": "p2p",
-    "ulysses": "a2a",
-    "a2a_p2p": "a2a+p2p",
-    "a2a-p2p": "a2a+p2p",
-    "hierarchical": "a2a+p2p",
-}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -43,7 +34,7 @@ def check_comm_type(cp_comm_type: str) -> str:
     """Return `cp_comm_type` if it is one of CP_COMM_TYPES; CPConfigError otherwise."""
     if cp_comm_type in CP_COMM_TYPES:
         return cp_comm_type
-    hint = _HINTS.get(str(cp_comm_type).lower())
+    hint = COMM_TYPE_SPELLING_HINTS.get(str(cp_comm_type).lower())
     fix = f'use "{hint}"' if hint else f"use one of {', '.join(CP_COMM_TYPES)}"
     raise CPConfigError.single("cp_comm_type", cp_comm_type, f"must be one of {list(CP_COMM_TYPES)}", fix)
 
