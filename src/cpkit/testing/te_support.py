@@ -1,0 +1,161 @@
+"""Test support for the Transformer Engine backend: skips, parameter names, restore checks.
+
+- `te_skip_reason()` / `requires_te()`: skip a test with the reason where TE is not importable.
+- `local_name_for_te`, `map_te_names`, `copy_weights_from_local`: MCore's TE layer spec fuses
+  the layer norms into the following linear (`TELayerNormColumnParallelLinear`), so a TE-spec
+  GPT names `input_layernorm.weight` `self_attention.linear_qkv.layer_norm_weight` (and
+  `pre_mlp_layernorm.*` `mlp.linear_fc1.layer_norm_*`); every other parameter has the name and
+  shape of the local (cpkit) spec. The mapping is the one MCore itself uses to load local-spec
+  checkpoints into TE models (`sharded_state_dict_keys_map` of `get_gpt_layer_local_submodules`,
+  megatron/core/models/gpt/gpt_layer_specs.py, 0.16 and 0.19).
+- `rebind_snapshot` / `assert_rebind_restored`: every attribute eval CP (and dynamic CP) may
+  rebind, captured by object identity, so a test can prove the restore put back the very objects.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import pytest
+import torch
+
+__all__ = [
+    "te_skip_reason",
+    "requires_te",
+    "TE_FUSED_NORM_NAMES",
+    "local_name_for_te",
+    "map_te_names",
+    "copy_weights_from_local",
+    "rebind_snapshot",
+    "assert_rebind_restored",
+]
+
+
+def te_skip_reason() -> Optional[str]:
+    """Why the TE tests cannot run here (TE not importable), or None when they can."""
+    from cpkit.attention.te import te_available, te_unavailable_reason
+
+    if te_available():
+        return None
+    return (f"Transformer Engine is not importable ({te_unavailable_reason()}); install it "
+            "(pip install 'cpkit[te]', or ../shared/gpu/te-install.sh on a GPU host) to run the "
+            "te backend tests")
+
+
+def requires_te():
+    """A skipif marker for tests that need TE (evaluated once, when the marker is made)."""
+    reason = te_skip_reason()
+    return pytest.mark.skipif(reason is not None, reason=reason or "")
+
+
+# --- TE <-> local parameter names -------------------------------------------------------------
+
+TE_FUSED_NORM_NAMES = (
+    ("self_attention.linear_qkv.layer_norm_", "input_layernorm."),
+    ("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."),
+)
+"""(TE-spec name part, local-spec name part) of the layer norms TE fuses into a linear."""
+
+
+def local_name_for_te(name: str) -> str:
+    """The local-spec name of a TE-spec parameter name (unchanged when nothing is fused)."""
+    for fused, local in TE_FUSED_NORM_NAMES:
+        head, sep, tail = name.partition(fused)
+        if sep and (not head or head.endswith(".")):
+            return head + local + tail
+    return name
+
+
+def map_te_names(tensors: dict[str, Any]) -> dict[str, Any]:
+    """`tensors` (keyed by TE-spec names) keyed by local-spec names; ValueError on a collision."""
+    out: dict[str, Any] = {}
+    for name, value in tensors.items():
+        local = local_name_for_te(name)
+        if local in out:
+            raise ValueError(f"{name} and another parameter both map to {local}")
+        out[local] = value
+    return out
+
+
+@torch.no_grad()
+def copy_weights_from_local(te_model: torch.nn.Module, local_model: torch.nn.Module) -> int:
+    """Copy every parameter of a local/cpkit-spec model into the same-layout TE-spec model.
+
+    Both must be built for the same GPTConfig and parallel layout. Raises ValueError when a TE
+    parameter has no local counterpart (or another shape), or a local parameter is left unused,
+    so a spec whose names change fails loudly instead of training from other weights.
+    Returns the number of parameters copied.
+    """
+    src = dict(local_model.named_parameters())
+    used: set[str] = set()
+    problems = []
+    for name, param in te_model.named_parameters():
+        local = local_name_for_te(name)
+        if local not in src:
+            problems.append(f"TE parameter {name} (local name {local}) has no local counterpart")
+        elif src[local].shape != param.shape:
+            problems.append(f"{name}: TE shape {tuple(param.shape)} != local {tuple(src[local].shape)}")
+        elif local in used:
+            problems.append(f"{name}: local parameter {local} is used twice")
+        else:
+            param.copy_(src[local])
+            used.add(local)
+    problems += [f"local parameter {n} has no TE counterpart" for n in sorted(set(src) - used)]
+    if problems:
+        raise ValueError("TE and local specs do not match:\n" + "\n".join(problems))
+    return len(used)
+
+
+# --- restore checks ---------------------------------------------------------------------------
+
+_ABSENT = object()
+_CONFIG_ATTRS = ("context_parallel_size", "hierarchical_context_parallel_sizes", "cp_comm_type")
+
+
+def _attrs_eval_cp_may_set() -> tuple[str, ...]:
+    from cpkit.eval_cp import CP_ATTENTION_ATTRS, REBIND_TABLE
+
+    rope_caches = ("max_seq_len_cached", "offset_cached", "dtype_cached", "packed_seq_cached",
+                   "cos_cached", "sin_cached")
+    return tuple(dict.fromkeys([r.attr for r in REBIND_TABLE] + list(CP_ATTENTION_ATTRS)
+                               + list(rope_caches)))
+
+
+def rebind_snapshot(model: torch.nn.Module) -> list[tuple[str, Any, str, Any]]:
+    """(label, object, attribute, value) of every attribute eval CP may rebind in `model`.
+
+    Covers each module's instance attributes in cpkit.eval_cp.REBIND_TABLE and
+    CP_ATTENTION_ATTRS (and the RoPE caches), the CP fields of every distinct config, and the
+    class-level `cp_stream` of every class that has one (MCore's TEDotProductAttention).
+    """
+    attrs = _attrs_eval_cp_may_set()
+    out = []
+    configs: dict[int, Any] = {}
+    classes: dict[int, type] = {}
+    for name, module in model.named_modules():
+        state = vars(module)
+        for attr in attrs:
+            out.append((f"{name or '<model>'}.{attr}", module, attr, state.get(attr, _ABSENT)))
+        config = state.get("config")
+        if config is not None:
+            configs.setdefault(id(config), config)
+        for cls in type(module).__mro__:
+            if "cp_stream" in vars(cls):
+                classes.setdefault(id(cls), cls)
+    for config in configs.values():
+        for attr in _CONFIG_ATTRS:
+            out.append((f"config.{attr}", config, attr, vars(config).get(attr, _ABSENT)))
+    for cls in classes.values():
+        out.append((f"{cls.__qualname__}.cp_stream (class)", cls, "cp_stream", vars(cls)["cp_stream"]))
+    return out
+
+
+def assert_rebind_restored(snapshot: list[tuple[str, Any, str, Any]]) -> int:
+    """Assert every attribute of `snapshot` is (`is`) the object it was; return the count."""
+    wrong = []
+    for label, obj, attr, value in snapshot:
+        now = vars(obj).get(attr, _ABSENT)
+        if now is not value:
+            wrong.append(f"{label}: now {now!r}, was {value!r}")
+    assert not wrong, "not restored:\n" + "\n".join(wrong)
+    return len(snapshot)
