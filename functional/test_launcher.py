@@ -1,6 +1,9 @@
 """The multi-rank launcher itself: results, failures named by rank, timeouts, case grids."""
 
 import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -38,6 +41,46 @@ def _case(case):
     if case == "fail-all":
         raise AssertionError(f"mismatch on rank {dist.get_rank()}")
     return (case, t.item())
+
+
+def _fail_before_collective(case):
+    # Rank 1 fails before the all_reduce that rank 0 then waits in: only the collective
+    # timeout ends that case, and the process group is unusable afterwards.
+    if case == "early" and dist.get_rank() == 1:
+        raise AssertionError("early failure on rank 1")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return case
+
+
+def _crash_on_rank1_late_progress(case):
+    # Rank 1 dies without a word; rank 0 finishes the case a little later (its progress
+    # arrives while the launcher is deciding whether rank 1 crashed or raised).
+    if dist.get_rank() == 1:
+        os._exit(7)
+    time.sleep(1.0)
+    return case
+
+
+def _exit_zero_on_rank1():
+    if dist.get_rank() == 1:
+        os._exit(0)  # gone without a result and without an error
+    return dist.get_rank()
+
+
+def _write_pid_and_sleep(pid_dir):
+    with open(os.path.join(pid_dir, f"rank{dist.get_rank()}.pid"), "w") as fh:
+        fh.write(str(os.getpid()))
+    time.sleep(600)
+
+
+def _running(pid):
+    """True while `pid` exists and is not a zombie (a reparented child nobody reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _all_reduce_on_device():
@@ -96,6 +139,72 @@ def test_case_grid_reports_each_case_separately():
         res["fail-rank1"].check()
     # After a one-sided failure the ranks may be out of step: later cases are not run.
     assert "not run" in res["after"].errors[0]
+
+
+@pytest.mark.dist
+def test_case_grid_after_a_collective_timeout_marks_later_cases_not_run():
+    """A one-sided failure before a collective ends in a collective timeout; the cases after it
+    are "not run" (never a traceback of the agreement step blamed on a case that never ran)."""
+    res = run_cases(_fail_before_collective, ["ok", "early", "after"], 2, timeout=120, pg_timeout=5)
+    assert res["ok"].check().values == {0: "ok", 1: "ok"}
+    assert "early failure on rank 1" in res["early"].errors[1]
+    assert sorted(res["early"].errors) == [0, 1]  # rank 0 timed out in its all_reduce
+    assert sorted(res["after"].errors) == [0, 1]
+    for r in (0, 1):
+        assert res["after"].errors[r].startswith("not run"), res["after"].errors[r]
+        assert "early" in res["after"].errors[r]
+
+
+@pytest.mark.dist
+def test_crashed_rank_keeps_the_other_ranks_finished_cases():
+    """Progress that arrives while a crash is being confirmed is kept, not dropped."""
+    res = run_cases(_crash_on_rank1_late_progress, ["a"], 2, timeout=120, pg_timeout=30)
+    assert res["a"].values == {0: "a"}
+    assert sorted(res["a"].errors) == [1]
+    assert "exit code 7" in res["a"].errors[1]
+
+
+@pytest.mark.dist
+def test_rank_exiting_without_result_fails_fast():
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        launch(_exit_zero_on_rank1, 2, timeout=120)
+    assert time.monotonic() - start < 60  # not left to the launch timeout
+    assert info.value.rank == 1
+    assert "without a result" in str(info.value)
+
+
+@pytest.mark.dist
+def test_ranks_do_not_outlive_a_killed_launcher(tmp_path):
+    """The launching process is SIGKILLed (a CI job killed, pytest-timeout's thread method):
+    its ranks must die with it, not sleep on as orphans."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    driver = (
+        "import sys; sys.path.insert(0, %r)\n"
+        "from cpkit.testing import launch\n"
+        "from functional.test_launcher import _write_pid_and_sleep\n"
+        "launch(_write_pid_and_sleep, 2, args=(%r,), timeout=600)\n" % (root, str(tmp_path))
+    )
+    proc = subprocess.Popen([sys.executable, "-c", driver], cwd=root)
+    pids = []
+    try:
+        deadline = time.monotonic() + 90
+        while len(pids) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            pids = [int(p.read_text()) for p in sorted(tmp_path.glob("rank*.pid")) if p.read_text()]
+        assert len(pids) == 2, "the ranks never started"
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 15
+        while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_running(pid) for pid in pids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in pids:  # the ranks this test started, if the launcher left them behind
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("backend,world_size", dist_params((2, 4)))

@@ -68,3 +68,13 @@ def test_config_error_survives_mcore_build_module_rewrap(pgc):
         build_module(ModuleSpec(module=Refuses))
     assert info.value.field == "cp_comm_type"
     assert "needs pg_collection.hcp" in str(info.value) and "when instantiating" in str(info.value)
+
+
+def test_te_fused_norm_names_map_to_the_local_spec_names():
+    from cpkit.models import local_spec_name
+
+    assert local_spec_name("decoder.layers.1.self_attention.linear_qkv.layer_norm_weight") == \
+        "decoder.layers.1.input_layernorm.weight"
+    assert local_spec_name("decoder.layers.0.mlp.linear_fc1.layer_norm_bias") == \
+        "decoder.layers.0.pre_mlp_layernorm.bias"
+    assert local_spec_name("decoder.layers.0.mlp.linear_fc1.weight") == "decoder.layers.0.mlp.linear_fc1.weight"

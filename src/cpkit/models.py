@@ -21,6 +21,7 @@ __all__ = [
     "GPTConfig",
     "build_gpt",
     "init_weights",
+    "local_spec_name",
     "make_batch",
     "shard_batch",
     "forward_loss",
@@ -161,8 +162,26 @@ def build_gpt(
 # --- deterministic, layout-independent weights -----------------------------------------------
 
 
+TE_FUSED_NORM_NAMES = (
+    ("self_attention.linear_qkv.layer_norm_", "input_layernorm."),
+    ("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."),
+)
+"""(TE-spec name part, local-spec name part) of the layer norms TE fuses into a linear."""
+
+
+def local_spec_name(name: str) -> str:
+    """The local-spec name of a parameter name: TE's fused layer norms are renamed, so a TE-spec
+    and a local/cpkit-spec model get the same weights from one seed."""
+    for fused, local in TE_FUSED_NORM_NAMES:
+        head, sep, tail = name.partition(fused)
+        if sep and (not head or head.endswith(".")):
+            return head + local + tail
+    return name
+
+
 def _partition_dims(model) -> dict[str, int]:
-    """Parameter name -> tensor-parallel partition dim, from MCore's parallel module types."""
+    """Parameter name -> tensor-parallel partition dim, from MCore's parallel module types
+    (and TE's linears, which say `parallel_mode` "column" or "row")."""
     from megatron.core.tensor_parallel.layers import (
         ColumnParallelLinear,
         RowParallelLinear,
@@ -176,6 +195,11 @@ def _partition_dims(model) -> dict[str, int]:
             dims[f"{prefix}weight"] = 0
             dims[f"{prefix}bias"] = 0
         elif isinstance(mod, RowParallelLinear):
+            dims[f"{prefix}weight"] = 1
+        elif getattr(mod, "parallel_mode", None) == "column":
+            dims[f"{prefix}weight"] = 0
+            dims[f"{prefix}bias"] = 0
+        elif getattr(mod, "parallel_mode", None) == "row":
             dims[f"{prefix}weight"] = 1
     return dims
 
@@ -198,7 +222,7 @@ def _global_names(model) -> dict[str, str]:
                 break
         else:
             name_global = name
-        out[name] = name_global
+        out[name] = local_spec_name(name_global)
     return out
 
 

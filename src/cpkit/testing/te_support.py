@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import pytest
 import torch
+from cpkit.models import TE_FUSED_NORM_NAMES, local_spec_name  # noqa: F401 - re-exported
 
 __all__ = [
     "te_skip_reason",
@@ -50,20 +51,8 @@ def requires_te():
 
 # --- TE <-> local parameter names -------------------------------------------------------------
 
-TE_FUSED_NORM_NAMES = (
-    ("self_attention.linear_qkv.layer_norm_", "input_layernorm."),
-    ("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."),
-)
-"""(TE-spec name part, local-spec name part) of the layer norms TE fuses into a linear."""
-
-
-def local_name_for_te(name: str) -> str:
-    """The local-spec name of a TE-spec parameter name (unchanged when nothing is fused)."""
-    for fused, local in TE_FUSED_NORM_NAMES:
-        head, sep, tail = name.partition(fused)
-        if sep and (not head or head.endswith(".")):
-            return head + local + tail
-    return name
+# The name mapping lives with the weight initialisation it serves (cpkit.models).
+local_name_for_te = local_spec_name
 
 
 def map_te_names(tensors: dict[str, Any]) -> dict[str, Any]:
