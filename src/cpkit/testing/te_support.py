@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import pytest
 import torch
+
 from cpkit.models import TE_FUSED_NORM_NAMES, local_spec_name  # noqa: F401 - re-exported
 
 __all__ = [
