@@ -16,6 +16,7 @@ import pickle
 import queue as queue_mod
 import shutil
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -65,8 +66,26 @@ def device():
     return torch.device("cpu")
 
 
-def _worker(rank, world_size, backend, store_path, dump_dir, pg_timeout_s, fn, args, kwargs, out_q):
+def _die_with_parent(parent_pid: int) -> None:
+    """Have the kernel kill this rank when the launching process dies (Linux), so that a
+    launcher killed outright (SIGKILL, pytest-timeout's thread method) leaves no orphan ranks."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            pr_set_pdeathsig = 1
+            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):  # no libc prctl: fall back to the check below only
+            pass
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(1)
+
+
+def _worker(rank, world_size, backend, store_path, dump_dir, pg_timeout_s, fn, args, kwargs, out_q,
+            parent_pid=None):
     global _progress_queue
+    if parent_pid is not None:
+        _die_with_parent(parent_pid)
     _progress_queue = out_q
     # A stack dump on SIGUSR1 lets the parent show where a hung rank is stuck.
     dump_file = open(os.path.join(dump_dir, f"rank{rank}.stacks"), "w")
@@ -203,7 +222,7 @@ def launch(
         ctx.Process(
             target=_worker,
             args=(r, world_size, backend, os.path.join(tmp, "store"), tmp, pg_timeout_s,
-                  fn, tuple(args), kwargs, out_q),
+                  fn, tuple(args), kwargs, out_q, os.getpid()),
             name=f"cpkit-rank{r}",
             daemon=True,
         )
@@ -211,50 +230,64 @@ def launch(
     ]
     results: dict[int, Any] = {}
     progress: list[tuple[int, Any]] = []
+
+    def handle(message) -> None:
+        kind, rank, payload = message
+        if kind == "ok":
+            results[rank] = pickle.loads(payload)
+        elif kind == "progress":
+            progress.append((rank, payload))
+            if _on_progress is not None:
+                _on_progress(rank, payload)
+        elif kind == "error":
+            _raise_failure(procs, out_q, world_size, rank, payload, progress)
+
+    def gone() -> list[int]:
+        # Exit code 0 counts too: a rank that exited cleanly without a result (os._exit(0) in
+        # fn) would otherwise be waited for until the launch timeout.
+        return [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
+
     try:
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
         while len(results) < world_size:
             try:
-                kind, rank, payload = out_q.get(timeout=0.2)
+                handle(out_q.get(timeout=0.2))
+                idle = False
             except queue_mod.Empty:
-                kind = None
-            if kind == "ok":
-                results[rank] = pickle.loads(payload)
-            elif kind == "progress":
-                progress.append((rank, payload))
-                if _on_progress is not None:
-                    _on_progress(rank, payload)
-            elif kind == "error":
-                _raise_failure(procs, out_q, world_size, rank, payload, progress)
-            if kind is None:
-                dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
-                if dead:
-                    # Give a raising rank's message a moment to arrive before blaming a crash.
+                idle = True
+            if idle and gone():
+                # Give a raising rank's error (or a clean rank's result) a moment to arrive
+                # before blaming a crash; keep every other message that arrives meanwhile.
+                grace = time.monotonic() + 2.0
+                while gone() and time.monotonic() < grace:
                     try:
-                        kind, rank, payload = out_q.get(timeout=2.0)
-                        if kind == "error":
-                            _raise_failure(procs, out_q, world_size, rank, payload, progress)
-                        if kind == "ok":
-                            results[rank] = pickle.loads(payload)
-                            continue
+                        handle(out_q.get(timeout=0.1))
                     except queue_mod.Empty:
                         pass
+                dead = gone()
+                if dead:
                     r = dead[0]
-                    msg = f"rank {r} of {world_size} died with exit code {procs[r].exitcode}"
+                    code = procs[r].exitcode
+                    if code == 0:
+                        msg = f"rank {r} of {world_size} exited (code 0) without a result or an error"
+                    elif code < 0:
+                        msg = f"rank {r} of {world_size} died with exit code {code} (signal {-code})"
+                    else:
+                        msg = f"rank {r} of {world_size} died with exit code {code}"
                     _stop(procs)
                     raise RankFailure(msg, r, {r: msg}, progress)
-                if time.monotonic() > deadline:
-                    hung = [r for r in range(world_size) if r not in results]
-                    stacks = _collect_stacks(procs, hung, tmp)
-                    _stop(procs)
-                    text = "\n".join(f"--- rank {r} stack ---\n{stacks[r]}" for r in hung)
-                    raise LaunchTimeout(
-                        f"launch of {getattr(fn, '__name__', fn)} on {world_size} ranks timed out "
-                        f"after {timeout:.0f}s; hung ranks: {hung}\n{text}",
-                        hung, stacks, progress,
-                    )
+            if len(results) < world_size and time.monotonic() > deadline:
+                hung = [r for r in range(world_size) if r not in results]
+                stacks = _collect_stacks(procs, hung, tmp)
+                _stop(procs)
+                text = "\n".join(f"--- rank {r} stack ---\n{stacks[r]}" for r in hung)
+                raise LaunchTimeout(
+                    f"launch of {getattr(fn, '__name__', fn)} on {world_size} ranks timed out "
+                    f"after {timeout:.0f}s; hung ranks: {hung}\n{text}",
+                    hung, stacks, progress,
+                )
         for p in procs:
             p.join(10)
         return [results[r] for r in range(world_size)]
@@ -315,7 +348,16 @@ def _run_case_list(fn, cases):
         # Ranks must agree on the outcome: if only some failed, the rest may be stuck in a
         # collective the failing ones never reached, so later cases would run out of step.
         flags = [None] * dist.get_world_size()
-        dist.all_gather_object(flags, error is None)
+        try:
+            dist.all_gather_object(flags, error is None)
+        except Exception as exc:  # noqa: BLE001 - a collective timeout broke the group
+            # Typically a one-sided failure left another rank in a collective until the
+            # collective timeout; the process group is unusable afterwards. Blame no later case.
+            reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+            for rest in cases[i + 1:]:
+                out.append((False, f"not run: after case {case_id_of(case)} the ranks could not agree "
+                                   f"on its outcome ({reason}); the process group is unusable", 0.0))
+            break
         if any(flags) and not all(flags):
             failed = [r for r, ok in enumerate(flags) if not ok]
             for rest in cases[i + 1:]:
