@@ -69,8 +69,16 @@ def _run_pytest(root: Path, paths: list[str], extra: list[str]) -> tuple[int, li
     return rc, records, levels
 
 
-def _summarise(records: list[dict], levels: dict) -> list[dict]:
+def _summarise(records: list[dict], levels: dict, rc: int = 0) -> list[dict]:
     rows: dict[tuple[str, str], dict] = {}
+    finished = {rec["nodeid"] for rec in records if rec["outcome"] != "started"}
+    unfinished = list(dict.fromkeys(rec["nodeid"] for rec in records
+                                    if rec["outcome"] == "started" and rec["nodeid"] not in finished))
+    # A test that started and never reported took the pytest process down (or was running
+    # when it was killed): it failed, and it is the one to name.
+    records = [rec for rec in records if rec["outcome"] != "started"] + [
+        {"nodeid": n, "outcome": "failed", "seconds": 0.0,
+         "reason": f"pytest stopped (exit code {rc}) while this test ran"} for n in unfinished]
     for rec in records:
         level = levels.get(rec["nodeid"], "unit")
         key = (feature_of(rec["nodeid"]), level)
@@ -82,7 +90,7 @@ def _summarise(records: list[dict], levels: dict) -> list[dict]:
         if rec["outcome"] == "skipped" and rec["reason"]:
             row["reasons"].add(rec["reason"])
         if rec["outcome"] == "failed":
-            row["failures"].append(rec["nodeid"])
+            row["failures"].append(rec["nodeid"] + (f" ({rec['reason']})" if rec["nodeid"] in unfinished else ""))
     out = []
     for (feature, level), row in sorted(rows.items(), key=lambda kv: (kv[0][0], LEVEL_ORDER[kv[0][1]])):
         if row["failed"]:
@@ -152,7 +160,7 @@ def run(args) -> int:
         extra += args.pytest_args.split()
     start = time.perf_counter()
     rc, records, levels = _run_pytest(root, ["tests", "functional"], extra)
-    rows = _summarise(records, levels)
+    rows = _summarise(records, levels, rc)
     if rc not in (0, 1, 5) or (rc == 1 and not any(not r["ok"] for r in rows)):
         rows.append({"feature": "foundation", "check": "pytest run", "ok": False, "seconds": 0.0,
                      "result": f"fail (pytest exit code {rc})", "failures": []})
