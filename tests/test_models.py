@@ -78,3 +78,17 @@ def test_te_fused_norm_names_map_to_the_local_spec_names():
     assert local_spec_name("decoder.layers.0.mlp.linear_fc1.layer_norm_bias") == \
         "decoder.layers.0.pre_mlp_layernorm.bias"
     assert local_spec_name("decoder.layers.0.mlp.linear_fc1.weight") == "decoder.layers.0.mlp.linear_fc1.weight"
+
+
+def test_train_step_refuses_pipeline_parallel_with_a_clear_error(pgc):
+    from cpkit.compat import new_pg_collection
+    from cpkit.errors import CPConfigError
+
+    class TwoStages:
+        def size(self):
+            return 2
+
+    model = build_gpt(CFG, pgc, attention="local")
+    fake = new_pg_collection(**{**{k: getattr(pgc, k) for k in ("tp", "cp", "dp", "dp_cp")}, "pp": TwoStages()})
+    with pytest.raises(CPConfigError, match="pp=2: train_step runs the whole model on one pipeline stage"):
+        train_step(model, make_batch(CFG), fake)

@@ -58,7 +58,7 @@ class GPTConfig:
 
 
 def _group_size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
+    return 1 if group is None else group.size()
 
 
 def _layer_spec(attention: AttentionBackend, num_layers: int):
@@ -305,7 +305,7 @@ def forward_loss(model, local_batch: dict, pg_collection, *, total_tokens: float
         packed_seq_params=packed_seq_params,
     )
     if logits is None or not getattr(model, "post_process", True):
-        return logits
+        return None
     tp_group = get_pg(pg_collection, "tp")
     if _group_size(tp_group) > 1:
         logits = _GatherLastDim.apply(logits, tp_group)
@@ -359,11 +359,22 @@ def _total_tokens(local_batch: dict, pg_collection) -> float:
     return count.item()
 
 
+def _require_single_stage(pg_collection, what: str) -> None:
+    pp = _group_size(get_pg(pg_collection, "pp"))
+    if pp > 1:
+        from cpkit.errors import CPConfigError
+
+        raise CPConfigError.single("pp", pp, f"{what} runs the whole model on one pipeline stage",
+                                   "use pp=1, or MCore's pipeline schedule (see cpkit.eval_cp.evaluate)")
+
+
 def train_step(model, local_batch: dict, pg_collection, *, lr: float = 0.1, packed_seq_params=None) -> float:
     """Forward, backward, gradient reduction over dp x cp, one SGD step; returns the global loss.
 
     Gradients stay in `.grad` after the step so tests can compare them (see named_gradients).
+    Raises CPConfigError for pp > 1 (no pipeline schedule here).
     """
+    _require_single_stage(pg_collection, "train_step")
     model.zero_grad(set_to_none=True)
     total = _total_tokens(local_batch, pg_collection)
     loss = forward_loss(model, local_batch, pg_collection, total_tokens=total,
@@ -379,7 +390,8 @@ def train_step(model, local_batch: dict, pg_collection, *, lr: float = 0.1, pack
 
 @torch.no_grad()
 def eval_step(model, local_batch: dict, pg_collection, *, packed_seq_params=None) -> float:
-    """Forward only; returns the global mean loss over the dp x cp ranks."""
+    """Forward only; returns the global mean loss over the dp x cp ranks (pp = 1 only)."""
+    _require_single_stage(pg_collection, "eval_step")
     was_training = model.training
     model.eval()
     try:
