@@ -425,15 +425,26 @@ def dynamic_cp_step(
     if device is None:
         device = next(model.parameters()).device
     position = dp_cp_position(registry)
-    local = [prepare_microbatch(plan, m, registry, position, get_sample, device=device)
-             for m in range(len(plan.microbatches))]
+    failure: Optional[BaseException] = None
+    try:
+        local = [prepare_microbatch(plan, m, registry, position, get_sample, device=device)
+                 for m in range(len(plan.microbatches))]
+    except Exception as exc:  # noqa: BLE001 - shared with the other ranks below, then re-raised
+        failure, local = exc, []
 
-    # One count for the whole step: each token is held by exactly one rank of its group.
-    count = torch.tensor(sum(mb.num_tokens for mb in local if mb is not None), dtype=torch.float64,
-                         device=device)
+    # One count for the whole step (each token is held by exactly one rank of its group), and
+    # in the same all-reduce the number of ranks that failed to prepare their data: every rank
+    # then raises together instead of the healthy ones waiting in a collective.
+    stats = torch.tensor([sum(mb.num_tokens for mb in local if mb is not None), failure is not None],
+                         dtype=torch.float64, device=device)
     if _size(group) > 1:
-        dist.all_reduce(count, group=group)
-    total = count.item()
+        dist.all_reduce(stats, group=group)
+    if failure is not None:
+        raise failure
+    if stats[1].item() > 0:
+        raise RuntimeError(f"dynamic_cp_step: {int(stats[1].item())} other rank(s) of the DPxCP group failed "
+                           "to prepare their micro-batches (get_sample or packing); see their errors")
+    total = stats[0].item()
 
     shares = forward_backward_local(model, local, total_tokens=total, pg_collection=pg_collection,
                                     loss_fn=loss_fn, cp_comm_type=cp_comm_type)
