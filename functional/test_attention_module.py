@@ -16,9 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from cpkit.testing import device, dist_params, run_cases
+from cpkit.testing.reference import sdpa_reference
 
 HEADS, HEAD_DIM, BATCH, SEQ = 8, 16, 2, 32
 THD_LENS = [5, 16, 9]  # real lengths; padded to multiples of 2*cp
@@ -45,12 +45,13 @@ def _pg_collection(world: int, comm: str):
     return _PG_CACHE[key]
 
 
-def _config(world: int, comm: str, kv_heads: int, dtype, cp_size=None):
+def _config(world: int, comm: str, kv_heads: int, dtype, cp_size=None, heads=HEADS, head_dim=HEAD_DIM):
+    """A one-layer TransformerConfig for core attention at CP `cp_size` (default: world) with `comm`."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     cp_size = world if cp_size is None else cp_size
     return TransformerConfig(
-        num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS,
+        num_layers=1, hidden_size=heads * head_dim, num_attention_heads=heads,
         num_query_groups=kv_heads, attention_dropout=0.0, hidden_dropout=0.0,
         context_parallel_size=cp_size, cp_comm_type=comm if cp_size > 1 else None,
         hierarchical_context_parallel_sizes=[2, world // 2] if comm == "a2a+p2p" and cp_size > 1 else None,
@@ -58,18 +59,32 @@ def _config(world: int, comm: str, kv_heads: int, dtype, cp_size=None):
     )
 
 
-def _reference(q, k, v, causal, cu=None):
-    """Full attention in fp32, [s, b, h, d] (or THD [t, h, d] per sequence of `cu`)."""
-    rep = q.shape[-2] // k.shape[-2]
-    k, v = k.repeat_interleave(rep, -2), v.repeat_interleave(rep, -2)
-    if cu is None:  # sbhd -> [b, h, s, d]
-        out = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=causal)
-        return out.permute(2, 0, 1, 3)
-    outs = []
-    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
-        outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal).transpose(0, 1))
-    return torch.cat(outs)
+def _full_reference(q, k, v, dout, causal, cu=None):
+    """The single-rank reference on the full sequence, in fp32: (output, (dq, dk, dv))."""
+    full = [t.float().requires_grad_() for t in (q, k, v)]
+    ref = sdpa_reference(*full, causal, cu)
+    return ref, torch.autograd.grad(ref, full, dout.float())
+
+
+def _sharder(cu, rank: int, world: int):
+    """t -> this rank's CP shard of t: THD by the padded offsets `cu`, else sbhd along dim 0."""
+    from cpkit.sharding import shard_seq, shard_thd
+
+    def shard(t):
+        return shard_thd(t, cu, rank, world) if cu is not None else shard_seq(t, rank, world, seq_dim=0)
+
+    return shard
+
+
+def _thd_params(cu_padded, lens, dev):
+    """PackedSeqParams as MCore hands THD core attention: global real (`lens`) and padded offsets."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    real = torch.tensor([0] + list(lens), device=dev).cumsum(0).to(torch.int32)
+    longest = int((cu_padded[1:] - cu_padded[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real,
+                           cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
 
 
 def _inputs(kv_heads, dtype, dev, thd, cp):
@@ -87,11 +102,9 @@ def _inputs(kv_heads, dtype, dev, thd, cp):
 
 
 def _check_module_case(case):
-    from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
 
     from cpkit.attention.module import ContextParallelAttention
-    from cpkit.sharding import shard_seq, shard_thd
 
     dev = device()
     if dev.type == "cuda":
@@ -102,14 +115,8 @@ def _check_module_case(case):
     thd, causal = case["fmt"] == "thd", case["causal"]
     (q, k, v, dout), cu = _inputs(case["kv_heads"], dtype, dev, thd, world)
 
-    # Single-rank reference on the full sequence, fp32.
-    full = [t.float().requires_grad_() for t in (q, k, v)]
-    ref = _reference(*full, causal, cu)
-    ref_grads = torch.autograd.grad(ref, full, dout.float())
-
-    def shard(t):
-        return shard_thd(t, cu, rank, world) if thd else shard_seq(t, rank, world, seq_dim=0)
-
+    ref, ref_grads = _full_reference(q, k, v, dout, causal, cu)
+    shard = _sharder(cu, rank, world)
     mask = AttnMaskType.causal if causal else AttnMaskType.no_mask
     pgc = _pg_collection(world, case["comm"])
     attn = ContextParallelAttention(
@@ -120,12 +127,7 @@ def _check_module_case(case):
     local = [shard(t).detach().requires_grad_() for t in (q, k, v)]
     psp = None
     if thd:
-        # MCore hands THD core attention the global cu_seqlens (real and padded).
-        real = torch.tensor([0] + THD_LENS, device=dev).cumsum(0).to(torch.int32)
-        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real,
-                              cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
-                              max_seqlen_q=int((cu[1:] - cu[:-1]).max()),
-                              max_seqlen_kv=int((cu[1:] - cu[:-1]).max()))
+        psp = _thd_params(cu, THD_LENS, dev)
         if not causal:  # padded THD is only exact with a causal mask: use unpadded offsets
             psp.cu_seqlens_q = psp.cu_seqlens_kv = cu
     out = attn(*local, None, attn_mask_type=mask, packed_seq_params=psp)
@@ -204,7 +206,7 @@ def _check_group_case(case):
         assert attn.cp_group is None
         (q, k, v, dout), _ = _inputs(HEADS, torch.float32, dev, False, world)
         full = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref = _reference(*full, True)
+        ref = sdpa_reference(*full, True)
         ref_grads = torch.autograd.grad(ref, full, dout)
         local = [shard_seq(t, rank, world, 0).requires_grad_() for t in (q, k, v)]
         out = attn(*local, None, packed_seq_params=PackedSeqParams(qkv_format="sbhd", cp_group=pgc.cp))

@@ -28,10 +28,11 @@ from cpkit.dynamic import CPGroupAssignment, Microbatch, Plan, build_group_regis
 from cpkit.dynamic.runtime import dynamic_cp_step
 from cpkit.groups import build_pg_collection
 from cpkit.layout import CPLayout
-from cpkit.models import GPTConfig, build_gpt, forward_loss, named_gradients
+from cpkit.models import GPTConfig, build_gpt, named_gradients
 from cpkit.testing import device, grid_params, grid_result
 from cpkit.testing.cpu_shim import install_mcore_cpu_shim
-from cpkit.testing.reference import single_rank_pg_collection
+from cpkit.testing.compare import assert_grads_close
+from cpkit.testing.reference import per_sequence_reference, single_rank_pg_collection, token_sample
 
 LENS = (13, 54, 11, 29, 8, 26, 12, 10, 11)
 MAX_SEQ_LEN_PER_RANK = 24
@@ -50,14 +51,8 @@ def _cases(backend: str, world_size: int):
 
 
 def _samples(lens, vocab: int, dev) -> list[dict]:
-    """Sample i: tokens / labels (next token) / loss_mask, each [L_i], from a fixed seed."""
-    out = []
-    for i, length in enumerate(lens):
-        gen = torch.Generator().manual_seed(1000 + i)
-        seq = torch.randint(0, vocab, (length + 1,), generator=gen)
-        out.append({"tokens": seq[:-1].to(dev), "labels": seq[1:].to(dev),
-                    "loss_mask": torch.ones(length, device=dev)})
-    return out
+    """Sample i: tokens / labels (next token) / loss_mask, each [L_i], from seed 1000 + i."""
+    return [token_sample(length, 1000 + i, vocab, dev) for i, length in enumerate(lens)]
 
 
 def _idle_plan(lens, max_len: int) -> Plan:
@@ -92,13 +87,7 @@ def dynamic_case(case):
     # Reference: one rank, cp=1, one sequence at a time.
     ref_pgc = single_rank_pg_collection()
     ref = build_gpt(cfg, ref_pgc, attention="local" if dtype == torch.float32 else "cpkit", device=dev)
-    ref_loss = 0.0
-    for s in samples:
-        batch = {k: v.unsqueeze(0) for k, v in s.items()}
-        batch["position_ids"] = torch.arange(s["tokens"].numel(), device=dev).unsqueeze(0)
-        loss = forward_loss(ref, batch, ref_pgc, total_tokens=total)
-        loss.backward()
-        ref_loss += loss.item()
+    ref_loss = per_sequence_reference(ref, samples, ref_pgc, total_tokens=total)
     ref_grads = named_gradients(ref)
 
     # Dynamic CP over the DPxCP group of a dp=4, cp=1 layout.
@@ -132,11 +121,7 @@ def dynamic_case(case):
 
     tol = TOL[dtype]
     assert abs(result.loss - ref_loss) <= tol["loss"], f"loss {result.loss} vs reference {ref_loss}"
-    assert sorted(grads) == sorted(ref_grads)
-    for name, g in grads.items():
-        scale_g = ref_grads[name].abs().max().clamp_min(1e-6) if dtype != torch.float32 else 1.0
-        torch.testing.assert_close(g / scale_g, ref_grads[name] / scale_g, rtol=tol["rtol"], atol=tol["atol"],
-                                   msg=lambda m, n=name: f"gradient of {n}: {m}")
+    assert_grads_close(grads, ref_grads, rtol=tol["rtol"], atol=tol["atol"], scaled=dtype != torch.float32)
     return result.loss, ref_loss, result.cp_sizes
 
 

@@ -67,7 +67,10 @@ import torch
 import torch.distributed as dist
 
 from cpkit.testing import device, grid_params, grid_result
+from cpkit.testing.compare import assert_grads_close, first_layer_name, max_rel_diff
+from cpkit.testing.reference import sdpa_reference, token_sample
 from cpkit.testing.te_support import requires_te
+from functional.test_attention_module import _config, _full_reference, _pg_collection, _sharder, _thd_params
 
 pytestmark = [requires_te()]
 
@@ -115,45 +118,15 @@ def _dynamic_runtime_missing():
 # --------------------------------------------------------------------------------- helpers
 
 
-def _reference(q, k, v, causal, cu=None):
-    """Full attention in fp32, sbhd [s, b, h, d] (or THD [t, h, d], per sequence of `cu`)."""
-    import torch.nn.functional as F
-
-    rep = q.shape[-2] // k.shape[-2]
-    k, v = k.repeat_interleave(rep, -2), v.repeat_interleave(rep, -2)
-    if cu is None:
-        out = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=causal)
-        return out.permute(2, 0, 1, 3)
-    outs = []
-    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
-        outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal).transpose(0, 1))
-    return torch.cat(outs)
-
-
 def _close(what: str, got, want, tol=ATTN_TOL):
     rank = dist.get_rank()
     torch.testing.assert_close(got.float(), want.float(), **tol, msg=lambda m: f"rank {rank} {what}: {m}")
     return float((got.detach().float() - want.detach().float()).abs().max()) if got.numel() else 0.0
 
 
-def _rel_diff(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((a - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
-
-
 def _assert_grads_close(got: dict, want: dict, what: str) -> None:
     """Every gradient within GRAD_TOL relative to the reference gradient's largest entry."""
-    assert sorted(got) == sorted(want), f"{what}: parameter names differ: {sorted(set(got) ^ set(want))}"
-    for name, g in got.items():
-        scale = want[name].abs().max().clamp_min(1e-6)
-        torch.testing.assert_close(g / scale, want[name] / scale, **GRAD_TOL,
-                                   msg=lambda m, n=name: f"{what}: gradient of {n}: {m}")
-
-
-def _probe_name(grads: dict) -> str:
-    names = [n for n in grads if n.endswith(PROBE_GRAD) and ".layers.0." in n]
-    assert len(names) == 1, f"expected one first-layer {PROBE_GRAD}, found {names}"
-    return names[0]
+    assert_grads_close(got, want, **GRAD_TOL, what=f"{what}: gradient")
 
 
 def _te_modules(model):
@@ -197,32 +170,6 @@ def _cpkit_and_te(cfg, pgc, dev, **build):
 
 # ------------------------------------------------------------------ 1. attention parity
 
-_PGS: dict = {}  # per rank process: one collection per (world, comm type)
-
-
-def _cp_collection(world: int, comm: str):
-    from cpkit.groups import build_pg_collection
-    from cpkit.layout import CPLayout
-
-    if (world, comm) not in _PGS:
-        hier = [2, world // 2] if comm == "a2a+p2p" else None
-        layout = CPLayout(world_size=world, cp=world, cp_comm_type=comm,
-                          hierarchical_context_parallel_sizes=hier)
-        _PGS[(world, comm)] = build_pg_collection(layout)
-    return _PGS[(world, comm)]
-
-
-def _attention_config(world: int, comm: str, kv_heads: int):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    return TransformerConfig(
-        num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS, num_query_groups=kv_heads,
-        attention_dropout=0.0, hidden_dropout=0.0, context_parallel_size=world, cp_comm_type=comm,
-        hierarchical_context_parallel_sizes=[2, world // 2] if comm == "a2a+p2p" else None,
-        bf16=True, params_dtype=torch.bfloat16,
-    )
-
-
 def _attention_inputs(kv_heads: int, thd: bool, cp: int, dev):
     """(q, k, v, dout) in bf16, padded cu_seqlens (THD) and the mask of real tokens; dout is
     zero on THD padding, so the reference gradients there are zero and real tokens exact."""
@@ -245,17 +192,6 @@ def _attention_inputs(kv_heads: int, thd: bool, cp: int, dev):
     return tensors, (cu.to(dev) if thd else None), real.to(dev)
 
 
-def _thd_params(cu_padded, dev):
-    """PackedSeqParams as MCore hands THD core attention: global real and padded offsets."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    real = torch.tensor((0,) + THD_LENS, device=dev).cumsum(0).to(torch.int32)
-    longest = int((cu_padded[1:] - cu_padded[:-1]).max())
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real,
-                           cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded,
-                           max_seqlen_q=longest, max_seqlen_kv=longest)
-
-
 def _attention_cases(backend: str, world: int) -> list[dict]:
     comms = ["p2p", "all_gather", "a2a"] + (["a2a+p2p"] if world == 4 else [])
     cases = []
@@ -276,25 +212,19 @@ def attention_case(case):
 
     from cpkit.attention.module import ContextParallelAttention
     from cpkit.attention.te import bind_te_attention_groups
-    from cpkit.sharding import shard_seq, shard_thd
 
     comm, thd, causal = case["comm"], case["fmt"] == "thd", case["causal"]
     if (comm, case["fmt"]) in TE_UNSUPPORTED:
         return None
     dev, world = device(), dist.get_world_size()
-    pgc = _cp_collection(world, comm)
+    pgc = _pg_collection(world, comm)
     rank = dist.get_rank(pgc.cp)
     (q, k, v, dout), cu, real = _attention_inputs(case["kv_heads"], thd, world, dev)
 
-    full = [t.float().requires_grad_() for t in (q, k, v)]
-    ref = _reference(*full, causal, cu)
-    ref_grads = torch.autograd.grad(ref, full, dout.float())
-
-    def shard(t):
-        return shard_thd(t, cu, rank, world) if thd else shard_seq(t, rank, world, seq_dim=0)
-
+    ref, ref_grads = _full_reference(q, k, v, dout, causal, cu)
+    shard = _sharder(cu, rank, world)
     mask = AttnMaskType.causal if causal else AttnMaskType.no_mask
-    config = _attention_config(world, comm, case["kv_heads"])
+    config = _config(world, comm, case["kv_heads"], torch.bfloat16, heads=HEADS, head_dim=HEAD_DIM)
     cpkit_attn = ContextParallelAttention(config, 1, mask, "self", cp_comm_type=comm, pg_collection=pgc)
     te_attn = TEDotProductAttention(config, layer_number=1, attn_mask_type=mask, attention_type="self",
                                     cp_comm_type=comm, pg_collection=pgc)
@@ -311,7 +241,7 @@ def attention_case(case):
     runs = {}
     for name, attn in (("cpkit", cpkit_attn), ("te", te_attn)):
         local = [shard(t).detach().requires_grad_() for t in (q, k, v)]
-        psp = _thd_params(cu, dev) if thd else None
+        psp = _thd_params(cu, THD_LENS, dev) if thd else None
         out = attn(*local, None, attn_mask_type=mask, packed_seq_params=psp)
         lead = (local[0].shape[0],) if thd else (local[0].shape[0], BATCH)
         assert tuple(out.shape) == lead + (HEADS * HEAD_DIM,), f"{name} output shape {tuple(out.shape)}"
@@ -407,7 +337,7 @@ def _attention_probe(core, cp_group, dev) -> float:
     seq = 128 * cp
     q, k, v = (torch.randn(seq, 1, h, cfg.kv_channels, generator=gen).to(torch.bfloat16).to(dev)
                for h in (cfg.num_attention_heads, cfg.num_query_groups, cfg.num_query_groups))
-    ref = _reference(q.float(), k.float(), v.float(), True)
+    ref = sdpa_reference(q.float(), k.float(), v.float(), True)
     with torch.no_grad():
         out = core(*(shard_seq(t, rank, cp, 0) for t in (q, k, v)), None, attn_mask_type=AttnMaskType.causal)
     return _close("TE attention probe inside eval_cp_context", out,
@@ -507,8 +437,8 @@ def _hcp_case(case):
     grads = map_te_names(named_gradients(model))
     after = eval_step(model, local, pgc)
     local_loss = train_step(unbound, local, pgc)
-    probe = _probe_name(ref_grads)
-    local_diff = _rel_diff(map_te_names(named_gradients(unbound))[probe], ref_grads[probe])
+    probe = first_layer_name(ref_grads, PROBE_GRAD)
+    local_diff = max_rel_diff(map_te_names(named_gradients(unbound))[probe], ref_grads[probe])
 
     assert abs(loss - ref_loss) <= LOSS_TOL, f"loss {loss} vs cp=1 reference {ref_loss}"
     assert abs(after - ref_after) <= LOSS_TOL, f"loss after the step {after} vs cp=1 reference {ref_after}"
@@ -519,14 +449,8 @@ def _hcp_case(case):
 
 
 def _dynamic_samples(vocab: int, dev) -> list[dict]:
-    """Sample i: tokens / labels (next token) / loss_mask, each [L_i], from a fixed seed."""
-    out = []
-    for i, length in enumerate(DYN_LENS):
-        gen = torch.Generator().manual_seed(1000 + i)
-        seq = torch.randint(0, vocab, (length + 1,), generator=gen)
-        out.append({"tokens": seq[:-1].to(dev), "labels": seq[1:].to(dev),
-                    "loss_mask": torch.ones(length, device=dev)})
-    return out
+    """Sample i: tokens / labels (next token) / loss_mask, each [L_i], from seed 1000 + i."""
+    return [token_sample(length, 1000 + i, vocab, dev) for i, length in enumerate(DYN_LENS)]
 
 
 def _dynamic_case(case):
@@ -534,7 +458,7 @@ def _dynamic_case(case):
     from cpkit.dynamic.runtime import dynamic_cp_step
     from cpkit.groups import build_pg_collection
     from cpkit.models import build_gpt, forward_loss, named_gradients
-    from cpkit.testing.reference import single_rank_pg_collection
+    from cpkit.testing.reference import per_sequence_reference, single_rank_pg_collection
     from cpkit.testing.te_support import assert_rebind_restored, copy_weights_from_local, map_te_names, rebind_snapshot
 
     dev, world, comm = device(), dist.get_world_size(), case["comm"]
@@ -548,13 +472,7 @@ def _dynamic_case(case):
     pgc = build_pg_collection(_layout(world, 1, comm, seq_length=None))
     model = build_gpt(cfg, pgc, attention="te", cp_comm_type=comm, device=dev)
     copy_weights_from_local(model, ref)
-    ref_loss = 0.0
-    for s in samples:
-        batch = {k: v.unsqueeze(0) for k, v in s.items()}
-        batch["position_ids"] = torch.arange(s["tokens"].numel(), device=dev).unsqueeze(0)
-        loss = forward_loss(ref, batch, ref_pgc, total_tokens=total)
-        loss.backward()
-        ref_loss += loss.item()
+    ref_loss = per_sequence_reference(ref, samples, ref_pgc, total_tokens=total)
     ref_grads = named_gradients(ref)
 
     registry = build_group_registry([list(range(world))], dist.get_rank())

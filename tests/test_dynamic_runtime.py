@@ -19,33 +19,16 @@ from cpkit.dynamic.runtime import (
     zero_loss,
 )
 from cpkit.errors import CPConfigError
-from cpkit.models import GPTConfig, build_gpt, forward_loss, named_gradients
+from cpkit.models import GPTConfig, build_gpt, named_gradients
 from cpkit.sharding import gather_thd
-from cpkit.testing.reference import single_rank_pg_collection
+from cpkit.testing.fakes import FakeGroup
+from cpkit.testing.reference import per_sequence_reference, single_rank_pg_collection, token_sample
 
 CFG = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=64)
 
 
-class FakeGroup:
-    """A stand-in process group: size, rank and global ranks, nothing else."""
-
-    def __init__(self, ranks, rank=0):
-        self.ranks = list(ranks)
-        self._rank = rank
-
-    def size(self):
-        return len(self.ranks)
-
-    def rank(self):
-        return self._rank
-
-    def __repr__(self):
-        return f"FakeGroup({self.ranks})"
-
-
 def _sample(length: int, seed: int, vocab: int = CFG.vocab_size) -> dict:
-    seq = torch.randint(0, vocab, (length + 1,), generator=torch.Generator().manual_seed(seed))
-    return {"tokens": seq[:-1], "labels": seq[1:], "loss_mask": torch.ones(length)}
+    return token_sample(length, seed, vocab)
 
 
 def _plan(groups_per_mb, lens, dp_cp_size) -> Plan:
@@ -298,13 +281,7 @@ def test_step_at_cp1_equals_per_sequence_forwards(pgc):
     lens = [7, 12, 3, 9]
     samples = [_sample(n, 10 + i) for i, n in enumerate(lens)]
     ref = build_gpt(CFG, pgc, attention="local")
-    ref_loss = 0.0
-    for s in samples:
-        batch = {k: v.unsqueeze(0) for k, v in s.items()}
-        batch["position_ids"] = torch.arange(s["tokens"].numel()).unsqueeze(0)
-        loss = forward_loss(ref, batch, pgc, total_tokens=float(sum(lens)))
-        loss.backward()
-        ref_loss += loss.item()
+    ref_loss = per_sequence_reference(ref, samples, pgc, total_tokens=float(sum(lens)))
 
     model = build_gpt(CFG, pgc, attention="cpkit")
     registry = build_group_registry([[0]], 0)

@@ -24,27 +24,11 @@ from cpkit.eval_cp import (
 )
 from cpkit.layout import CPLayout
 from cpkit.models import GPTConfig, build_gpt, eval_step, make_batch
+from cpkit.testing.fakes import FakeGroup
 from cpkit.testing.reference import single_rank_pg_collection
 
 CFG = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=16)
 TABLE_ATTRS = [r.attr for r in REBIND_TABLE]
-
-
-class FakeGroup:
-    """A stand-in process group: size, rank and global ranks, nothing else."""
-
-    def __init__(self, ranks, rank=0):
-        self.ranks = list(ranks)
-        self._rank = rank
-
-    def size(self):
-        return len(self.ranks)
-
-    def rank(self):
-        return self._rank
-
-    def __repr__(self):
-        return f"FakeGroup({self.ranks})"
 
 
 @pytest.fixture(scope="module")

@@ -321,6 +321,23 @@ def _use_flash_varlen(q) -> bool:
     )
 
 
+def _varlen(direction: int, q, args: tuple, max_seqlens: tuple):
+    """Varlen forward (direction 0) or backward (1) of `args` (as _loop_fwd / _loop_bwd take them):
+    flash varlen where usable, given `max_seqlens` (q, k); after a RuntimeError it is marked failed
+    for this dtype and head dim (with a warning) and not tried again. Otherwise one dense kernel call
+    per sequence."""
+    if _use_flash_varlen(q):
+        try:
+            return (_flash_varlen_fwd, _flash_varlen_bwd)[direction](*args, *max_seqlens)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as exc:
+            _FAILED.add(("flash_varlen", q.dtype, q.shape[-1]))
+            warnings.warn(f"cpkit attention: flash varlen {('forward', 'backward')[direction]} failed, "
+                          f"looping over sequences: {exc}")
+    return (_loop_fwd, _loop_bwd)[direction](*args)
+
+
 def _loop_fwd(q, k, v, causal, scale, cu_q, cu_k):
     out = torch.zeros_like(q)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
@@ -394,16 +411,8 @@ def attn_fwd(
     varlen = cu_seqlens_q is not None
     _check(q, k, v, causal, varlen)
     if varlen:
-        if _use_flash_varlen(q):
-            try:
-                return _flash_varlen_fwd(q, k, v, causal, scale, cu_seqlens_q, cu_seqlens_k,
-                                         max_seqlen_q, max_seqlen_k)
-            except torch.OutOfMemoryError:
-                raise
-            except RuntimeError as exc:
-                _FAILED.add(("flash_varlen", q.dtype, q.shape[-1]))
-                warnings.warn(f"cpkit attention: flash varlen failed, looping over sequences: {exc}")
-        return _loop_fwd(q, k, v, causal, scale, cu_seqlens_q, cu_seqlens_k)
+        return _varlen(0, q, (q, k, v, causal, scale, cu_seqlens_q, cu_seqlens_k),
+                       (max_seqlen_q, max_seqlen_k))
     if q.shape[0] == 0 or k.shape[0] == 0:
         lse = torch.full((q.shape[1], q.shape[2], q.shape[0]), float("-inf"), device=q.device)
         return torch.zeros_like(q), lse
@@ -432,16 +441,8 @@ def attn_bwd(
     varlen = cu_seqlens_q is not None
     _check(q, k, v, causal, varlen)
     if varlen:
-        if _use_flash_varlen(q):
-            try:
-                return _flash_varlen_bwd(dout, q, k, v, out, lse, causal, scale, cu_seqlens_q,
-                                         cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-            except torch.OutOfMemoryError:
-                raise
-            except RuntimeError as exc:
-                _FAILED.add(("flash_varlen", q.dtype, q.shape[-1]))
-                warnings.warn(f"cpkit attention: flash varlen backward failed, looping over sequences: {exc}")
-        return _loop_bwd(dout, q, k, v, out, lse, causal, scale, cu_seqlens_q, cu_seqlens_k)
+        return _varlen(1, q, (dout, q, k, v, out, lse, causal, scale, cu_seqlens_q, cu_seqlens_k),
+                       (max_seqlen_q, max_seqlen_k))
     if q.shape[0] == 0 or k.shape[0] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     return _dense(1, q, k, (dout, q, k, v, out, lse, causal, scale), causal)

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from cpkit.anchors import find_repo_root
+from cpkit.commands import print_problems
 from cpkit.cards import (
     FAILING_RESULTS,
     CardError,
@@ -48,10 +49,7 @@ def run_check(args) -> int:
     problems = check_cards(root, notes=notes)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
-    for problem in problems:
-        print(problem)
-    print(f"cards check: {len(problems)} problem{'s' * (len(problems) != 1)}", file=sys.stderr)
-    return 1 if problems else 0
+    return print_problems("cards check", problems)
 
 
 def run_status(args) -> int:

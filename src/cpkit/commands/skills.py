@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from cpkit.anchors import find_repo_root
+from cpkit.commands import print_problems
 from cpkit.skills import check_skills
 
 __all__ = ["add_parser"]
@@ -23,7 +23,4 @@ def add_parser(sub) -> None:
 def run_check(args) -> int:
     """Print every skill problem; 0 when there are none, else 1."""
     problems = check_skills(args.root or find_repo_root())
-    for problem in problems:
-        print(problem)
-    print(f"skills check: {len(problems)} problem{'s' * (len(problems) != 1)}", file=sys.stderr)
-    return 1 if problems else 0
+    return print_problems("skills check", problems)
