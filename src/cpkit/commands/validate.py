@@ -99,10 +99,12 @@ def _summarise(records: list[dict], levels: dict, rc: int = 0) -> list[dict]:
         elif row["passed"]:
             result = f"pass ({row['passed']} passed" + (f", {row['skipped']} skipped)" if row["skipped"] else ")")
         else:
-            result = "skipped: " + "; ".join(sorted(row["reasons"]) or ["no test ran"])
+            # The first clause of each reason keeps the table readable; --json has the rest.
+            reasons = sorted({r.split(" (")[0].split(";")[0] for r in row["reasons"]}) or ["no test ran"]
+            result = "skipped: " + "; ".join(reasons)
         out.append({"feature": feature, "check": row["check"], "result": result,
                     "ok": not row["failed"], "seconds": round(row["seconds"], 1),
-                    "failures": row["failures"]})
+                    "failures": row["failures"], "skip_reasons": sorted(row["reasons"])})
     return out
 
 
