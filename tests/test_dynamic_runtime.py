@@ -14,12 +14,11 @@ from cpkit.dynamic.runtime import (
     pack_thd,
     packed_seq_params_for,
     prepare_microbatch,
-    reduce_gradients,
     use_cp_group,
     zero_loss,
 )
 from cpkit.errors import CPConfigError
-from cpkit.models import GPTConfig, build_gpt, named_gradients
+from cpkit.models import GPTConfig, all_reduce_gradients, build_gpt, named_gradients
 from cpkit.sharding import gather_thd
 from cpkit.testing.fakes import FakeGroup
 from cpkit.testing.reference import per_sequence_reference, single_rank_pg_collection, token_sample
@@ -265,10 +264,10 @@ def test_zero_loss_reaches_every_parameter():
         zero_loss(torch.nn.ReLU())
 
 
-def test_reduce_gradients_fills_missing_grads(world1):
+def test_all_reduce_gradients_fills_missing_grads(world1):
     net = torch.nn.Linear(3, 2)
     net.weight.grad = torch.ones_like(net.weight)
-    reduce_gradients(net, world1)
+    all_reduce_gradients(net, world1)
     assert torch.equal(net.weight.grad, torch.ones(2, 3)) and torch.equal(net.bias.grad, torch.zeros(2))
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import math
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from cpkit.compat import get_pg
 from cpkit.errors import CPConfigError, Violation
 from cpkit.eval_plan import plan_eval_cp
 from cpkit.layout import CP_COMM_TYPES, CPLayout
+from cpkit.process_groups import group_size
 
 __all__ = [
     "RebindRule",
@@ -176,13 +176,6 @@ def _global_ranks(group: Any) -> Optional[list[int]]:
     ranks = getattr(group, "ranks", None)
     return list(ranks) if ranks is not None else None
 
-
-def _size(group: Any) -> int:
-    if group is None:
-        return 1
-    if isinstance(group, (list, tuple)):
-        return math.prod(_size(g) for g in group)
-    return int(group.size())
 
 
 def _collection_fields() -> list[str]:
@@ -391,7 +384,7 @@ def _preflight(walked, target, cp_comm_type) -> tuple[list, list]:
     cp = get_pg(target, "cp")
     if cp is None:
         raise CPConfigError.single("eval_pgs.cp", None, "the target collection needs a CP group", fix_build)
-    cp_size = _size(cp)
+    cp_size = group_size(cp)
 
     with_rules = [(name, m, _rules_for(m)) for name, m in walked]
     attention = [(name, m) for name, m in walked if _is_cp_attention(m)]
@@ -420,9 +413,9 @@ def _preflight(walked, target, cp_comm_type) -> tuple[list, list]:
             if comm != "a2a+p2p":
                 continue
             if not (isinstance(hcp, (list, tuple)) and len(hcp) == 2 and None not in hcp
-                    and _size(hcp) == cp_size):
+                    and group_size(hcp) == cp_size):
                 found.append(Violation(
-                    "eval_pgs.hcp", None if hcp is None else [_size(g) for g in hcp],
+                    "eval_pgs.hcp", None if hcp is None else [group_size(g) for g in hcp],
                     f"{name} uses a2a+p2p, which needs [a2a, p2p] groups whose sizes multiply "
                     f"to the eval CP size {cp_size}",
                     "build_eval_pg_collection(layout, eval_cp, hierarchical_sizes=[a2a, p2p]), "
@@ -441,9 +434,9 @@ def _current_cp_size(module: torch.nn.Module) -> int:
         return attrs["cp_size"]
     coll = attrs.get("pg_collection")
     if get_pg(coll, "cp") is not None:
-        return _size(get_pg(coll, "cp"))
+        return group_size(get_pg(coll, "cp"))
     if attrs.get("cp_group") is not None:
-        return _size(attrs["cp_group"])
+        return group_size(attrs["cp_group"])
     return int(getattr(getattr(module, "config", None), "context_parallel_size", 1) or 1)
 
 
@@ -505,7 +498,7 @@ def install_pg_collection(model: ModelOrChunks, target: Any, *, cp_comm_type: Op
 
 def _apply(rebinding: Rebinding, with_rules, attention, target, cp_comm_type, bearing) -> None:
     cp = get_pg(target, "cp")
-    cp_size = _size(cp)
+    cp_size = group_size(cp)
     for name, module, rules in with_rules:
         for rule in rules:
             if rule.kind == "collection":
@@ -513,7 +506,7 @@ def _apply(rebinding: Rebinding, with_rules, attention, target, cp_comm_type, be
             elif rule.kind == "group":
                 value = get_pg(target, rule.source)
             else:
-                value = _size(get_pg(target, rule.source))
+                value = group_size(get_pg(target, rule.source))
             rebinding._set(module, rule.attr, value, f"{name}.{rule.attr}")
     ranks = _global_ranks(cp) if cp_size > 1 else None
     for name, module in attention:
@@ -540,7 +533,7 @@ def _apply(rebinding: Rebinding, with_rules, attention, target, cp_comm_type, be
     for config in configs.values():
         rebinding._set(config, "context_parallel_size", cp_size, "config.context_parallel_size")
         if hcp is not None and hasattr(config, "hierarchical_context_parallel_sizes"):
-            rebinding._set(config, "hierarchical_context_parallel_sizes", [_size(g) for g in hcp])
+            rebinding._set(config, "hierarchical_context_parallel_sizes", [group_size(g) for g in hcp])
         if cp_comm_type is not None and hasattr(config, "cp_comm_type"):
             rebinding._set(config, "cp_comm_type", cp_comm_type)
     for module in bearing:
@@ -610,7 +603,7 @@ def reduce_eval_loss(loss_sum: torch.Tensor, num_tokens: torch.Tensor, pg_collec
     device = loss_sum.device
     buf = torch.stack([loss_sum.detach().double().reshape(()), num_tokens.detach().double().reshape(()).to(device)])
     group = _reduce_group(pg_collection)
-    if _size(group) > 1:
+    if group_size(group) > 1:
         dist.all_reduce(buf, group=group)
     total, count = buf.tolist()
     return (total / count if count > 0 else float("nan")), count
@@ -658,7 +651,7 @@ def _micro_batches(dataset: Mapping[str, torch.Tensor], indices: range, mbs: int
 
 def _loss_sum(logits: torch.Tensor, mb: Mapping[str, torch.Tensor], tp_group: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of masked per-token losses, token count) of a [b, s, vocab/tp] logits shard."""
-    if _size(tp_group) > 1:
+    if group_size(tp_group) > 1:
         from torch.distributed.nn.functional import all_gather
 
         logits = torch.cat(all_gather(logits.contiguous(), group=tp_group), dim=-1)
@@ -696,7 +689,7 @@ def evaluate(model: ModelOrChunks, dataset: Mapping[str, torch.Tensor], pg_colle
     num = int(next(iter(dataset.values())).shape[0])
     shard = eval_shard_for(num, pg_collection)
     pp_group = get_pg(pg_collection, "pp")
-    pp = _size(pp_group)
+    pp = group_size(pp_group)
     cp_group, tp_group = get_pg(pg_collection, "cp"), get_pg(pg_collection, "tp")
     device = next(module.parameters()).device
     local = [{k: v.to(device) for k, v in shard_batch(mb, cp_group).items()}
@@ -732,7 +725,7 @@ def _pipeline_sums(module, local: list[dict], pg_collection, mbs: int, device) -
     sums = torch.zeros(2, dtype=torch.float64, device=device)
     if local:
         config = get_model_config(module)
-        seq_length = int(local[0]["tokens"].shape[1]) * _size(cp_group)
+        seq_length = int(local[0]["tokens"].shape[1]) * group_size(cp_group)
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
@@ -744,7 +737,7 @@ def _pipeline_sums(module, local: list[dict], pg_collection, mbs: int, device) -
 
             return output, loss_func
 
-        schedule = get_forward_backward_func(pp_size=_size(pp_group), vp_size=None)
+        schedule = get_forward_backward_func(pp_size=group_size(pp_group), vp_size=None)
         stored = schedule(
             forward_step_func=forward_step, data_iterator=iter(local), model=[module],
             num_microbatches=len(local), seq_length=seq_length, micro_batch_size=mbs,

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from cpkit.compat import get_pg
+from cpkit.process_groups import group_size
 
 __all__ = [
     "GPTConfig",
@@ -27,6 +28,7 @@ __all__ = [
     "forward_loss",
     "train_step",
     "eval_step",
+    "all_reduce_gradients",
     "reduce_gradients",
     "named_gradients",
     "named_parameters_full",
@@ -56,9 +58,6 @@ class GPTConfig:
     def with_(self, **changes) -> "GPTConfig":
         return replace(self, **changes)
 
-
-def _group_size(group) -> int:
-    return 1 if group is None else group.size()
 
 
 def _layer_spec(attention: AttentionBackend, num_layers: int):
@@ -101,10 +100,10 @@ def build_gpt(
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    tp = _group_size(get_pg(pg_collection, "tp"))
+    tp = group_size(get_pg(pg_collection, "tp"))
     pp_group = get_pg(pg_collection, "pp")
-    pp = _group_size(pp_group)
-    cp = _group_size(get_pg(pg_collection, "cp"))
+    pp = group_size(pp_group)
+    cp = group_size(get_pg(pg_collection, "cp"))
     device = device or (torch.device("cuda", torch.cuda.current_device())
                         if torch.cuda.is_available() else torch.device("cpu"))
     tc_kwargs = dict(
@@ -234,7 +233,7 @@ def init_weights(model, seed: int, tp_group=None) -> None:
     that tests notice a bias that is lost). The full tensor is generated on CPU in fp32 and the
     tensor-parallel shard sliced from it, so any tp, pp or cp layout starts identical.
     """
-    tp = _group_size(tp_group)
+    tp = group_size(tp_group)
     tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
     dims = _partition_dims(model)
     names = _global_names(model)
@@ -275,7 +274,7 @@ def shard_batch(batch: dict, cp_group) -> dict:
     """This CP rank's part of a full batch (sequence dim 1), in the load-balanced zigzag layout."""
     from cpkit.sharding import shard_seq
 
-    cp = _group_size(cp_group)
+    cp = group_size(cp_group)
     if cp == 1:
         return dict(batch)
     rank = dist.get_rank(cp_group)
@@ -307,7 +306,7 @@ def forward_loss(model, local_batch: dict, pg_collection, *, total_tokens: float
     if logits is None or not getattr(model, "post_process", True):
         return None
     tp_group = get_pg(pg_collection, "tp")
-    if _group_size(tp_group) > 1:
+    if group_size(tp_group) > 1:
         logits = _GatherLastDim.apply(logits, tp_group)
     losses = torch.nn.functional.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]), local_batch["labels"].reshape(-1), reduction="none"
@@ -333,20 +332,39 @@ class _GatherLastDim(torch.autograd.Function):
         return chunks[dist.get_rank(ctx.group)].contiguous(), None
 
 
+def all_reduce_gradients(model, group) -> None:
+    """Sum `.grad` of every trainable parameter over `group`, in one all-reduce per dtype.
+
+    A missing `.grad` becomes zeros first, so every rank sends the same buffers whatever it ran
+    (a rank that skipped work, as in dynamic CP, can never desynchronize the collective).
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    if group_size(group) == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
 def reduce_gradients(model, pg_collection) -> None:
     """Sum gradients over the dp x cp ranks (what MCore's DDP does over its dp_cp group)."""
-    group = _reduce_groups(pg_collection)
-    if _group_size(group) == 1:
-        return
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad, group=group)
+    all_reduce_gradients(model, _reduce_groups(pg_collection))
 
 
 def _global_loss(local_loss: torch.Tensor, pg_collection) -> float:
     value = local_loss.detach().float().clone()
     group = _reduce_groups(pg_collection)
-    if _group_size(group) > 1:
+    if group_size(group) > 1:
         dist.all_reduce(value, group=group)
     return value.item()
 
@@ -354,13 +372,13 @@ def _global_loss(local_loss: torch.Tensor, pg_collection) -> float:
 def _total_tokens(local_batch: dict, pg_collection) -> float:
     count = local_batch["loss_mask"].float().sum()
     group = _reduce_groups(pg_collection)
-    if _group_size(group) > 1:
+    if group_size(group) > 1:
         dist.all_reduce(count, group=group)
     return count.item()
 
 
 def _require_single_stage(pg_collection, what: str) -> None:
-    pp = _group_size(get_pg(pg_collection, "pp"))
+    pp = group_size(get_pg(pg_collection, "pp"))
     if pp > 1:
         from cpkit.errors import CPConfigError
 
@@ -404,7 +422,7 @@ def eval_step(model, local_batch: dict, pg_collection, *, packed_seq_params=None
 
 
 def _full_tensors(model, tp_group, pick) -> dict[str, torch.Tensor]:
-    tp = _group_size(tp_group)
+    tp = group_size(tp_group)
     dims = _partition_dims(model)
     names = _global_names(model)
     out = {}

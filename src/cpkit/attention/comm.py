@@ -11,6 +11,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from cpkit.process_groups import group_size  # noqa: F401 - part of this module's API
+
 __all__ = [
     "RingComm",
     "group_size",
@@ -23,11 +25,6 @@ __all__ = [
 # torch >= 2.12 renamed the "into tensor" collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def group_size(group: Optional[dist.ProcessGroup]) -> int:
-    """Size of `group`; 1 for None (no CP)."""
-    return 1 if group is None else dist.get_world_size(group)
 
 
 def group_rank(group: Optional[dist.ProcessGroup]) -> int:

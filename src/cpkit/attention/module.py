@@ -26,6 +26,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from cpkit.attention.functional import check_comm_type, context_parallel_attention
 from cpkit.compat import get_pg
 from cpkit.errors import CPConfigError, Violation
+from cpkit.process_groups import group_size
 
 __all__ = ["ContextParallelAttention"]
 
@@ -67,17 +68,6 @@ def _is_causal(mask: Any, thd: Optional[bool]) -> bool:
     )
 
 
-def _group_size(group: CPGroup) -> int:
-    """Total CP size of a group or of a hierarchical [a2a, p2p] list (1 for None)."""
-    if group is None:
-        return 1
-    if isinstance(group, (list, tuple)):
-        size = 1
-        for g in group:
-            size *= _group_size(g)
-        return size
-    return dist.get_world_size(group)
-
 
 def _check_hierarchical(hcp: Any, cp_group: CPGroup, source: str) -> list:
     """The [a2a, p2p] pair from `hcp`, checked against `cp_group`; CPConfigError otherwise.
@@ -103,7 +93,7 @@ def _check_hierarchical(hcp: Any, cp_group: CPGroup, source: str) -> list:
         )
     a2a, p2p = hcp
     violations = []
-    cp_size = _group_size(cp_group) if cp_group is not None else None
+    cp_size = group_size(cp_group) if cp_group is not None else None
     sizes = [dist.get_world_size(a2a), dist.get_world_size(p2p)]
     if cp_size is not None and sizes[0] * sizes[1] != cp_size:
         violations.append(
@@ -333,7 +323,7 @@ class ContextParallelAttention(MegatronModule):
     @property
     def cp_size(self) -> int:
         """The CP size of the current binding (1 when CP is off)."""
-        return _group_size(self.cp_group)
+        return group_size(self.cp_group)
 
     @contextlib.contextmanager
     def _micro_batch_group(self, packed_seq_params) -> Iterator[None]:
@@ -370,11 +360,11 @@ class ContextParallelAttention(MegatronModule):
                 "cp_comm_type='a2a+p2p' needs a list [a2a_group, p2p_group] per micro-batch",
                 "pass [a2a_group, p2p_group], or use p2p / a2a / all_gather with dynamic CP",
             )
-        if local_size is not None and _group_size(group) != local_size:
+        if local_size is not None and group_size(group) != local_size:
             raise CPConfigError.single(
                 "packed_seq_params.local_cp_size",
                 local_size,
-                f"must equal the size of packed_seq_params.cp_group ({_group_size(group)})",
+                f"must equal the size of packed_seq_params.cp_group ({group_size(group)})",
                 "set local_cp_size to the group's size (or leave it None)",
             )
         if isinstance(group, (list, tuple)):
@@ -452,7 +442,7 @@ class ContextParallelAttention(MegatronModule):
         return out.reshape(out.shape[0], -1)
 
     def _attend(self, query, key, value, causal: bool, cu_seqlens=None, max_seqlen=None):
-        if _group_size(self.cp_group) > 1:
+        if group_size(self.cp_group) > 1:
             group, comm = self.cp_group, self.cp_comm_type
         else:  # CP off: local attention, whatever the configured comm type
             group, comm = None, "p2p"

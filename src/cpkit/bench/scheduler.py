@@ -156,6 +156,19 @@ def _plot(path: Path, dynamic: Plan, static: Plan, title: str) -> str:
     return f"plot: {path}"
 
 
+
+def _summary_cells(label: str, prefix: str, summary: dict, *, median_name: str, p95_name: str) -> dict:
+    """Table cells of one plan summary (dynamic or static), column names prefixed."""
+    return {
+        (label, f"{prefix}mbs"): f"{summary['microbatches_per_batch']:.1f}",
+        (label, f"{prefix}fill"): f"{100 * summary['mean_token_fill']:.0f}%",
+        (label, f"{prefix}{median_name}"): f"{summary['median_imbalance']:.3f}",
+        (label, f"{prefix}{p95_name}"): f"{summary['p95_imbalance']:.3f}",
+        (label, f"{prefix}ideal/actual"): f"{summary['critical_path_efficiency']:.3f}",
+        (label, f"{prefix}expanded"): f"{100 * summary['expanded_fraction']:.0f}%",
+    }
+
+
 def main(argv=None) -> int:
     """Run the benchmark; returns 0 (1 if a target is missed and --strict is given)."""
     parser = argparse.ArgumentParser(prog="python -m cpkit.bench scheduler",
@@ -189,22 +202,10 @@ def main(argv=None) -> int:
             cpu = statistics.median(ms)
             label = f"{mix} N={n} ({count} seqs)"
             rows.append(label)
-            cells.update({
-                (label, "mbs"): f"{d['microbatches_per_batch']:.1f}",
-                (label, "fill"): f"{100 * d['mean_token_fill']:.0f}%",
-                (label, "med max/mean"): f"{d['median_imbalance']:.3f}",
-                (label, "p95 max/mean"): f"{d['p95_imbalance']:.3f}",
-                (label, "ideal/actual"): f"{d['critical_path_efficiency']:.3f}",
-                (label, "expanded"): f"{100 * d['expanded_fraction']:.0f}%",
-                (label, "cpu ms"): f"{cpu:.1f}",
-                (label, "static cp"): "/".join(str(c) for c in s["cp_sizes"]),
-                (label, "static mbs"): f"{s['microbatches_per_batch']:.1f}",
-                (label, "static fill"): f"{100 * s['mean_token_fill']:.0f}%",
-                (label, "static med"): f"{s['median_imbalance']:.3f}",
-                (label, "static p95"): f"{s['p95_imbalance']:.3f}",
-                (label, "static ideal/actual"): f"{s['critical_path_efficiency']:.3f}",
-                (label, "static expanded"): f"{100 * s['expanded_fraction']:.0f}%",
-            })
+            cells.update(_summary_cells(label, "", d, median_name="med max/mean", p95_name="p95 max/mean"))
+            cells[(label, "cpu ms")] = f"{cpu:.1f}"
+            cells[(label, "static cp")] = "/".join(str(c) for c in s["cp_sizes"])
+            cells.update(_summary_cells(label, "static ", s, median_name="med", p95_name="p95"))
             results.append({"mix": mix, "dp_cp_size": n, "sequences": count, "batches": batches,
                             "cpu_ms_median": cpu, "cpu_ms": ms, "dynamic": d, "static": s})
 

@@ -25,7 +25,7 @@ gradient hooks (MCore DDP's bucketed all-reduce) fire on it exactly as on the bu
 Loss: every rank returns sum(its local token losses) / T, T = the number of loss tokens of the
 whole global batch (an all-reduce of the local counts). Summed over micro-batches and over the
 DPxCP ranks it is the mean over all tokens of all samples, the number a cp=1 run reports, and
-so are the summed gradients (`reduce_gradients`).
+so are the summed gradients (`cpkit.models.all_reduce_gradients`).
 
 Backward may run outside `use_cp_group` (cpkit's and TE's attention keep the group of the
 forward in the autograd context), so a pipeline schedule can wrap only its forward step.
@@ -45,6 +45,8 @@ from cpkit.compat import get_pg
 from cpkit.dynamic.plan import CPGroupAssignment, Plan
 from cpkit.dynamic.registry import GroupRegistry
 from cpkit.errors import CPConfigError
+from cpkit.models import all_reduce_gradients
+from cpkit.process_groups import group_size
 from cpkit.sharding import pad_cu_seqlens, shard_thd, thd_position_ids
 
 __all__ = [
@@ -56,7 +58,6 @@ __all__ = [
     "dp_cp_position",
     "LocalMicrobatch",
     "prepare_microbatch",
-    "reduce_gradients",
     "forward_backward_local",
     "DynamicStepResult",
     "dynamic_cp_step",
@@ -189,9 +190,6 @@ def _model_collection(model: torch.nn.Module) -> Any:
         "pass pg_collection= (the collection the model was built with)")
 
 
-def _size(group: Any) -> int:
-    return 1 if group is None else int(group.size())
-
 
 @contextlib.contextmanager
 def use_cp_group(
@@ -216,7 +214,7 @@ def use_cp_group(
     static = pg_collection if pg_collection is not None else _model_collection(model)
     target = copy.copy(static)  # never mutate the caller's collection
     target.cp = group
-    if _size(get_pg(static, "tp")) == 1:
+    if group_size(get_pg(static, "tp")) == 1:
         target.tp_cp = group  # tp x cp is cp itself at tp == 1
     rebinding = install_pg_collection(model, target, cp_comm_type=cp_comm_type)
     try:
@@ -322,28 +320,6 @@ def prepare_microbatch(
 # One global batch
 
 
-def reduce_gradients(model: torch.nn.Module, group: Any) -> None:
-    """Sum `.grad` of every trainable parameter over `group` (the DPxCP group), in one
-    all-reduce per dtype. A missing `.grad` becomes zeros first, so every rank sends the same
-    buffers whatever it ran (a skipped rank can never desynchronize the collective)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    if _size(group) == 1:
-        return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in params:
-        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
-
-
 @dataclass(frozen=True)
 class DynamicStepResult:
     """The outcome of dynamic_cp_step on this rank."""
@@ -437,7 +413,7 @@ def dynamic_cp_step(
     # then raises together instead of the healthy ones waiting in a collective.
     stats = torch.tensor([sum(mb.num_tokens for mb in local if mb is not None), failure is not None],
                          dtype=torch.float64, device=device)
-    if _size(group) > 1:
+    if group_size(group) > 1:
         dist.all_reduce(stats, group=group)
     if failure is not None:
         raise failure
@@ -448,10 +424,10 @@ def dynamic_cp_step(
 
     shares = forward_backward_local(model, local, total_tokens=total, pg_collection=pg_collection,
                                     loss_fn=loss_fn, cp_comm_type=cp_comm_type)
-    reduce_gradients(model, group)
+    all_reduce_gradients(model, group)
 
     summed = torch.stack(shares).sum() if shares else torch.zeros((), dtype=torch.float64, device=device)
-    if _size(group) > 1:
+    if group_size(group) > 1:
         dist.all_reduce(summed, group=group)
     return DynamicStepResult(
         loss=summed.item(),
