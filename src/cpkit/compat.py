@@ -13,12 +13,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from megatron.core import package_info
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 __all__ = [
     "MCORE_VERSION",
     "ensure_global_memory_buffer",
+    "ensure_cuda_rng_tracker",
     "get_pg",
     "mcore_version_at_least",
     "new_pg_collection",
@@ -72,3 +75,19 @@ def ensure_global_memory_buffer() -> None:
 
     if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
         parallel_state._set_global_memory_buffer()
+
+
+def ensure_cuda_rng_tracker(seed: int = 1234) -> None:
+    """Add MCore's "model-parallel-rng" CUDA RNG state if nothing has (idempotent; CUDA only).
+
+    MCore's local DotProductAttention forks it on every forward; model_parallel_cuda_manual_seed
+    adds it, which the decentralized process-group path never calls. With dropout off, as in
+    cpkit's models, no random number is drawn from it.
+    """
+    if not torch.cuda.is_available():
+        return
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    tracker = get_cuda_rng_tracker()
+    if "model-parallel-rng" not in tracker.get_states():
+        tracker.add("model-parallel-rng", seed)

@@ -64,9 +64,10 @@ def _layer_spec(attention: AttentionBackend, num_layers: int):
     if attention == "local":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-        from cpkit.compat import ensure_global_memory_buffer
+        from cpkit.compat import ensure_cuda_rng_tracker, ensure_global_memory_buffer
 
         ensure_global_memory_buffer()
+        ensure_cuda_rng_tracker()
         return get_gpt_layer_local_spec()
     if attention == "cpkit":
         from cpkit.attention.spec import get_gpt_layer_spec_with_cp_attention

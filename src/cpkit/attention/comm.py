@@ -6,7 +6,7 @@ All helpers take the group as an argument; nothing here keeps a group at module 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -35,8 +35,8 @@ def group_rank(group: Optional[dist.ProcessGroup]) -> int:
 class RingComm:
     """Send to the next rank of `group` and receive from the previous one, asynchronously.
 
-    `exchange(send, recv)` posts one batched isend/irecv pair and returns a handle whose
-    `wait()` completes both; the caller computes in between, so the transfer overlaps compute
+    `exchange(send, recv)` posts one batch of isend/irecv pairs (a tensor or a sequence of
+    tensors each) and returns a handle whose `wait()` completes them all; the caller computes in between, so the transfer overlaps compute
     (NCCL runs P2P on its own stream; gloo in background threads). Every rank of the ring must
     post the same sequence of exchanges. Peers are passed as global ranks, which both torch 2.11
     and 2.13 accept for subgroups.
@@ -49,25 +49,31 @@ class RingComm:
         self.next_peer = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev_peer = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
-    def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int = 0) -> "_Pending":
-        """Start sending `send` to the next rank and receiving `recv` from the previous one."""
-        ops = [
-            dist.P2POp(dist.isend, send, self.next_peer, self.group, tag),
-            dist.P2POp(dist.irecv, recv, self.prev_peer, self.group, tag),
-        ]
-        return _Pending(dist.batch_isend_irecv(ops))
+    def exchange(self, send: Union[torch.Tensor, Sequence[torch.Tensor]],
+                 recv: Union[torch.Tensor, Sequence[torch.Tensor]], tag: int = 0) -> "_Pending":
+        """Start sending `send` to the next rank and receiving `recv` from the previous one
+        (matching tensors or sequences of tensors, sent as one batch: no packing copy)."""
+        sends = [t.contiguous() for t in ([send] if isinstance(send, torch.Tensor) else send)]
+        recvs = [recv] if isinstance(recv, torch.Tensor) else list(recv)
+        if not all(t.is_contiguous() for t in recvs):
+            raise ValueError("RingComm.exchange: receive buffers must be contiguous")
+        # One tag per tensor, so gloo cannot match the i-th send with another receive.
+        ops = [dist.P2POp(dist.isend, t, self.next_peer, self.group, 16 * tag + i) for i, t in enumerate(sends)]
+        ops += [dist.P2POp(dist.irecv, t, self.prev_peer, self.group, 16 * tag + i) for i, t in enumerate(recvs)]
+        return _Pending(dist.batch_isend_irecv(ops), sends)
 
 
 class _Pending:
     """Handles of one posted exchange; `wait()` once before reading the received tensor."""
 
-    def __init__(self, works):
+    def __init__(self, works, sends):
         self._works = works
+        self._sends = sends  # keeps contiguous copies alive until the transfer is done
 
     def wait(self) -> None:
         for work in self._works:
             work.wait()
-        self._works = []
+        self._works, self._sends = [], []
 
 
 def all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

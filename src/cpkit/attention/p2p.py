@@ -8,7 +8,9 @@ rank src = rank - i and already sends it on while computing with it. With a caus
   src > rank           the second query chunk vs all KV, no mask.
 Partial results are merged by log-sum-exp in fp32. Backward recomputes each step's block
 with the saved final output and LSE, rotates KV around the ring again and sends each block's
-fp32 dKV along with it, so the dKV of a block is complete when it arrives back at its owner.
+dKV along with it, so the dKV of a block is complete when it arrives back at its owner. dQ is
+accumulated locally in fp32; dKV travels and accumulates in the input dtype, as in TE's ring
+(half the bytes of fp32; a bf16 dKV is rounded once per hop, cp - 1 times in all).
 
 Tensors are sequence-first: q [s, b, h, d] / [t, h, d], k/v with h_kv heads.
 """
@@ -37,18 +39,23 @@ def _step_case(step: int, rank: int, causal: bool) -> str:
     return "kv_first" if step <= rank else "q_second"
 
 
+def _buffer(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous receive buffer shaped like x (x may be a strided view, e.g. of packed QKV)."""
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
 def _ring_forward(q, k, v, comm: Optional[RingComm], causal: bool, scale: float, seq: LocalSeq):
     n, rank = (comm.size, comm.rank) if comm is not None else (1, 0)
     if n == 1:  # one block: nothing to merge, no fp32 copy of the output
         out, lse = attn_fwd(q, k, v, causal, scale, **seq.kw("full", "full"))
         return out, lse.float().contiguous()
-    kv = torch.stack([k, v])  # one buffer to send per step
+    kv = (k, v)  # sent as two tensors of one batch: no packing copy
     out = torch.empty_like(q, dtype=torch.float32)  # keeps q's (sequence-first) strides
     lse = None
     for step in range(n):
         pending = None
         if step + 1 < n:
-            nxt = torch.empty_like(kv)
+            nxt = (_buffer(k), _buffer(v))
             pending = comm.exchange(kv, nxt)
         case = _step_case(step, rank, causal)
         if case in ("diag", "full"):
@@ -59,8 +66,7 @@ def _ring_forward(q, k, v, comm: Optional[RingComm], causal: bool, scale: float,
             else:
                 merge_(out, lse, o, l)
         elif case == "kv_first":
-            kv0 = seq.take(kv, 0, dim=1)
-            o, l = attn_fwd(q, kv0[0], kv0[1], False, scale, **seq.kw("full", "half"))
+            o, l = attn_fwd(q, seq.take(kv[0], 0), seq.take(kv[1], 0), False, scale, **seq.kw("full", "half"))
             merge_(out, lse, o, l)
         else:
             o, l = attn_fwd(seq.take(q, 1), kv[0], kv[1], False, scale, **seq.kw("half", "full"))
@@ -76,53 +82,53 @@ def _ring_backward(dout, q, k, v, out, lse, comm: Optional[RingComm], causal: bo
     n, rank = (comm.size, comm.rank) if comm is not None else (1, 0)
     if n == 1:  # one block: the kernel's grads are the grads
         return attn_bwd(dout, q, k, v, out, lse, causal, scale, **seq.kw("full", "full"))
-    kv = torch.stack([k, v])
-    dq = torch.zeros_like(q, dtype=torch.float32)
-    dkv = nxt_dkv = dkv_pending = None
+    kv = (k, v)
+    dq = None  # float32: local, so accumulating it exactly costs no communication
+    dkv = dkv_pending = nxt_dkv = None
     for step in range(n):
         pending = None
         if step + 1 < n:
-            nxt = torch.empty_like(kv)
+            nxt = (_buffer(k), _buffer(v))
             pending = comm.exchange(kv, nxt, tag=0)
         case = _step_case(step, rank, causal)
         if case in ("diag", "full"):
             dq_b, dk_b, dv_b = attn_bwd(dout, q, kv[0], kv[1], out, lse, case == "diag", scale,
                                         **seq.kw("full", "full"))
         elif case == "kv_first":
-            kv0 = seq.take(kv, 0, dim=1)
-            dq_b, dk_b, dv_b = attn_bwd(dout, q, kv0[0], kv0[1], out, lse, False, scale,
-                                        **seq.kw("full", "half"))
+            dq_b, dk_b, dv_b = attn_bwd(dout, q, seq.take(kv[0], 0), seq.take(kv[1], 0), out, lse, False,
+                                        scale, **seq.kw("full", "half"))
         else:
             dq_b, dk_b, dv_b = attn_bwd(
                 seq.take(dout, 1), seq.take(q, 1), kv[0], kv[1], seq.take(out, 1),
                 seq.take(lse, 1, dim=-1), False, scale, **seq.kw("half", "full"),
             )
-        if case == "q_second":
+        if step == 0:
+            dq = dq_b.float()
+        elif case == "q_second":
             seq.add_(dq, 1, dq_b)
         else:
             dq.add_(dq_b)
-        # This block's dKV: started by its owner at step 0, accumulated by every rank since.
+        # This block's dKV travels with it, in the input dtype (as TE's ring does: half the bytes
+        # of fp32): started by its owner at step 0, accumulated by every rank since, complete
+        # when it arrives back at its owner after the last step.
         if step == 0:
-            dkv = torch.zeros_like(kv, dtype=torch.float32)
+            dkv = (dk_b, dv_b)
         else:
             dkv_pending.wait()
             dkv = nxt_dkv
-        if case == "kv_first":
-            seq.add_(dkv[0], 0, dk_b)
-            seq.add_(dkv[1], 0, dv_b)
-        else:
-            dkv[0].add_(dk_b)
-            dkv[1].add_(dv_b)
-        if n > 1:
-            nxt_dkv = torch.empty_like(dkv)
-            dkv_pending = comm.exchange(dkv, nxt_dkv, tag=1)
+            if case == "kv_first":
+                seq.add_(dkv[0], 0, dk_b)
+                seq.add_(dkv[1], 0, dv_b)
+            else:
+                dkv[0].add_(dk_b)
+                dkv[1].add_(dv_b)
+        nxt_dkv = (_buffer(k), _buffer(v))
+        dkv_pending = comm.exchange(dkv, nxt_dkv, tag=1)
         if pending is not None:
             pending.wait()
             kv = nxt
-    if n > 1:  # the last send brings every rank its own block's dKV
-        dkv_pending.wait()
-        dkv = nxt_dkv
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    dkv_pending.wait()  # the last send brings every rank its own block's dKV
+    return dq.to(q.dtype), nxt_dkv[0], nxt_dkv[1]
 
 
 class _RingAttention(torch.autograd.Function):

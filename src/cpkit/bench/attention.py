@@ -37,6 +37,7 @@ from cpkit.bench.common import (
     median,
     parse_int_list,
     parse_str_list,
+    profile_table,
     short_error,
     time_fn,
     write_json,
@@ -75,6 +76,7 @@ class Settings:
     iters: int
     hcp_a2a: int
     partial_path: Optional[str] = None
+    profile_path: Optional[str] = None
     world_size: int = 1
     notes: list = field(default_factory=list)
 
@@ -277,7 +279,13 @@ def _time_case(case: Case, s: Settings, dev, groups) -> tuple[float, Optional[st
     barrier = (lambda: dist.barrier(group=cp_group)) if case.cp > 1 else None
 
     def run(step):
-        return median(time_fn(step, warmup=s.warmup, iters=s.iters, device=dev, barrier=barrier))
+        ms = median(time_fn(step, warmup=s.warmup, iters=s.iters, device=dev, barrier=barrier))
+        if s.profile_path:
+            text = profile_table(step, iters=3, device=dev, title=f"{case.row} seq {case.seq}")
+            if dist.get_rank() == 0:
+                with open(s.profile_path, "a") as fh:
+                    fh.write(text)
+        return ms
 
     try:
         if case.backend == "cpkit":
@@ -384,7 +392,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="default bf16 on cuda, fp32 on cpu")
     p.add_argument("--hcp-a2a", type=int, default=2, help="a2a group size for a2a+p2p (default 2: [2,2] at cp=4)")
     p.add_argument("--timeout", type=float, default=None, help="seconds for the whole launch")
-    add_common_args(p)
+    add_common_args(p, profile=True)
     return p
 
 
@@ -449,7 +457,7 @@ def main(argv=None) -> int:
     settings = Settings(
         heads=args.heads, head_dim=args.head_dim, batch=1, dtype=args.dtype, device=args.device,
         warmup=args.warmup, iters=args.iters, hcp_a2a=args.hcp_a2a,
-        partial_path=str(partial), world_size=world,
+        partial_path=str(partial), profile_path=args.profile, world_size=world,
     )
     print(f"attention bench: {len(cases)} cells on {world} rank(s), {args.device}, {args.dtype}, "
           f"heads={args.heads} head_dim={args.head_dim} b=1 causal fwd+bwd", flush=True)
@@ -467,7 +475,8 @@ def main(argv=None) -> int:
     payload = {
         "bench": NAME,
         "machine": machine_info(),
-        "settings": {k: v for k, v in asdict(settings).items() if k not in ("partial_path", "notes")},
+        "settings": {k: v for k, v in asdict(settings).items()
+                     if k not in ("partial_path", "profile_path", "notes")},
         "args": {k: v for k, v in vars(args).items() if k != "out"},
         "flops": "causal fwd+bwd = 3.5 * 2*b*h*s^2*d; per GPU = total / cp",
         "results": results,

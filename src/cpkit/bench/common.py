@@ -28,6 +28,7 @@ __all__ = [
     "write_json",
     "machine_info",
     "short_error",
+    "profile_table",
 ]
 
 DEFAULT_RESULTS_DIR = "bench-results"
@@ -50,12 +51,18 @@ def parse_str_list(text: str) -> list[str]:
     return [p.strip() for p in text.split(",") if p.strip()]
 
 
-def add_common_args(parser: argparse.ArgumentParser, *, warmup: int = 3, iters: int = 10) -> None:
-    """--warmup, --iters, --out, --quick, --device for a benchmark's argument parser."""
+def add_common_args(parser: argparse.ArgumentParser, *, warmup: int = 3, iters: int = 10,
+                    profile: bool = False) -> None:
+    """--warmup, --iters, --out, --quick, --device (and --profile FILE with `profile`) for a
+    benchmark's argument parser."""
     parser.add_argument("--warmup", type=int, default=warmup, help="untimed iterations first")
     parser.add_argument("--iters", type=int, default=iters, help="timed iterations (median reported)")
     parser.add_argument("--out", default=None, help=f"JSON path (default {DEFAULT_RESULTS_DIR}/<name>.json)")
     parser.add_argument("--quick", action="store_true", help="small sizes and few iterations")
+    if profile:
+        parser.add_argument("--profile", default=None, metavar="FILE",
+                            help="also profile each cell (torch.profiler, after the timing) and "
+                                 "append its top ops by device time to FILE")
     parser.add_argument(
         "--device", choices=("cuda", "cpu"), default="cuda",
         help="cuda (NCCL, one GPU per rank) or cpu (gloo, tiny smoke run)",
@@ -101,6 +108,28 @@ def time_fn(
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return times
+
+
+def profile_table(fn: Callable[[], Any], *, iters: int, device: torch.device, title: str,
+                  row_limit: int = 30) -> str:
+    """Run `fn` `iters` times under torch.profiler (after one untimed call) and return a text
+    block: `title`, host milliseconds per iteration, and the ops sorted by their own device time
+    (host time on CPU). Every rank that `fn` communicates with must call it too."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    fn()
+    _sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(iters):
+            fn()
+        _sync(device)
+    host_ms = (time.perf_counter() - t0) * 1e3 / iters
+    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=row_limit, max_name_column_width=70)
+    return f"=== {title}: {iters} iterations, {host_ms:.2f} ms host time per iteration (profiled)\n{table}\n"
 
 
 def median(values: Iterable[float]) -> float:

@@ -35,6 +35,7 @@ from cpkit.bench.common import (
     machine_info,
     median,
     parse_int_list,
+    profile_table,
     short_error,
     time_fn,
     write_json,
@@ -64,6 +65,7 @@ class Settings:
     device: str
     warmup: int
     iters: int
+    profile_path: Optional[str] = None
 
 
 def parse_layout(text: str) -> tuple[int, int]:
@@ -93,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="validation set size (default dp_eval * pp * micro-batch)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default bf16 (cpu: fp32)")
     p.add_argument("--timeout", type=float, default=1800.0, help="launch timeout in seconds")
-    add_common_args(p, warmup=3, iters=10)
+    add_common_args(p, warmup=3, iters=10, profile=True)
     return p
 
 
@@ -119,6 +121,7 @@ def _settings(args) -> Settings:
         device=args.device,
         warmup=1 if args.quick else args.warmup,
         iters=3 if args.quick else args.iters,
+        profile_path=args.profile,
     )
 
 
@@ -182,6 +185,12 @@ def _cell(tp, pp, seq, s: Settings, groups, dev) -> dict:
     t_eval = median(time_fn(at_eval, warmup=s.warmup, iters=s.iters, device=dev, barrier=barrier))
     mem_eval = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     t_switch = median(time_fn(switch_only, warmup=1, iters=s.iters, device=dev))
+    if s.profile_path:
+        for name, fn in (("train", at_train), ("eval", at_eval)):
+            text = profile_table(fn, iters=2, device=dev, title=f"{_row(tp, pp, s)} seq {seq}: {name} layout")
+            if dist.get_rank() == 0:
+                with open(s.profile_path, "a") as fh:
+                    fh.write(text)
     slowest = torch.tensor([t_train, t_eval, t_switch], dtype=torch.float64, device=dev)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     t_train, t_eval, t_switch = slowest.tolist()
