@@ -4,8 +4,8 @@ The gathered shards arrive in rank order (zigzag); one index copy puts them in n
 sequence order. With a causal mask each of the two local query chunks (global chunk c) attends
 to the KV prefix before chunk c (no mask) and to chunk c itself (causal), merged by LSE; without
 a mask all local queries attend to all KV. Backward gathers KV again (nothing of size cp x local
-is kept between forward and backward), accumulates dKV for the whole sequence in fp32 and
-reduce-scatters it back to the owners.
+is kept between forward and backward), accumulates dKV for the whole sequence in the input
+dtype (as TE does; dQ stays local, in fp32) and reduce-scatters it back to the owners.
 
 Tensors are sequence-first: q [s, b, h, d] / [t, h, d], k/v with h_kv heads.
 """
@@ -114,7 +114,9 @@ class _AllGatherAttention(torch.autograd.Function):
         dout, out = dout.contiguous(), out.contiguous()
         kv, K, V = _gather_kv(k, v, group, natural_rows)
         blocks = _Blocks(seq, group_rank(group), K.shape[0])
-        dkv = torch.zeros_like(kv, dtype=torch.float32)
+        # dKV of the whole sequence in the input dtype, as TE does: the reduce-scatter below is
+        # exposed (nothing left to overlap it with), and fp32 would double its bytes.
+        dkv = torch.zeros_like(kv)
         dK, dV = dkv[:, 0], dkv[:, 1]
         if not causal:
             dq, dk_b, dv_b = attn_bwd(dout, q, K, V, out, lse, False, scale, **blocks.full_kw())
@@ -134,7 +136,7 @@ class _AllGatherAttention(torch.autograd.Function):
                     blocks.add_(dV, rows, dv_b)
         # Back to the gathered (rank) order, then each rank keeps the sum of its own rows.
         dkv_local = reduce_scatter_seq(dkv.index_select(0, natural_rows), group)
-        return dq.to(q.dtype), dkv_local[:, 0].to(k.dtype), dkv_local[:, 1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dkv_local[:, 0], dkv_local[:, 1], None, None, None, None
 
 
 def _put(seq: LocalSeq, out, lse, j, o_j, l_j) -> None:
@@ -154,6 +156,6 @@ def all_gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
 
     q [s, b, h, d] or [t, h, d] (THD: `seq` carries the global cu_seqlens), k/v with h_kv heads,
     in the 2-chunk layout of `group`. Collectives: one all-gather of KV in forward, one
-    all-gather and one reduce-scatter (fp32 dKV) in backward. Returns the output like q.
+    all-gather and one reduce-scatter (dKV, input dtype) in backward. Returns the output like q.
     """
     return _AllGatherAttention.apply(q, k, v, group, causal, scale, seq)

@@ -183,8 +183,8 @@ def context_parallel_attention(
     softmax_scale: defaults to 1/sqrt(dim).
 
     Memory: inputs are used through views (sbhd -> the kernels' layouts); p2p and all_gather
-    keep one float32 output accumulator (merged by LSE) and float32 dq/dKV accumulators in
-    backward, nothing of size s^2 and, besides all_gather's gathered KV, nothing of size
+    keep one float32 output accumulator (merged by LSE) and a float32 dq accumulator in
+    backward; dKV is accumulated and communicated in the input dtype (as TE does). Nothing of size s^2 and, besides all_gather's gathered KV, nothing of size
     cp x local. The output is in q.dtype and may be a non-contiguous view (use reshape).
     Backward returns grads in the dtypes of q, k, v.
 

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The benchmarks of the cards and README on a GPU machine without network (see README "GPU
+# machines"): attention (every comm type at cp=4, p2p kv8 at cp=2, with TE where it imports) or
+# eval_cp, with tables, JSON and profiles under ${OUT:-gpu-results}/.
+# Usage: bash scripts/gpu-bench.sh attention|eval_cp
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu-results}; mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+if ! python3 -c "import megatron.core" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:src${PYTHONPATH:+:$PYTHONPATH}
+quiet() { grep -v -E "UserWarning|warnings.warn|_warn_once|return func|Guessing device ID"; }
+rc=0
+case "${1:-}" in
+  attention)
+    python3 -m cpkit.bench attention --cp 4 --seq 32K,64K,128K --kv-heads 8,32 --backends cpkit,te,torch,sdpa \
+      --out "$out/attention_cp4.json" 2>&1 | quiet | tee "$out/attention_cp4.txt" || rc=1
+    python3 -m cpkit.bench attention --cp 2 --seq 32K,64K,128K --kv-heads 8 --comm p2p --backends cpkit,te \
+      --out "$out/attention_cp2.json" 2>&1 | quiet | tee "$out/attention_cp2.txt" || rc=1
+    python3 -m cpkit.bench attention --cp 4 --seq 32K --kv-heads 32 --comm p2p,all_gather --backends cpkit,te \
+      --warmup 2 --iters 3 --out /tmp/attention_profiled.json --profile "$out/attention_profile.txt" 2>&1 | quiet | tail -4
+    ;;
+  eval_cp)
+    python3 -m cpkit.bench eval_cp --out "$out/eval_cp.json" 2>&1 | quiet | tee "$out/eval_cp.txt" || rc=1
+    python3 -m cpkit.bench eval_cp --layouts tp2pp1 --seq 8192 --warmup 2 --iters 3 --out /tmp/eval_profiled.json \
+      --profile "$out/eval_cp_profile.txt" 2>&1 | quiet | tail -4
+    ;;
+  *) echo "usage: bash scripts/gpu-bench.sh attention|eval_cp" >&2; exit 2 ;;
+esac
+exit $rc
