@@ -623,6 +623,13 @@ class EvalResult:
     """Micro-batches this rank ran."""
 
 
+def _rows(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """tensor[rows]: a view for consecutive rows (no CPU gather per call), else index_select."""
+    if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+        return tensor[rows[0]:rows[0] + len(rows)]
+    return tensor.index_select(0, torch.tensor(rows, dtype=torch.long))
+
+
 def _micro_batches(dataset: Mapping[str, torch.Tensor], indices: range, mbs: int, *, pad: bool,
                    at_least: int = 0) -> list[dict]:
     """Full-sequence micro-batches of `indices`. With `pad`, the last one is filled up to `mbs`
@@ -632,14 +639,14 @@ def _micro_batches(dataset: Mapping[str, torch.Tensor], indices: range, mbs: int
     spare = idx[0] if idx else 0
 
     def masked(rows: int) -> dict:
-        filler = {k: v[[spare] * rows] for k, v in dataset.items()}
+        filler = {k: v[spare:spare + 1].expand(rows, *v.shape[1:]) for k, v in dataset.items()}
         filler["loss_mask"] = torch.zeros_like(filler["loss_mask"])
         return filler
 
     out = []
     for start in range(0, len(idx), mbs):
         chunk = idx[start:start + mbs]
-        mb = {k: v[chunk] for k, v in dataset.items()}
+        mb = {k: _rows(v, chunk) for k, v in dataset.items()}
         if pad and len(chunk) < mbs:
             filler = masked(mbs - len(chunk))
             mb = {k: torch.cat([mb[k], filler[k]]) for k in mb}
@@ -692,7 +699,8 @@ def evaluate(model: ModelOrChunks, dataset: Mapping[str, torch.Tensor], pg_colle
     pp = group_size(pp_group)
     cp_group, tp_group = get_pg(pg_collection, "cp"), get_pg(pg_collection, "tp")
     device = next(module.parameters()).device
-    local = [{k: v.to(device) for k, v in shard_batch(mb, cp_group).items()}
+    # Copied first, sharded on the device: no CPU tensor work per micro-batch.
+    local = [shard_batch({k: v.to(device) for k, v in mb.items()}, cp_group)
              for mb in _micro_batches(dataset, shard, micro_batch_size, pad=pp > 1,
                                       at_least=min_micro_batches)]
     was_training = module.training
