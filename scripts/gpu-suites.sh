@@ -6,11 +6,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-results}; mkdir -p "$out"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if ! python3 -c "import megatron.core" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-fi
-export PYTHONPATH=/tmp/site:src${PYTHONPATH:+:$PYTHONPATH}
+source scripts/gpu-env.sh
 markers=${1:-gpu2 or gpu4}; shift || true
 python3 - <<'PY' | tee "$out/env.txt"
 import torch, megatron.core as m
