@@ -416,6 +416,16 @@ def test_bench_write_json(tmp_path):
     assert json.loads(path.read_text()) == {"results": [1]}
 
 
+def test_profile_table_lists_ops_by_host_time():
+    from cpkit.bench.common import profile_table
+
+    x = torch.randn(64, 64)
+    text = profile_table(lambda: x @ x, iters=2, device=torch.device("cpu"), title="mm")
+    assert text.startswith("=== mm: 2 iterations")
+    assert "--- sorted by self_cpu_time_total" in text and "aten::mm" in text
+    assert "self_device_time_total" not in text  # no device table without a device
+
+
 def test_bench_refuses_bad_arguments(capsys, tmp_path):
     from cpkit.bench.attention import main
 
