@@ -210,6 +210,19 @@ def test_cp_attention_matches_full_attention(backend, world_size, case_id):
     _grid(backend, world_size)[case_id].check()
 
 
+@pytest.mark.parametrize("backend,world_size", dist_params((2, 4)))
+def test_unbatched_ring_matches_full_attention(backend, world_size, monkeypatch):
+    """The ring with separate isend/irecv calls (CPKIT_P2P_BATCHED=0, even ranks sending first)
+    gives the same results as the batched default: p2p and a2a+p2p, causal and no mask, sbhd
+    and THD, against the same single-rank reference."""
+    monkeypatch.setenv("CPKIT_P2P_BATCHED", "0")  # inherited by the spawned ranks
+    cases = [c for c in _cases(backend, world_size)
+             if c["comm"] in ("p2p", "a2a+p2p") and c["dtype"] in ("fp32", "bf16") and c["gqa"]]
+    assert len(cases) >= 4
+    for result in run_cases(_scenario, cases, world_size, backend=backend, timeout=600).values():
+        result.check()
+
+
 # ---------------------------------------------------------------------------------------------
 # Each CUDA kernel on its own (one GPU): forced through CPKIT_ATTN_KERNEL, so none falls back.
 # bf16 vs the float32 math kernel of the same inputs; tolerance as bf16 above.

@@ -242,3 +242,15 @@ def test_bad_shapes_and_thd_offsets():
                                    cu_seqlens=torch.tensor([0, 12], dtype=torch.int32))
     with pytest.raises(CPConfigError, match="dtype"):
         context_parallel_attention(q, k.double(), v, cp_group=None, cp_comm_type="p2p", causal=True)
+
+
+def test_p2p_batched_default_reads_the_environment(monkeypatch):
+    from cpkit.attention.comm import P2P_BATCHED_ENV, p2p_batched_default
+
+    monkeypatch.delenv(P2P_BATCHED_ENV, raising=False)
+    assert p2p_batched_default() is True  # the measured path stays the default
+    monkeypatch.setenv(P2P_BATCHED_ENV, "0")
+    assert p2p_batched_default() is False
+    monkeypatch.setenv(P2P_BATCHED_ENV, "yes")
+    with pytest.raises(ValueError, match="CPKIT_P2P_BATCHED='yes': must be 1 .* or 0"):
+        p2p_batched_default()

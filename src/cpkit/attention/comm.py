@@ -6,6 +6,7 @@ All helpers take the group as an argument; nothing here keeps a group at module 
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence, Union
 
 import torch
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from cpkit.process_groups import group_size  # noqa: F401 - part of this module's API
 
 __all__ = [
+    "P2P_BATCHED_ENV",
     "RingComm",
     "group_size",
     "group_rank",
@@ -27,6 +29,23 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+P2P_BATCHED_ENV = "CPKIT_P2P_BATCHED"
+
+
+def p2p_batched_default() -> bool:
+    """Whether ring exchanges are one batch_isend_irecv call (CPKIT_P2P_BATCHED=1, the default,
+    the measured path) or separate isend/irecv calls (0: TE's choice for rings of more than 2
+    ranks, NVTE_BATCH_MHA_P2P_COMM; with NCCL each peer pair gets its own communicator and
+    stream, so the send and the receive run side by side). Raises ValueError for other values."""
+    value = os.environ.get(P2P_BATCHED_ENV, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(
+            f"{P2P_BATCHED_ENV}={value!r}: must be 1 (one batched isend/irecv call per ring step, "
+            "the default) or 0 (separate isend/irecv calls); unset it for the default"
+        )
+    return value == "1"
+
+
 def group_rank(group: Optional[dist.ProcessGroup]) -> int:
     """This process's rank in `group`; 0 for None (no CP)."""
     return 0 if group is None else dist.get_rank(group)
@@ -35,14 +54,16 @@ def group_rank(group: Optional[dist.ProcessGroup]) -> int:
 class RingComm:
     """Send to the next rank of `group` and receive from the previous one, asynchronously.
 
-    `exchange(send, recv)` posts one batch of isend/irecv pairs (a tensor or a sequence of
-    tensors each) and returns a handle whose `wait()` completes them all; the caller computes in between, so the transfer overlaps compute
-    (NCCL runs P2P on its own stream; gloo in background threads). Every rank of the ring must
-    post the same sequence of exchanges. Peers are passed as global ranks, which both torch 2.11
+    `exchange(send, recv)` posts isend/irecv pairs (a tensor or a sequence of tensors each) and
+    returns a handle whose `wait()` completes them all; the caller computes in between, so the
+    transfer overlaps compute (NCCL runs P2P on its own stream; gloo in background threads).
+    `batched` (default: p2p_batched_default()) posts them as one batch_isend_irecv call or as
+    separate calls. Every rank of the ring must post the same sequence of exchanges. Peers are passed as global ranks, which both torch 2.11
     and 2.13 accept for subgroups.
     """
 
-    def __init__(self, group: dist.ProcessGroup):
+    def __init__(self, group: dist.ProcessGroup, batched: Optional[bool] = None):
+        self.batched = p2p_batched_default() if batched is None else batched
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -58,9 +79,18 @@ class RingComm:
         if not all(t.is_contiguous() for t in recvs):
             raise ValueError("RingComm.exchange: receive buffers must be contiguous")
         # One tag per tensor, so gloo cannot match the i-th send with another receive.
-        ops = [dist.P2POp(dist.isend, t, self.next_peer, self.group, 16 * tag + i) for i, t in enumerate(sends)]
-        ops += [dist.P2POp(dist.irecv, t, self.prev_peer, self.group, 16 * tag + i) for i, t in enumerate(recvs)]
-        return _Pending(dist.batch_isend_irecv(ops), sends)
+        if self.batched:
+            ops = [dist.P2POp(dist.isend, t, self.next_peer, self.group, 16 * tag + i) for i, t in enumerate(sends)]
+            ops += [dist.P2POp(dist.irecv, t, self.prev_peer, self.group, 16 * tag + i) for i, t in enumerate(recvs)]
+            return _Pending(dist.batch_isend_irecv(ops), sends)
+        post_sends = lambda: [dist.isend(t, self.next_peer, self.group, 16 * tag + i)  # noqa: E731
+                              for i, t in enumerate(sends)]
+        post_recvs = lambda: [dist.irecv(t, self.prev_peer, self.group, 16 * tag + i)  # noqa: E731
+                              for i, t in enumerate(recvs)]
+        # Even ranks send first, odd ranks receive first (as TE does): NCCL sets up a peer
+        # pair's communicator on its first use, and this order lets every pair meet.
+        works = post_sends() + post_recvs() if self.rank % 2 == 0 else post_recvs() + post_sends()
+        return _Pending(works, sends)
 
 
 class _Pending:
