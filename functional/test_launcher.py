@@ -106,6 +106,17 @@ def test_results_come_back_per_rank_and_no_process_survives():
     assert not any(_pid_alive(pid) for _, _, pid in out)
 
 
+def _threads():
+    return torch.get_num_threads()
+
+
+@pytest.mark.dist
+def test_each_rank_gets_its_share_of_the_cores():
+    # Ranks with intra-op pools as wide as the machine oversubscribe it (a 32 ms CPU slice per
+    # micro-batch in the eval_cp bench on a 64-core GPU host); each rank gets cores // ranks.
+    assert launch(_threads, 2, timeout=120) == [max(1, (os.cpu_count() or 1) // 2)] * 2
+
+
 @pytest.mark.dist
 def test_raising_rank_is_named_with_traceback_and_others_stopped():
     start = time.monotonic()
