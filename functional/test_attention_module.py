@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from cpkit.testing import device, dist_params, run_cases
-from cpkit.testing.reference import sdpa_reference
+from cpkit.testing.reference import attention_inputs, sdpa_reference
 
 HEADS, HEAD_DIM, BATCH, SEQ = 8, 16, 2, 32
 THD_LENS = [5, 16, 9]  # real lengths; padded to multiples of 2*cp
@@ -90,15 +90,11 @@ def _thd_params(cu_padded, lens, dev):
 def _inputs(kv_heads, dtype, dev, thd, cp):
     from cpkit.sharding import pad_cu_seqlens
 
-    gen = torch.Generator().manual_seed(1234)
     cu = pad_cu_seqlens(THD_LENS, cp) if thd else None
     lead = (int(cu[-1]),) if thd else (SEQ, BATCH)
-    q = torch.randn(*lead, HEADS, HEAD_DIM, generator=gen)
-    k = torch.randn(*lead, kv_heads, HEAD_DIM, generator=gen)
-    v = torch.randn(*lead, kv_heads, HEAD_DIM, generator=gen)
-    dout = torch.randn(*lead, HEADS, HEAD_DIM, generator=gen)
     # Round to the test dtype first so the reference sees the same inputs.
-    return [t.to(dtype).to(dev) for t in (q, k, v, dout)], (cu.to(dev) if cu is not None else None)
+    tensors = [t.to(dtype).to(dev) for t in attention_inputs(lead, HEADS, kv_heads, HEAD_DIM)]
+    return tensors, (cu.to(dev) if cu is not None else None)
 
 
 def _check_module_case(case):

@@ -12,9 +12,9 @@ and, through the gpu2/gpu4 markers, where the GPUs are missing.
    *no group* for a2a+p2p (it reads parallel_state's global hierarchical groups, unset on the
    decentralized path) until cpkit.attention.te.bind_te_attention_groups binds [a2a, p2p].
 2. `test_te_gpt_matches_cpkit_spec`: the small GPT with the cpkit spec and with MCore's TE spec,
-   same weights (copied through te_support.copy_weights_from_local: the TE spec fuses the layer
-   norms into the linears, so init_weights alone does not give the same weights), same CP
-   layout: the loss of one train step and after the update, and every gradient.
+   same weights (build_gpt's init_weights already maps TE's fused layer-norm names through
+   cpkit.models.local_spec_name; te_support.copy_weights_from_local copies them once more and
+   fails if any TE parameter has no local counterpart or another shape), same CP layout: the loss of one train step and after the update, and every gradient.
 3. Features with TE:
    - `test_te_eval_cp_rebinding`: a TE-spec model trained at cp=1 evaluates at cp=2 / 4 / a2a+p2p
      [2,2] inside eval_cp_context: same loss; inside, every TE attention is bound to the eval
@@ -68,7 +68,7 @@ import torch.distributed as dist
 
 from cpkit.testing import device, grid_params, grid_result
 from cpkit.testing.compare import assert_grads_close, first_layer_name, max_rel_diff
-from cpkit.testing.reference import sdpa_reference, token_sample
+from cpkit.testing.reference import attention_inputs, sdpa_reference, token_sample
 from cpkit.testing.te_support import requires_te
 from functional.test_attention_module import _config, _full_reference, _pg_collection, _sharder, _thd_params
 
@@ -175,13 +175,9 @@ def _attention_inputs(kv_heads: int, thd: bool, cp: int, dev):
     zero on THD padding, so the reference gradients there are zero and real tokens exact."""
     from cpkit.sharding import pad_cu_seqlens
 
-    gen = torch.Generator().manual_seed(1234)
     cu = pad_cu_seqlens(THD_LENS, cp) if thd else None
     lead = (int(cu[-1]),) if thd else (SEQ, BATCH)
-    q = torch.randn(*lead, HEADS, HEAD_DIM, generator=gen)
-    k = torch.randn(*lead, kv_heads, HEAD_DIM, generator=gen)
-    v = torch.randn(*lead, kv_heads, HEAD_DIM, generator=gen)
-    dout = torch.randn(*lead, HEADS, HEAD_DIM, generator=gen)
+    q, k, v, dout = attention_inputs(lead, HEADS, kv_heads, HEAD_DIM)
     real = torch.ones(lead[0], dtype=torch.bool)
     if thd:
         real.zero_()

@@ -177,7 +177,6 @@ def _global_ranks(group: Any) -> Optional[list[int]]:
     return list(ranks) if ranks is not None else None
 
 
-
 def _collection_fields() -> list[str]:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -623,20 +622,14 @@ class EvalResult:
     """Micro-batches this rank ran."""
 
 
-def _rows(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """tensor[rows]: a view for consecutive rows (no CPU gather per call), else index_select."""
-    if rows and rows == list(range(rows[0], rows[0] + len(rows))):
-        return tensor[rows[0]:rows[0] + len(rows)]
-    return tensor.index_select(0, torch.tensor(rows, dtype=torch.long))
-
-
 def _micro_batches(dataset: Mapping[str, torch.Tensor], indices: range, mbs: int, *, pad: bool,
                    at_least: int = 0) -> list[dict]:
     """Full-sequence micro-batches of `indices`. With `pad`, the last one is filled up to `mbs`
     with loss-masked copies (fixed shapes for the pipeline schedule); loss-masked filler
-    micro-batches are added up to `at_least` (a full pipeline, as the planner counts it)."""
-    idx = list(indices)
-    spare = idx[0] if idx else 0
+    micro-batches are added up to `at_least` (a full pipeline, as the planner counts it).
+    `indices` is a contiguous range (eval_shard's), so every micro-batch is a view: no CPU
+    gather per call."""
+    spare = indices.start if len(indices) else 0
 
     def masked(rows: int) -> dict:
         filler = {k: v[spare:spare + 1].expand(rows, *v.shape[1:]) for k, v in dataset.items()}
@@ -644,9 +637,9 @@ def _micro_batches(dataset: Mapping[str, torch.Tensor], indices: range, mbs: int
         return filler
 
     out = []
-    for start in range(0, len(idx), mbs):
-        chunk = idx[start:start + mbs]
-        mb = {k: _rows(v, chunk) for k, v in dataset.items()}
+    for start in range(0, len(indices), mbs):
+        chunk = indices[start:start + mbs]
+        mb = {k: v[chunk.start:chunk.stop] for k, v in dataset.items()}
         if pad and len(chunk) < mbs:
             filler = masked(mbs - len(chunk))
             mb = {k: torch.cat([mb[k], filler[k]]) for k in mb}

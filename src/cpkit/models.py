@@ -59,7 +59,6 @@ class GPTConfig:
         return replace(self, **changes)
 
 
-
 def _layer_spec(attention: AttentionBackend, num_layers: int):
     if attention == "local":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

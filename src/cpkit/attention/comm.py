@@ -58,8 +58,8 @@ class RingComm:
     returns a handle whose `wait()` completes them all; the caller computes in between, so the
     transfer overlaps compute (NCCL runs P2P on its own stream; gloo in background threads).
     `batched` (default: p2p_batched_default()) posts them as one batch_isend_irecv call or as
-    separate calls. Every rank of the ring must post the same sequence of exchanges. Peers are passed as global ranks, which both torch 2.11
-    and 2.13 accept for subgroups.
+    separate calls. Every rank of the ring must post the same sequence of exchanges. Peers are
+    passed as global ranks, which both torch 2.11 and 2.13 accept for subgroups.
     """
 
     def __init__(self, group: dist.ProcessGroup, batched: Optional[bool] = None):
@@ -73,23 +73,21 @@ class RingComm:
     def exchange(self, send: Union[torch.Tensor, Sequence[torch.Tensor]],
                  recv: Union[torch.Tensor, Sequence[torch.Tensor]], tag: int = 0) -> "_Pending":
         """Start sending `send` to the next rank and receiving `recv` from the previous one
-        (matching tensors or sequences of tensors, sent as one batch: no packing copy)."""
+        (matching tensors or sequences of tensors, each sent as it is: no packing copy)."""
         sends = [t.contiguous() for t in ([send] if isinstance(send, torch.Tensor) else send)]
         recvs = [recv] if isinstance(recv, torch.Tensor) else list(recv)
         if not all(t.is_contiguous() for t in recvs):
             raise ValueError("RingComm.exchange: receive buffers must be contiguous")
-        # One tag per tensor, so gloo cannot match the i-th send with another receive.
-        if self.batched:
-            ops = [dist.P2POp(dist.isend, t, self.next_peer, self.group, 16 * tag + i) for i, t in enumerate(sends)]
-            ops += [dist.P2POp(dist.irecv, t, self.prev_peer, self.group, 16 * tag + i) for i, t in enumerate(recvs)]
-            return _Pending(dist.batch_isend_irecv(ops), sends)
-        post_sends = lambda: [dist.isend(t, self.next_peer, self.group, 16 * tag + i)  # noqa: E731
-                              for i, t in enumerate(sends)]
-        post_recvs = lambda: [dist.irecv(t, self.prev_peer, self.group, 16 * tag + i)  # noqa: E731
-                              for i, t in enumerate(recvs)]
-        # Even ranks send first, odd ranks receive first (as TE does): NCCL sets up a peer
+        # One tag per tensor, so gloo cannot match the i-th send with another receive. Even
+        # ranks send first, odd ranks receive first (as TE does): unbatched, NCCL sets up a peer
         # pair's communicator on its first use, and this order lets every pair meet.
-        works = post_sends() + post_recvs() if self.rank % 2 == 0 else post_recvs() + post_sends()
+        posts = [(dist.isend, t, self.next_peer, 16 * tag + i) for i, t in enumerate(sends)]
+        takes = [(dist.irecv, t, self.prev_peer, 16 * tag + i) for i, t in enumerate(recvs)]
+        ops = posts + takes if self.rank % 2 == 0 else takes + posts
+        if self.batched:
+            works = dist.batch_isend_irecv([dist.P2POp(op, t, peer, self.group, tg) for op, t, peer, tg in ops])
+        else:
+            works = [op(t, peer, self.group, tg) for op, t, peer, tg in ops]
         return _Pending(works, sends)
 
 

@@ -184,8 +184,9 @@ def context_parallel_attention(
 
     Memory: inputs are used through views (sbhd -> the kernels' layouts); p2p and all_gather
     keep one float32 output accumulator (merged by LSE) and a float32 dq accumulator in
-    backward; dKV is accumulated and communicated in the input dtype (as TE does). Nothing of size s^2 and, besides all_gather's gathered KV, nothing of size
-    cp x local. The output is in q.dtype and may be a non-contiguous view (use reshape).
+    backward; dKV is accumulated and communicated in the input dtype (as TE does). Nothing of
+    size s^2 and, besides all_gather's gathered KV, nothing of size cp x local. The output is
+    in q.dtype and may be a non-contiguous view (use reshape).
     Backward returns grads in the dtypes of q, k, v.
 
     Raises CPConfigError (ValueError) for an unknown comm type, a group that does not fit it,
@@ -195,7 +196,7 @@ def context_parallel_attention(
     comm = check_comm_type(cp_comm_type)
     groups = _groups(cp_group, comm)
     thd = _check_tensors(q, k, v, cu_seqlens)
-    cp = math.prod(group_size(g) for g in groups) if groups else 1
+    cp = group_size(groups)  # the product over both levels; 1 without CP
     if comm in ("a2a", "a2a+p2p") and groups:
         check_a2a_heads(q.shape[-2], k.shape[-2], group_size(groups[0]), comm)
     if not thd and cp > 1 and q.shape[0] % 2:

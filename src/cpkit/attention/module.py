@@ -68,7 +68,6 @@ def _is_causal(mask: Any, thd: Optional[bool]) -> bool:
     )
 
 
-
 def _check_hierarchical(hcp: Any, cp_group: CPGroup, source: str) -> list:
     """The [a2a, p2p] pair from `hcp`, checked against `cp_group`; CPConfigError otherwise.
 

@@ -32,12 +32,12 @@ import torch
 from cpkit.bench.common import (
     DEFAULT_RESULTS_DIR,
     add_common_args,
+    append_profile,
     format_table,
     machine_info,
     median,
     parse_int_list,
     parse_str_list,
-    profile_table,
     short_error,
     time_fn,
     write_json,
@@ -281,10 +281,7 @@ def _time_case(case: Case, s: Settings, dev, groups) -> tuple[float, Optional[st
     def run(step):
         ms = median(time_fn(step, warmup=s.warmup, iters=s.iters, device=dev, barrier=barrier))
         if s.profile_path:
-            text = profile_table(step, iters=3, device=dev, title=f"{case.row} seq {case.seq}")
-            if dist.get_rank() == 0:
-                with open(s.profile_path, "a") as fh:
-                    fh.write(text)
+            append_profile(s.profile_path, step, iters=3, device=dev, title=f"{case.row} seq {case.seq}")
         return ms
 
     try:

@@ -29,6 +29,7 @@ __all__ = [
     "machine_info",
     "short_error",
     "profile_table",
+    "append_profile",
 ]
 
 DEFAULT_RESULTS_DIR = "bench-results"
@@ -137,6 +138,17 @@ def profile_table(fn: Callable[[], Any], *, iters: int, device: torch.device, ti
         text += f"--- sorted by {sort}\n"
         text += averages.table(sort_by=sort, row_limit=row_limit, max_name_column_width=70) + "\n"
     return text
+
+
+def append_profile(path: str, fn: Callable[[], Any], *, iters: int, device: torch.device, title: str) -> None:
+    """profile_table of `fn` on this rank (every rank of `fn`'s groups must call it), appended to
+    `path` by global rank 0 only (or by the process itself when not distributed)."""
+    import torch.distributed as dist
+
+    text = profile_table(fn, iters=iters, device=device, title=title)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        with open(path, "a") as fh:
+            fh.write(text)
 
 
 def median(values: Iterable[float]) -> float:

@@ -31,11 +31,11 @@ import torch
 
 from cpkit.bench.common import (
     add_common_args,
+    append_profile,
     format_table,
     machine_info,
     median,
     parse_int_list,
-    profile_table,
     short_error,
     time_fn,
     write_json,
@@ -187,10 +187,8 @@ def _cell(tp, pp, seq, s: Settings, groups, dev) -> dict:
     t_switch = median(time_fn(switch_only, warmup=1, iters=s.iters, device=dev))
     if s.profile_path:
         for name, fn in (("train", at_train), ("eval", at_eval)):
-            text = profile_table(fn, iters=2, device=dev, title=f"{_row(tp, pp, s)} seq {seq}: {name} layout")
-            if dist.get_rank() == 0:
-                with open(s.profile_path, "a") as fh:
-                    fh.write(text)
+            append_profile(s.profile_path, fn, iters=2, device=dev,
+                           title=f"{_row(tp, pp, s)} seq {seq}: {name} layout")
     slowest = torch.tensor([t_train, t_eval, t_switch], dtype=torch.float64, device=dev)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     t_train, t_eval, t_switch = slowest.tolist()

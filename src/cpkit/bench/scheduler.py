@@ -156,7 +156,6 @@ def _plot(path: Path, dynamic: Plan, static: Plan, title: str) -> str:
     return f"plot: {path}"
 
 
-
 def _summary_cells(label: str, prefix: str, summary: dict, *, median_name: str, p95_name: str) -> dict:
     """Table cells of one plan summary (dynamic or static), column names prefixed."""
     return {

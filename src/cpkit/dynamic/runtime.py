@@ -190,7 +190,6 @@ def _model_collection(model: torch.nn.Module) -> Any:
         "pass pg_collection= (the collection the model was built with)")
 
 
-
 @contextlib.contextmanager
 def use_cp_group(
     model: torch.nn.Module,

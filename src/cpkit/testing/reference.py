@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from cpkit.compat import new_pg_collection
 
-__all__ = ["per_sequence_reference", "sdpa_reference", "single_rank_pg_collection", "token_sample"]
+__all__ = ["attention_inputs", "per_sequence_reference", "sdpa_reference", "single_rank_pg_collection",
+           "token_sample"]
 
 _PG_FIELDS = ("tp", "pp", "mp", "cp", "dp", "tp_cp", "dp_cp", "tp_dp_cp", "embd", "pos_embd",
               "intra_dp_cp", "expt_dp", "intra_expt_dp", "expt_tp", "tp_ep", "tp_ep_pp", "ep")
@@ -25,6 +26,18 @@ def single_rank_pg_collection():
         if r == dist.get_rank():
             mine = group
     return new_pg_collection(**{name: mine for name in _PG_FIELDS})
+
+
+def attention_inputs(lead: tuple, heads: int, kv_heads: int, head_dim: int, seed: int = 1234) -> list:
+    """Full q, k, v and output gradient, float32 on CPU, the same on every rank for `seed`:
+    q and dout [*lead, heads, head_dim], k and v [*lead, kv_heads, head_dim] (lead (s, b) for
+    sbhd, (t,) for THD). Callers round them to the test dtype before use."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(*lead, heads, head_dim, generator=gen)
+    k = torch.randn(*lead, kv_heads, head_dim, generator=gen)
+    v = torch.randn(*lead, kv_heads, head_dim, generator=gen)
+    dout = torch.randn(*lead, heads, head_dim, generator=gen)
+    return [q, k, v, dout]
 
 
 def sdpa_reference(q, k, v, causal: bool, cu=None):

@@ -1,12 +1,13 @@
 """Test support for the Transformer Engine backend: skips, parameter names, restore checks.
 
 - `te_skip_reason()` / `requires_te()`: skip a test with the reason where TE is not importable.
-- `local_name_for_te`, `map_te_names`, `copy_weights_from_local`: MCore's TE layer spec fuses
-  the layer norms into the following linear (`TELayerNormColumnParallelLinear`), so a TE-spec
-  GPT names `input_layernorm.weight` `self_attention.linear_qkv.layer_norm_weight` (and
-  `pre_mlp_layernorm.*` `mlp.linear_fc1.layer_norm_*`); every other parameter has the name and
-  shape of the local (cpkit) spec. The mapping is the one MCore itself uses to load local-spec
-  checkpoints into TE models (`sharded_state_dict_keys_map` of `get_gpt_layer_local_submodules`,
+- `map_te_names`, `copy_weights_from_local` (names through cpkit.models.local_spec_name):
+  MCore's TE layer spec fuses the layer norms into the following linear
+  (`TELayerNormColumnParallelLinear`), so a TE-spec GPT names `input_layernorm.weight`
+  `self_attention.linear_qkv.layer_norm_weight` (and `pre_mlp_layernorm.*`
+  `mlp.linear_fc1.layer_norm_*`); every other parameter has the name and shape of the local
+  (cpkit) spec. The mapping is the one MCore itself uses to load local-spec checkpoints into TE
+  models (`sharded_state_dict_keys_map` of `get_gpt_layer_local_submodules`,
   megatron/core/models/gpt/gpt_layer_specs.py, 0.16 and 0.19).
 - `rebind_snapshot` / `assert_rebind_restored`: every attribute eval CP (and dynamic CP) may
   rebind, captured by object identity, so a test can prove the restore put back the very objects.
@@ -19,13 +20,11 @@ from typing import Any, Optional
 import pytest
 import torch
 
-from cpkit.models import TE_FUSED_NORM_NAMES, local_spec_name  # noqa: F401 - re-exported
+from cpkit.models import local_spec_name
 
 __all__ = [
     "te_skip_reason",
     "requires_te",
-    "TE_FUSED_NORM_NAMES",
-    "local_name_for_te",
     "map_te_names",
     "copy_weights_from_local",
     "rebind_snapshot",
@@ -52,15 +51,11 @@ def requires_te():
 
 # --- TE <-> local parameter names -------------------------------------------------------------
 
-# The name mapping lives with the weight initialisation it serves (cpkit.models).
-local_name_for_te = local_spec_name
-
-
 def map_te_names(tensors: dict[str, Any]) -> dict[str, Any]:
     """`tensors` (keyed by TE-spec names) keyed by local-spec names; ValueError on a collision."""
     out: dict[str, Any] = {}
     for name, value in tensors.items():
-        local = local_name_for_te(name)
+        local = local_spec_name(name)
         if local in out:
             raise ValueError(f"{name} and another parameter both map to {local}")
         out[local] = value
@@ -80,7 +75,7 @@ def copy_weights_from_local(te_model: torch.nn.Module, local_model: torch.nn.Mod
     used: set[str] = set()
     problems = []
     for name, param in te_model.named_parameters():
-        local = local_name_for_te(name)
+        local = local_spec_name(name)
         if local not in src:
             problems.append(f"TE parameter {name} (local name {local}) has no local counterpart")
         elif src[local].shape != param.shape:
