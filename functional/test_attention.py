@@ -210,14 +210,30 @@ def test_cp_attention_matches_full_attention(backend, world_size, case_id):
     _grid(backend, world_size)[case_id].check()
 
 
+@pytest.mark.parametrize("mode", ["0", "1"], ids=["separate", "batched"])
 @pytest.mark.parametrize("backend,world_size", dist_params((2, 4)))
-def test_unbatched_ring_matches_full_attention(backend, world_size, monkeypatch):
-    """The ring with separate isend/irecv calls (CPKIT_P2P_BATCHED=0, even ranks sending first)
-    gives the same results as the batched default: p2p and a2a+p2p, causal and no mask, sbhd
-    and THD, against the same single-rank reference."""
-    monkeypatch.setenv("CPKIT_P2P_BATCHED", "0")  # inherited by the spawned ranks
+def test_forced_ring_mode_matches_full_attention(backend, world_size, mode, monkeypatch):
+    """The ring forced to separate isend/irecv calls (CPKIT_P2P_BATCHED=0, even ranks sending
+    first) or to one batched call per step (1) gives the results of the default (auto: batched
+    for a ring of 2, separate for more): p2p and a2a+p2p, causal and no mask, sbhd and THD,
+    against the same single-rank reference."""
+    monkeypatch.setenv("CPKIT_P2P_BATCHED", mode)  # inherited by the spawned ranks
     cases = [c for c in _cases(backend, world_size)
              if c["comm"] in ("p2p", "a2a+p2p") and c["dtype"] in ("fp32", "bf16") and c["gqa"]]
+    assert len(cases) >= 4
+    for result in run_cases(_scenario, cases, world_size, backend=backend, timeout=600).values():
+        result.check()
+
+
+@pytest.mark.parametrize("chunks", ["1", "4"])
+@pytest.mark.parametrize("backend,world_size", dist_params((2, 4)))
+def test_a2a_head_chunks_match_full_attention(backend, world_size, chunks, monkeypatch):
+    """a2a and a2a+p2p with the all-to-alls unpipelined (CPKIT_A2A_CHUNKS=1) or cut into up to 4
+    head chunks (lowered to what the local KV heads divide) give the results of the default (2),
+    against the same single-rank reference."""
+    monkeypatch.setenv("CPKIT_A2A_CHUNKS", chunks)  # inherited by the spawned ranks
+    cases = [c for c in _cases(backend, world_size)
+             if c["comm"] in ("a2a", "a2a+p2p") and c["dtype"] in ("fp32", "bf16") and "rejects" not in c["id"]]
     assert len(cases) >= 4
     for result in run_cases(_scenario, cases, world_size, backend=backend, timeout=600).values():
         result.check()

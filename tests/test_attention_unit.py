@@ -248,9 +248,30 @@ def test_p2p_batched_default_reads_the_environment(monkeypatch):
     from cpkit.attention.comm import P2P_BATCHED_ENV, p2p_batched_default
 
     monkeypatch.delenv(P2P_BATCHED_ENV, raising=False)
-    assert p2p_batched_default() is True  # the measured path stays the default
+    # auto: batched for a ring of 2, separate calls for longer rings (TE's choice, measured faster)
+    assert p2p_batched_default(2) is True
+    assert p2p_batched_default(4) is False
+    monkeypatch.setenv(P2P_BATCHED_ENV, "auto")
+    assert (p2p_batched_default(2), p2p_batched_default(8)) == (True, False)
     monkeypatch.setenv(P2P_BATCHED_ENV, "0")
-    assert p2p_batched_default() is False
+    assert (p2p_batched_default(2), p2p_batched_default(4)) == (False, False)
+    monkeypatch.setenv(P2P_BATCHED_ENV, "1")
+    assert (p2p_batched_default(2), p2p_batched_default(4)) == (True, True)
     monkeypatch.setenv(P2P_BATCHED_ENV, "yes")
-    with pytest.raises(ValueError, match="CPKIT_P2P_BATCHED='yes': must be 1 .* or 0"):
-        p2p_batched_default()
+    with pytest.raises(ValueError, match="CPKIT_P2P_BATCHED='yes': must be auto .*, 1 .* or 0"):
+        p2p_batched_default(4)
+
+
+def test_a2a_chunk_count_reads_the_environment(monkeypatch):
+    from cpkit.attention.a2a import A2A_CHUNKS_ENV, a2a_chunk_count
+
+    monkeypatch.delenv(A2A_CHUNKS_ENV, raising=False)
+    assert [a2a_chunk_count(n) for n in (1, 2, 3, 4, 16)] == [1, 2, 1, 2, 2]  # default 2, if it divides
+    monkeypatch.setenv(A2A_CHUNKS_ENV, "4")
+    assert [a2a_chunk_count(n) for n in (1, 2, 6, 8)] == [1, 2, 3, 4]  # the largest divisor <= 4
+    monkeypatch.setenv(A2A_CHUNKS_ENV, "1")
+    assert a2a_chunk_count(8) == 1
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv(A2A_CHUNKS_ENV, bad)
+        with pytest.raises(ValueError, match=f"CPKIT_A2A_CHUNKS='{bad}': must be a positive integer"):
+            a2a_chunk_count(4)

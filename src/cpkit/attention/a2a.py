@@ -1,106 +1,146 @@
-"""`a2a` (Ulysses): trade the sequence split for a head split with one all-to-all.
+"""`a2a` (Ulysses): trade the sequence split for a head split with all-to-alls.
 
-Before attention, one all-to-all over the a2a group (size A) sends head group j of q, k, v
+Before attention an all-to-all over the a2a group (size A) sends head group j of q, k, v
 (packed into one buffer) to rank j and receives every rank's sequence shard of this rank's
 heads; the shards arrive in zigzag order and one index copy (`chunks.a2a_reorder`) puts them in
 natural order (or, under `a2a+p2p`, in the zigzag layout of the p2p level), so the causal mask
 is the plain one. Attention then runs over h/A heads (locally, or as a ring over the p2p group),
-and a second all-to-all returns the output to the sequence split. Backward is the same two
-all-to-alls in reverse. Needs h % A == 0 and h_kv % A == 0 (checked by the caller).
+and an all-to-all returns the output to the sequence split. Backward is the same in reverse.
+
+The heads are cut into chunks (`a2a_chunk_count`, default 2) and every chunk's all-to-all is
+posted up front, so a chunk's attention runs while the next chunk and the previous chunk's
+output are in flight: only the first chunk in and the last chunk out stay exposed. Needs
+h % A == 0 and h_kv % A == 0 (checked by the caller).
 
 Tensors are sequence-first: q [s, b, h, d] / [t, h, d], k/v with h_kv heads.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from cpkit.attention.chunks import a2a_reorder, local_seq
-from cpkit.attention.comm import all_to_all_seq, group_size
-from cpkit.attention.p2p import ring_attention
+from cpkit.attention.comm import RingComm, group_size
+from cpkit.attention.p2p import ring_backward, ring_forward, ring_attention
 
-__all__ = ["a2a_attention", "seq_to_heads", "heads_to_seq"]
+__all__ = ["a2a_attention", "A2A_CHUNKS_ENV", "a2a_chunk_count"]
 
-
-def _split_heads(x: torch.Tensor, a: int) -> torch.Tensor:
-    """[t, ..., h, d] -> [a, t, ..., h/a, d] view: head group first."""
-    return x.unflatten(-2, (a, x.shape[-2] // a)).movedim(-3, 0)
+A2A_CHUNKS_ENV = "CPKIT_A2A_CHUNKS"
 
 
-def _merge_heads(x: torch.Tensor) -> torch.Tensor:
-    """[a, t, ..., h/a, d] -> [t, ..., h, d] (one copy)."""
-    return x.movedim(0, -3).flatten(-3, -2)
+def a2a_chunk_count(local_kv_heads: int) -> int:
+    """How many head chunks are pipelined through the all-to-alls: CPKIT_A2A_CHUNKS (default
+    2; 1 turns the overlap off), lowered to the largest count that divides this rank's KV heads
+    after the all-to-all (`local_kv_heads`, i.e. h_kv / A). Raises ValueError for a bad value."""
+    value = os.environ.get(A2A_CHUNKS_ENV, "2").strip()
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(
+            f"{A2A_CHUNKS_ENV}={value!r}: must be a positive integer (head chunks pipelined "
+            "through the all-to-alls; 1 turns the overlap off); unset it for the default 2"
+        )
+    return max(c for c in range(1, min(int(value), local_kv_heads) + 1) if local_kv_heads % c == 0)
 
 
-def _pack_a2a(tensors, a: int, rows, group) -> torch.Tensor:
-    """All-to-all of several [t, ..., h_i, d] tensors in one buffer; returns the received rows
-    [a * t, ..., sum(h_i) / a, d] reordered by `rows`."""
-    widths = [x.shape[-2] // a for x in tensors]
-    first = tensors[0]
-    send = first.new_empty((a, *first.shape[:-2], sum(widths), first.shape[-1]))
+def _chunk_view(x: torch.Tensor, a: int, chunks: int, c: int) -> torch.Tensor:
+    """Head chunk c of every a2a rank's head group of a sequence-split [t, ..., h, d] tensor, as
+    a view [t, ..., a, h / (a * chunks), d]."""
+    width = x.shape[-2] // (a * chunks)
+    return x.unflatten(-2, (a, chunks * width))[..., c * width:(c + 1) * width, :]
+
+
+class _Exchange:
+    """One asynchronous all-to-all of a packed [a, t, ..., w, d] buffer over the a2a group; the
+    send buffer stays referenced until `wait()`."""
+
+    def __init__(self, send: torch.Tensor, group: dist.ProcessGroup):
+        self.send, self.recv = send, torch.empty_like(send)
+        self.work = dist.all_to_all_single(self.recv, send, group=group, async_op=True)
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        self.send = None
+        return self.recv
+
+
+def _to_heads(tensors, a: int, chunks: int, c: int, group) -> _Exchange:
+    """Start the all-to-all of head chunk c of sequence-split tensors, packed in one buffer."""
+    views = [_chunk_view(x, a, chunks, c).movedim(-3, 0) for x in tensors]  # [a, t, ..., w_i, d]
+    send = views[0].new_empty((*views[0].shape[:-2], sum(v.shape[-2] for v in views), views[0].shape[-1]))
     start = 0
-    for x, w in zip(tensors, widths):
-        send[..., start:start + w, :].copy_(_split_heads(x, a))
-        start += w
-    recv = all_to_all_seq(send, group)
-    return recv.flatten(0, 1).index_select(0, rows)
+    for view in views:
+        send[..., start:start + view.shape[-2], :].copy_(view)
+        start += view.shape[-2]
+    return _Exchange(send, group)
 
 
-def _unpack_a2a(y: torch.Tensor, widths, a: int, inverse_rows, group):
-    """Inverse of `_pack_a2a`: [a * t, ..., sum(w), d] rows -> list of [t, ..., w_i * a, d]."""
-    send = y.index_select(0, inverse_rows).unflatten(0, (a, -1))
-    recv = all_to_all_seq(send, group)
-    outs, start = [], 0
-    for w in widths:
-        outs.append(_merge_heads(recv[..., start:start + w, :]))
-        start += w
-    return outs
+def _arrived_heads(exchange: _Exchange, rows: torch.Tensor, widths):
+    """The head-split tensors of a finished `_to_heads` ([a * t, ..., w_i, d] views in the row
+    order `rows`)."""
+    return exchange.wait().flatten(0, 1).index_select(0, rows).split(widths, dim=-2)
 
 
-def _split(y: torch.Tensor, widths):
-    return tuple(y.split(widths, dim=-2))
+def _to_seq(tensors, inverse_rows: torch.Tensor, a: int, group) -> _Exchange:
+    """Start the all-to-all sending head-split [a * t, ..., w_i, d] tensors back to the sequence split."""
+    y = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=-2)
+    return _Exchange(y.index_select(0, inverse_rows).unflatten(0, (a, -1)), group)
 
 
-class _SeqToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, group, rows, inverse_rows, *tensors):
-        a = group_size(group)
-        ctx.group, ctx.rows, ctx.inverse_rows = group, rows, inverse_rows
-        ctx.widths = [x.shape[-2] // a for x in tensors]
-        return _split(_pack_a2a(tensors, a, rows, group), ctx.widths)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        y = torch.cat([g.contiguous() for g in grads], dim=-2)
-        outs = _unpack_a2a(y, ctx.widths, group_size(ctx.group), ctx.inverse_rows, ctx.group)
-        return (None, None, None, *outs)
+def _arrived_seq(exchange: _Exchange, outs, a: int, chunks: int, c: int) -> None:
+    """Write a finished `_to_seq` of head chunk c into the sequence-split tensors `outs`."""
+    recv, start = exchange.wait(), 0
+    for out in outs:
+        view = _chunk_view(out, a, chunks, c)
+        width = view.shape[-2]
+        view.copy_(recv[..., start:start + width, :].movedim(0, -3))
+        start += width
 
 
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, group, rows, inverse_rows, y):
-        ctx.group, ctx.rows, ctx.inverse_rows = group, rows, inverse_rows
-        return _unpack_a2a(y, [y.shape[-2]], group_size(group), inverse_rows, group)[0]
+class _UlyssesAttention(torch.autograd.Function):
+    """All-to-all, attention (a ring over the p2p group, or local), all-to-all back, with the
+    heads cut into chunks: every chunk's all-to-all is posted up front and each chunk's
+    attention runs while the later chunks (and the earlier outputs) are in flight."""
 
     @staticmethod
-    def backward(ctx, grad):
-        a = group_size(ctx.group)
-        return None, None, None, _pack_a2a([grad], a, ctx.rows, ctx.group)
+    def forward(ctx, q, k, v, a2a_group, p2p_group, causal, scale, rows, inverse_rows, seq, chunks):
+        a = group_size(a2a_group)
+        comm = RingComm(p2p_group) if group_size(p2p_group) > 1 else None
+        widths = [x.shape[-2] // (a * chunks) for x in (q, k, v)]
+        inbound = [_to_heads((q, k, v), a, chunks, c, a2a_group) for c in range(chunks)]
+        out = torch.empty_like(q)
+        outbound, saved = [], []
+        for c in range(chunks):
+            qc, kc, vc = _arrived_heads(inbound[c], rows, widths)
+            oc, lse = ring_forward(qc, kc, vc, comm, causal, scale, seq)
+            outbound.append(_to_seq([oc], inverse_rows, a, a2a_group))
+            saved += [qc, kc, vc, oc, lse]
+        for c, exchange in enumerate(outbound):
+            _arrived_seq(exchange, [out], a, chunks, c)
+        ctx.save_for_backward(*saved)
+        ctx.setup = (a2a_group, comm, causal, scale, rows, inverse_rows, seq, chunks, widths)
+        return out
 
-
-def seq_to_heads(group: dist.ProcessGroup, rows: torch.Tensor, inverse_rows: torch.Tensor, *tensors):
-    """Differentiable all-to-all: sequence-split [t, ..., h_i, d] tensors -> head-split
-    [A * t, ..., h_i / A, d] in the row order `rows` (from `chunks.a2a_reorder`)."""
-    return _SeqToHeads.apply(group, rows, inverse_rows, *tensors)
-
-
-def heads_to_seq(group: dist.ProcessGroup, rows: torch.Tensor, inverse_rows: torch.Tensor,
-                 y: torch.Tensor) -> torch.Tensor:
-    """Inverse of `seq_to_heads` for one tensor: [A * t, ..., h / A, d] -> [t, ..., h, d]."""
-    return _HeadsToSeq.apply(group, rows, inverse_rows, y)
+    @staticmethod
+    def backward(ctx, dout):
+        a2a_group, comm, causal, scale, rows, inverse_rows, seq, chunks, widths = ctx.setup
+        a = group_size(a2a_group)
+        saved = ctx.saved_tensors
+        inbound = [_to_heads((dout,), a, chunks, c, a2a_group) for c in range(chunks)]
+        grads = [dout.new_empty((dout.shape[0], *dout.shape[1:-2], w * a * chunks, dout.shape[-1]))
+                 for w in widths]
+        outbound = []
+        for c in range(chunks):
+            qc, kc, vc, oc, lse = saved[5 * c:5 * c + 5]
+            (dc,) = _arrived_heads(inbound[c], rows, [widths[0]])
+            dq, dk, dv = ring_backward(dc.contiguous(), qc, kc, vc, oc.contiguous(), lse, comm,
+                                        causal, scale, seq)
+            outbound.append(_to_seq([dq, dk, dv], inverse_rows, a, a2a_group))
+        for c, exchange in enumerate(outbound):
+            _arrived_seq(exchange, grads, a, chunks, c)
+        return (*grads, None, None, None, None, None, None, None, None)
 
 
 def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -121,7 +161,7 @@ def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     rows = a2a_reorder(q.shape[0], a, a * p, cu_seqlens, device=q.device)
     inverse_rows = torch.empty_like(rows)
     inverse_rows[rows] = torch.arange(rows.numel(), device=rows.device)
-    qh, kh, vh = seq_to_heads(a2a_group, rows, inverse_rows, q, k, v)
-    seq = local_seq(qh.shape[0], p, cu_seqlens, max_seqlen)
-    out = ring_attention(qh, kh, vh, p2p_group, causal, scale, seq)
-    return heads_to_seq(a2a_group, rows, inverse_rows, out)
+    seq = local_seq(a * q.shape[0], p, cu_seqlens, max_seqlen)
+    chunks = a2a_chunk_count(k.shape[-2] // a)
+    return _UlyssesAttention.apply(q, k, v, a2a_group, p2p_group, causal, scale, rows, inverse_rows,
+                                   seq, chunks)

@@ -27,7 +27,7 @@ from cpkit.attention.comm import RingComm, group_size
 from cpkit.attention.kernels import attn_bwd, attn_fwd
 from cpkit.attention.merge import merge_
 
-__all__ = ["ring_attention"]
+__all__ = ["ring_attention", "ring_forward", "ring_backward"]
 
 
 def _step_case(step: int, rank: int, causal: bool) -> str:
@@ -44,7 +44,9 @@ def _buffer(x: torch.Tensor) -> torch.Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-def _ring_forward(q, k, v, comm: Optional[RingComm], causal: bool, scale: float, seq: LocalSeq):
+def ring_forward(q, k, v, comm: Optional[RingComm], causal: bool, scale: float, seq: LocalSeq):
+    """The ring's forward (no autograd): (output like q, fp32 LSE). `comm` None: local attention.
+    Also the per-chunk step of `a2a.a2a_attention`."""
     n, rank = (comm.size, comm.rank) if comm is not None else (1, 0)
     if n == 1:  # one block: nothing to merge, no fp32 copy of the output
         out, lse = attn_fwd(q, k, v, causal, scale, **seq.kw("full", "full"))
@@ -77,8 +79,10 @@ def _ring_forward(q, k, v, comm: Optional[RingComm], causal: bool, scale: float,
     return out.to(q.dtype), lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, comm: Optional[RingComm], causal: bool, scale: float,
-                   seq: LocalSeq):
+def ring_backward(dout, q, k, v, out, lse, comm: Optional[RingComm], causal: bool, scale: float,
+                  seq: LocalSeq):
+    """The ring's backward from `ring_forward`'s output and LSE: (dq, dk, dv) in q's dtype.
+    dout and out must be contiguous."""
     n, rank = (comm.size, comm.rank) if comm is not None else (1, 0)
     if n == 1:  # one block: the kernel's grads are the grads
         return attn_bwd(dout, q, k, v, out, lse, causal, scale, **seq.kw("full", "full"))
@@ -135,7 +139,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, scale, seq):
         comm = RingComm(group) if group_size(group) > 1 else None
-        out, lse = _ring_forward(q, k, v, comm, causal, scale, seq)
+        out, lse = ring_forward(q, k, v, comm, causal, scale, seq)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.causal, ctx.scale, ctx.seq = comm, causal, scale, seq
         return out
@@ -144,7 +148,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         # cuDNN wants dout and out in one layout; both sequence-first contiguous here.
-        dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out.contiguous(), lse, ctx.comm,
+        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out.contiguous(), lse, ctx.comm,
                                     ctx.causal, ctx.scale, ctx.seq)
         return dq, dk, dv, None, None, None, None
 

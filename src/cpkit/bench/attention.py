@@ -316,6 +316,12 @@ def _worker(cases: list, settings: Settings) -> Optional[list]:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = device()
+    if any(c.backend == "te" for c in cases):
+        # TE must load cuDNN before torch's first cuDNN call: imported after it, TE 2.20.2 pulled
+        # the system's libcudnn_cnn.so.9 next to torch's and every TE cell failed (4x H200).
+        from cpkit.attention.te import te_available
+
+        te_available()
     groups = _make_groups([c.cp for c in cases], settings.hcp_a2a)
     results = []
     for case in cases:
