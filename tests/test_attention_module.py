@@ -426,6 +426,17 @@ def test_profile_table_lists_ops_by_host_time():
     assert "self_device_time_total" not in text  # no device table without a device
 
 
+def test_machine_info_records_the_comm_knobs(monkeypatch):
+    from cpkit.bench.common import machine_info
+
+    monkeypatch.setenv("CPKIT_A2A_CHUNKS", "1")
+    monkeypatch.setenv("NCCL_MIN_P2P_NCHANNELS", "32")
+    monkeypatch.setenv("HOME_NOT_RECORDED", "y")
+    env = machine_info()["env"]
+    assert env["CPKIT_A2A_CHUNKS"] == "1" and env["NCCL_MIN_P2P_NCHANNELS"] == "32"
+    assert "HOME_NOT_RECORDED" not in env and list(env) == sorted(env)
+
+
 def test_bench_refuses_bad_arguments(capsys, tmp_path):
     from cpkit.bench.attention import main
 

@@ -193,6 +193,10 @@ def write_json(name: str, payload: dict, out: Optional[str] = None) -> Path:
     return path
 
 
+#: Environment variables recorded by `machine_info` (by prefix).
+RECORDED_ENV_PREFIXES = ("CPKIT_", "NCCL_", "NVTE_", "TORCH_NCCL_")
+
+
 def machine_info() -> dict:
     """Versions and devices of this machine, recorded next to every benchmark result."""
     info: dict[str, Any] = {
@@ -220,4 +224,7 @@ def machine_info() -> dict:
             info["cudnn"] = None
     else:
         info["gpu_count"] = 0
+    # The knobs that change what is measured (cpkit's comm modes, NCCL, TE), so an A/B's JSON
+    # says which side it is.
+    info["env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith(RECORDED_ENV_PREFIXES)}
     return info
