@@ -210,6 +210,15 @@ def test_cp_attention_matches_full_attention(backend, world_size, case_id):
     _grid(backend, world_size)[case_id].check()
 
 
+def _check_subset(backend, world_size, keep) -> None:
+    """Run the fp32 and bf16 grid cases that `keep` selects in one launch (with whatever
+    environment the caller set) and check each against its single-rank reference."""
+    cases = [c for c in _cases(backend, world_size) if c["dtype"] in ("fp32", "bf16") and keep(c)]
+    assert len(cases) >= 4
+    for result in run_cases(_scenario, cases, world_size, backend=backend, timeout=600).values():
+        result.check()
+
+
 @pytest.mark.parametrize("mode", ["0", "1"], ids=["separate", "batched"])
 @pytest.mark.parametrize("backend,world_size", dist_params((2, 4)))
 def test_forced_ring_mode_matches_full_attention(backend, world_size, mode, monkeypatch):
@@ -218,11 +227,7 @@ def test_forced_ring_mode_matches_full_attention(backend, world_size, mode, monk
     for a ring of 2, separate for more): p2p and a2a+p2p, causal and no mask, sbhd and THD,
     against the same single-rank reference."""
     monkeypatch.setenv("CPKIT_P2P_BATCHED", mode)  # inherited by the spawned ranks
-    cases = [c for c in _cases(backend, world_size)
-             if c["comm"] in ("p2p", "a2a+p2p") and c["dtype"] in ("fp32", "bf16") and c["gqa"]]
-    assert len(cases) >= 4
-    for result in run_cases(_scenario, cases, world_size, backend=backend, timeout=600).values():
-        result.check()
+    _check_subset(backend, world_size, lambda c: c["comm"] in ("p2p", "a2a+p2p") and c["gqa"])
 
 
 @pytest.mark.parametrize("chunks", ["1", "4"])
@@ -232,11 +237,7 @@ def test_a2a_head_chunks_match_full_attention(backend, world_size, chunks, monke
     head chunks (lowered to what the local KV heads divide) give the results of the default (2),
     against the same single-rank reference."""
     monkeypatch.setenv("CPKIT_A2A_CHUNKS", chunks)  # inherited by the spawned ranks
-    cases = [c for c in _cases(backend, world_size)
-             if c["comm"] in ("a2a", "a2a+p2p") and c["dtype"] in ("fp32", "bf16") and "rejects" not in c["id"]]
-    assert len(cases) >= 4
-    for result in run_cases(_scenario, cases, world_size, backend=backend, timeout=600).values():
-        result.check()
+    _check_subset(backend, world_size, lambda c: c["comm"] in ("a2a", "a2a+p2p") and "rejects" not in c["id"])
 
 
 # ---------------------------------------------------------------------------------------------

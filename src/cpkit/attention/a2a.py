@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from cpkit.attention.chunks import a2a_reorder, local_seq
-from cpkit.attention.comm import RingComm, group_size
+from cpkit.attention.comm import RingComm, all_to_all_async, group_size
 from cpkit.attention.p2p import ring_backward, ring_forward, ring_attention
 
 __all__ = ["a2a_attention", "A2A_CHUNKS_ENV", "a2a_chunk_count"]
@@ -52,21 +52,7 @@ def _chunk_view(x: torch.Tensor, a: int, chunks: int, c: int) -> torch.Tensor:
     return x.unflatten(-2, (a, chunks * width))[..., c * width:(c + 1) * width, :]
 
 
-class _Exchange:
-    """One asynchronous all-to-all of a packed [a, t, ..., w, d] buffer over the a2a group; the
-    send buffer stays referenced until `wait()`."""
-
-    def __init__(self, send: torch.Tensor, group: dist.ProcessGroup):
-        self.send, self.recv = send, torch.empty_like(send)
-        self.work = dist.all_to_all_single(self.recv, send, group=group, async_op=True)
-
-    def wait(self) -> torch.Tensor:
-        self.work.wait()
-        self.send = None
-        return self.recv
-
-
-def _to_heads(tensors, a: int, chunks: int, c: int, group) -> _Exchange:
+def _to_heads(tensors, a: int, chunks: int, c: int, group):
     """Start the all-to-all of head chunk c of sequence-split tensors, packed in one buffer."""
     views = [_chunk_view(x, a, chunks, c).movedim(-3, 0) for x in tensors]  # [a, t, ..., w_i, d]
     send = views[0].new_empty((*views[0].shape[:-2], sum(v.shape[-2] for v in views), views[0].shape[-1]))
@@ -74,24 +60,31 @@ def _to_heads(tensors, a: int, chunks: int, c: int, group) -> _Exchange:
     for view in views:
         send[..., start:start + view.shape[-2], :].copy_(view)
         start += view.shape[-2]
-    return _Exchange(send, group)
+    return all_to_all_async(send, group)
 
 
-def _arrived_heads(exchange: _Exchange, rows: torch.Tensor, widths):
+def _arrived_heads(pending, rows: torch.Tensor, widths):
     """The head-split tensors of a finished `_to_heads` ([a * t, ..., w_i, d] views in the row
     order `rows`)."""
-    return exchange.wait().flatten(0, 1).index_select(0, rows).split(widths, dim=-2)
+    return pending.wait().flatten(0, 1).index_select(0, rows).split(widths, dim=-2)
 
 
-def _to_seq(tensors, inverse_rows: torch.Tensor, a: int, group) -> _Exchange:
-    """Start the all-to-all sending head-split [a * t, ..., w_i, d] tensors back to the sequence split."""
-    y = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=-2)
-    return _Exchange(y.index_select(0, inverse_rows).unflatten(0, (a, -1)), group)
+def _to_seq(tensors, rows: torch.Tensor, a: int, group):
+    """Start the all-to-all sending head-split [a * t, ..., w_i, d] tensors (row order `rows`)
+    back to the sequence split: each is scattered to its received position in one packed
+    buffer (one copy, no concatenation)."""
+    first = tensors[0]
+    send = first.new_empty((*first.shape[:-2], sum(x.shape[-2] for x in tensors), first.shape[-1]))
+    start = 0
+    for x in tensors:
+        send[..., start:start + x.shape[-2], :].index_copy_(0, rows, x)
+        start += x.shape[-2]
+    return all_to_all_async(send.unflatten(0, (a, -1)), group)
 
 
-def _arrived_seq(exchange: _Exchange, outs, a: int, chunks: int, c: int) -> None:
+def _arrived_seq(pending, outs, a: int, chunks: int, c: int) -> None:
     """Write a finished `_to_seq` of head chunk c into the sequence-split tensors `outs`."""
-    recv, start = exchange.wait(), 0
+    recv, start = pending.wait(), 0
     for out in outs:
         view = _chunk_view(out, a, chunks, c)
         width = view.shape[-2]
@@ -105,7 +98,7 @@ class _UlyssesAttention(torch.autograd.Function):
     attention runs while the later chunks (and the earlier outputs) are in flight."""
 
     @staticmethod
-    def forward(ctx, q, k, v, a2a_group, p2p_group, causal, scale, rows, inverse_rows, seq, chunks):
+    def forward(ctx, q, k, v, a2a_group, p2p_group, causal, scale, rows, seq, chunks):
         a = group_size(a2a_group)
         comm = RingComm(p2p_group) if group_size(p2p_group) > 1 else None
         widths = [x.shape[-2] // (a * chunks) for x in (q, k, v)]
@@ -115,32 +108,32 @@ class _UlyssesAttention(torch.autograd.Function):
         for c in range(chunks):
             qc, kc, vc = _arrived_heads(inbound[c], rows, widths)
             oc, lse = ring_forward(qc, kc, vc, comm, causal, scale, seq)
-            outbound.append(_to_seq([oc], inverse_rows, a, a2a_group))
+            outbound.append(_to_seq([oc], rows, a, a2a_group))
             saved += [qc, kc, vc, oc, lse]
         for c, exchange in enumerate(outbound):
             _arrived_seq(exchange, [out], a, chunks, c)
         ctx.save_for_backward(*saved)
-        ctx.setup = (a2a_group, comm, causal, scale, rows, inverse_rows, seq, chunks, widths)
+        ctx.setup = (a2a_group, comm, causal, scale, rows, seq, chunks, widths)
+        ctx.shapes = [x.shape for x in (q, k, v)]
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        a2a_group, comm, causal, scale, rows, inverse_rows, seq, chunks, widths = ctx.setup
+        a2a_group, comm, causal, scale, rows, seq, chunks, widths = ctx.setup
         a = group_size(a2a_group)
         saved = ctx.saved_tensors
         inbound = [_to_heads((dout,), a, chunks, c, a2a_group) for c in range(chunks)]
-        grads = [dout.new_empty((dout.shape[0], *dout.shape[1:-2], w * a * chunks, dout.shape[-1]))
-                 for w in widths]
+        grads = [dout.new_empty(shape) for shape in ctx.shapes]
         outbound = []
         for c in range(chunks):
             qc, kc, vc, oc, lse = saved[5 * c:5 * c + 5]
             (dc,) = _arrived_heads(inbound[c], rows, [widths[0]])
             dq, dk, dv = ring_backward(dc.contiguous(), qc, kc, vc, oc.contiguous(), lse, comm,
                                         causal, scale, seq)
-            outbound.append(_to_seq([dq, dk, dv], inverse_rows, a, a2a_group))
+            outbound.append(_to_seq([dq, dk, dv], rows, a, a2a_group))
         for c, exchange in enumerate(outbound):
             _arrived_seq(exchange, grads, a, chunks, c)
-        return (*grads, None, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -159,9 +152,6 @@ def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         seq = local_seq(q.shape[0], p, cu_seqlens, max_seqlen)
         return ring_attention(q, k, v, p2p_group, causal, scale, seq)
     rows = a2a_reorder(q.shape[0], a, a * p, cu_seqlens, device=q.device)
-    inverse_rows = torch.empty_like(rows)
-    inverse_rows[rows] = torch.arange(rows.numel(), device=rows.device)
     seq = local_seq(a * q.shape[0], p, cu_seqlens, max_seqlen)
     chunks = a2a_chunk_count(k.shape[-2] // a)
-    return _UlyssesAttention.apply(q, k, v, a2a_group, p2p_group, causal, scale, rows, inverse_rows,
-                                   seq, chunks)
+    return _UlyssesAttention.apply(q, k, v, a2a_group, p2p_group, causal, scale, rows, seq, chunks)

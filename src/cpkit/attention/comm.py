@@ -1,5 +1,5 @@
-"""Communication shared by the CP attention variants: the KV ring, all-gather and
-reduce-scatter over an explicitly passed process group (gloo or NCCL).
+"""Communication shared by the CP attention variants: the KV ring, all-gather, reduce-scatter
+and all-to-all over an explicitly passed process group (gloo or NCCL).
 
 All helpers take the group as an argument; nothing here keeps a group at module level.
 """
@@ -21,6 +21,7 @@ __all__ = [
     "group_rank",
     "all_gather_seq",
     "reduce_scatter_seq",
+    "all_to_all_async",
 ]
 
 # torch >= 2.12 renamed the "into tensor" collectives; older releases only have the old names.
@@ -66,9 +67,9 @@ class RingComm:
     """
 
     def __init__(self, group: dist.ProcessGroup, batched: Optional[bool] = None):
-        self.batched = p2p_batched_default(dist.get_world_size(group)) if batched is None else batched
         self.group = group
         self.size = dist.get_world_size(group)
+        self.batched = p2p_batched_default(self.size) if batched is None else batched
         self.rank = dist.get_rank(group)
         self.next_peer = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev_peer = dist.get_global_rank(group, (self.rank - 1) % self.size)
@@ -95,16 +96,19 @@ class RingComm:
 
 
 class _Pending:
-    """Handles of one posted exchange; `wait()` once before reading the received tensor."""
+    """Handles of one posted exchange; `wait()` once before reading the received tensor (it
+    returns `result`, the receive buffer, where the poster gives one)."""
 
-    def __init__(self, works, sends):
+    def __init__(self, works, sends, result: Optional[torch.Tensor] = None):
         self._works = works
         self._sends = sends  # keeps contiguous copies alive until the transfer is done
+        self._result = result
 
-    def wait(self) -> None:
+    def wait(self) -> Optional[torch.Tensor]:
         for work in self._works:
             work.wait()
         self._works, self._sends = [], []
+        return self._result
 
 
 def all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -122,3 +126,12 @@ def reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tenso
     out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
     _reduce_scatter_single(out, x, group=group)
     return out
+
+
+def all_to_all_async(x: torch.Tensor, group: dist.ProcessGroup) -> _Pending:
+    """Start an all-to-all over dim 0 (x is [size, ...] with x[j] for rank j); the handle's
+    `wait()` returns [size, ...] with entry j received from rank j."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    work = dist.all_to_all_single(out, x, group=group, async_op=True)
+    return _Pending([work], [x], out)
