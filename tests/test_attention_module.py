@@ -426,6 +426,35 @@ def test_profile_table_lists_ops_by_host_time():
     assert "self_device_time_total" not in text  # no device table without a device
 
 
+def test_append_profile_writes_a_trace_per_block(tmp_path):
+    import json
+
+    from cpkit.bench.common import append_profile
+
+    x = torch.randn(32, 32)
+    path = tmp_path / "p.txt"
+    for title in ("a", "b"):
+        append_profile(str(path), lambda: x @ x, iters=1, device=torch.device("cpu"), title=title)
+    assert path.read_text().count("=== ") == 2
+    for n in (0, 1):  # one trace per block, numbered in file order
+        assert "traceEvents" in json.loads((tmp_path / f"p.txt.{n}.trace.json").read_text())
+
+
+def test_timeline_splits_compute_exposed_comm_and_idle():
+    from cpkit.bench.timeline import summarize
+
+    def k(name, ts, dur):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+    # compute 0-100 and 150-200; NCCL 50-130 (hidden 50-100, exposed 100-130); idle 130-150.
+    t = summarize({"traceEvents": [k("flash_fwd", 0, 100), k("ncclDevKernel_SendRecv", 50, 80),
+                                   k("gemm", 150, 50), {"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 999}]})
+    assert (t.span_ms, t.compute_ms, t.exposed_comm_ms, t.idle_ms, t.comm_ms) == \
+        pytest.approx((0.2, 0.15, 0.03, 0.02, 0.08))
+    assert t.kernels == 3
+    assert summarize({"traceEvents": []}).kernels == 0
+
+
 def test_machine_info_records_the_comm_knobs(monkeypatch):
     from cpkit.bench.common import machine_info
 

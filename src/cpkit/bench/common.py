@@ -112,10 +112,12 @@ def time_fn(
 
 
 def profile_table(fn: Callable[[], Any], *, iters: int, device: torch.device, title: str,
-                  row_limit: int = 20) -> str:
+                  row_limit: int = 20, trace_path: Optional[str] = None) -> str:
     """Run `fn` `iters` times under torch.profiler (after one untimed call) and return a text
     block: `title`, host milliseconds per iteration, and the ops sorted by their own device time
-    and by their own host time. Every rank that `fn` communicates with must call it too."""
+    and by their own host time. With `trace_path`, also write the Chrome trace there (the
+    tables sum kernel times; only the timeline shows which communication is exposed). Every rank
+    that `fn` communicates with must call it too."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -130,6 +132,8 @@ def profile_table(fn: Callable[[], Any], *, iters: int, device: torch.device, ti
             fn()
         _sync(device)
     host_ms = (time.perf_counter() - t0) * 1e3 / iters
+    if trace_path:
+        prof.export_chrome_trace(trace_path)
     averages = prof.key_averages()
     text = f"=== {title}: {iters} iterations, {host_ms:.2f} ms host time per iteration (profiled)\n"
     # By device time: where the GPU is busy. By host time: what keeps the host (and, when it is
@@ -142,11 +146,17 @@ def profile_table(fn: Callable[[], Any], *, iters: int, device: torch.device, ti
 
 def append_profile(path: str, fn: Callable[[], Any], *, iters: int, device: torch.device, title: str) -> None:
     """profile_table of `fn` on this rank (every rank of `fn`'s groups must call it), appended to
-    `path` by global rank 0 only (or by the process itself when not distributed)."""
+    `path` by global rank 0 only (or by the process itself when not distributed). Rank 0 also
+    writes the Chrome trace as `<path>.<n>.trace.json`, n counting the blocks already in `path`."""
     import torch.distributed as dist
 
-    text = profile_table(fn, iters=iters, device=device, title=title)
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    first = not dist.is_initialized() or dist.get_rank() == 0
+    trace = None
+    if first:
+        done = Path(path).read_text().splitlines() if os.path.exists(path) else []
+        trace = f"{path}.{sum(line.startswith('=== ') for line in done)}.trace.json"
+    text = profile_table(fn, iters=iters, device=device, title=title, trace_path=trace)
+    if first:
         with open(path, "a") as fh:
             fh.write(text)
 
