@@ -22,6 +22,11 @@ def test_attention_bench_runs_and_profiles(tmp_path):
     titles = [line for line in prof.read_text().splitlines() if line.startswith("=== ")]
     assert len(titles) == len(results)
     assert titles[1].startswith("=== cpkit p2p kv2 cp2 seq 256: 3 iterations")
+    # Every rank of a cell writes its trace: the single-rank SDPA cell one, the cp2 cells two.
+    traces = sorted(p.name[len("profile.txt."):] for p in tmp_path.glob("profile.txt.*.trace.json"))
+    assert traces == ["cpkit_a2a_kv2_cp2_seq_256.rank0.trace.json", "cpkit_a2a_kv2_cp2_seq_256.rank1.trace.json",
+                      "cpkit_p2p_kv2_cp2_seq_256.rank0.trace.json", "cpkit_p2p_kv2_cp2_seq_256.rank1.trace.json",
+                      "sdpa_-_kv2_cp1_seq_256.rank0.trace.json"]
 
 
 def test_eval_cp_bench_runs_and_profiles(tmp_path):
@@ -35,3 +40,5 @@ def test_eval_cp_bench_runs_and_profiles(tmp_path):
     assert row["loss_delta"] < 1e-5  # fp32 on CPU: the eval layout gives the training layout's loss
     text = prof.read_text()
     assert "seq 64: train layout" in text and "seq 64: eval layout" in text
+    for layout in ("train", "eval"):  # the last stage's trace is there too
+        assert len(list(tmp_path.glob(f"profile.txt.*seq_64_{layout}_layout.rank1.trace.json"))) == 1

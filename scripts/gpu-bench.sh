@@ -1,14 +1,25 @@
 #!/usr/bin/env bash
 # The benchmarks of the cards and README on a GPU machine without network (see README "GPU
 # machines"): attention (every comm type at cp=4 with TE where it imports, A/Bs of the ring's
-# batching and of the a2a head chunks, p2p kv8 at cp=2, a profile of p2p / a2a / a2a+p2p) or
-# eval_cp, with tables, JSON and profiles under ${OUT:-gpu-results}/.
+# batching and of the a2a head chunks, p2p kv8 at cp=2, a profile of p2p / a2a / a2a+p2p at kv32)
+# or eval_cp (and a profile of TP1 PP2 16K), with tables, JSON, profiles, traces and their
+# timelines under ${OUT:-gpu-results}/.
 # Usage: bash scripts/gpu-bench.sh attention|eval_cp
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-results}; mkdir -p "$out"
 source scripts/gpu-env.sh
 quiet() { grep -v -E "UserWarning|warnings.warn|_warn_once|return func|Guessing device ID"; }
+# profiled NAME ARGS...: profile tables to $out/NAME_profile.txt, every rank's Chrome traces in one
+# $out/NAME_traces.tgz (a device machine returns few files), their timeline to $out/NAME_timeline.txt.
+profiled() {
+  local name=$1; shift
+  local dir; dir=$(mktemp -d)
+  python3 -m cpkit.bench "$name" "$@" --out "$dir/$name.json" --profile "$dir/${name}_profile.txt" 2>&1 | quiet | tail -4
+  cp "$dir/${name}_profile.txt" "$out/" 2>/dev/null
+  python3 -m cpkit.bench.timeline "$dir"/*.trace.json > "$out/${name}_timeline.txt" 2>&1
+  tar czf "$out/${name}_traces.tgz" -C "$dir" . 2>/dev/null
+}
 rc=0
 case "${1:-}" in
   attention)
@@ -22,13 +33,11 @@ case "${1:-}" in
       --backends cpkit --out "$out/attention_a2a_unchunked.json" 2>&1 | quiet | tee "$out/attention_a2a_unchunked.txt" || rc=1
     python3 -m cpkit.bench attention --cp 2 --seq 32K,64K,128K --kv-heads 8 --comm p2p --backends cpkit,te \
       --out "$out/attention_cp2.json" 2>&1 | quiet | tee "$out/attention_cp2.txt" || rc=1
-    python3 -m cpkit.bench attention --cp 4 --seq 32K --kv-heads 8 --comm p2p,a2a,a2a+p2p --backends cpkit,te \
-      --warmup 2 --iters 3 --out /tmp/attention_profiled.json --profile "$out/attention_profile.txt" 2>&1 | quiet | tail -4
+    profiled attention --cp 4 --seq 32K --kv-heads 32 --comm p2p,a2a,a2a+p2p --backends cpkit,te --warmup 2 --iters 3
     ;;
   eval_cp)
     python3 -m cpkit.bench eval_cp --out "$out/eval_cp.json" 2>&1 | quiet | tee "$out/eval_cp.txt" || rc=1
-    python3 -m cpkit.bench eval_cp --layouts tp2pp1 --seq 8192 --warmup 2 --iters 3 --out /tmp/eval_profiled.json \
-      --profile "$out/eval_cp_profile.txt" 2>&1 | quiet | tail -4
+    profiled eval_cp --layouts tp1pp2 --seq 16384 --warmup 2 --iters 3
     ;;
   *) echo "usage: bash scripts/gpu-bench.sh attention|eval_cp" >&2; exit 2 ;;
 esac

@@ -433,11 +433,13 @@ def test_append_profile_writes_a_trace_per_block(tmp_path):
 
     x = torch.randn(32, 32)
     path = tmp_path / "p.txt"
-    for title in ("a", "b"):
+    for title in ("mm a", "mm b: eval"):
         append_profile(str(path), lambda: x @ x, iters=1, device=torch.device("cpu"), title=title)
     assert path.read_text().count("=== ") == 2
-    for n in (0, 1):  # one trace per block, numbered in file order
-        assert "traceEvents" in json.loads((tmp_path / f"p.txt.{n}.trace.json").read_text())
+    # One trace per block and rank, named after the block's title (file-name safe).
+    assert sorted(p.name for p in tmp_path.glob("*.trace.json")) == [
+        "p.txt.mm_a.rank0.trace.json", "p.txt.mm_b_eval.rank0.trace.json"]
+    assert "traceEvents" in json.loads((tmp_path / "p.txt.mm_a.rank0.trace.json").read_text())
 
 
 def test_timeline_splits_compute_exposed_comm_and_idle():

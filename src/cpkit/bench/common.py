@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import time
 from pathlib import Path
@@ -146,17 +147,16 @@ def profile_table(fn: Callable[[], Any], *, iters: int, device: torch.device, ti
 
 def append_profile(path: str, fn: Callable[[], Any], *, iters: int, device: torch.device, title: str) -> None:
     """profile_table of `fn` on this rank (every rank of `fn`'s groups must call it), appended to
-    `path` by global rank 0 only (or by the process itself when not distributed). Rank 0 also
-    writes the Chrome trace as `<path>.<n>.trace.json`, n counting the blocks already in `path`."""
+    `path` by global rank 0 only (or by the process itself when not distributed). Every rank
+    also writes its Chrome trace as `<path>.<title>.rank<r>.trace.json` (the title with runs of
+    other characters than letters, digits, '.', '-' made '_'): with pipeline stages, the slowest
+    stage is seldom rank 0."""
     import torch.distributed as dist
 
-    first = not dist.is_initialized() or dist.get_rank() == 0
-    trace = None
-    if first:
-        done = Path(path).read_text().splitlines() if os.path.exists(path) else []
-        trace = f"{path}.{sum(line.startswith('=== ') for line in done)}.trace.json"
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    trace = f"{path}.{re.sub(r'[^A-Za-z0-9.-]+', '_', title).strip('_')}.rank{rank}.trace.json"
     text = profile_table(fn, iters=iters, device=device, title=title, trace_path=trace)
-    if first:
+    if rank == 0:
         with open(path, "a") as fh:
             fh.write(text)
 

@@ -1,6 +1,6 @@
 """`python -m cpkit.bench.timeline TRACE...`: where a profiled GPU timeline is not computing.
 
-Reads Chrome traces written by `--profile` (rank 0's `<file>.<n>.trace.json`) and splits the
+Reads Chrome traces written by `--profile` (`<file>.<cell>.rank<r>.trace.json`) and splits the
 span from the first kernel to the last into: compute (any non-communication kernel running),
 exposed communication (only NCCL kernels running) and idle (nothing running, e.g. the host or
 a wait is late). Kernel-time tables cannot show this: an NCCL kernel hidden under attention and
