@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 __all__ = [
     "add_common_args",
@@ -151,8 +152,6 @@ def append_profile(path: str, fn: Callable[[], Any], *, iters: int, device: torc
     also writes its Chrome trace as `<path>.<title>.rank<r>.trace.json` (the title with runs of
     other characters than letters, digits, '.', '-' made '_'): with pipeline stages, the slowest
     stage is seldom rank 0."""
-    import torch.distributed as dist
-
     rank = dist.get_rank() if dist.is_initialized() else 0
     trace = f"{path}.{re.sub(r'[^A-Za-z0-9.-]+', '_', title).strip('_')}.rank{rank}.trace.json"
     text = profile_table(fn, iters=iters, device=device, title=title, trace_path=trace)
