@@ -191,6 +191,16 @@ def test_a2a_reorder_gives_the_next_level_zigzag_layout(a2a, p2p):
         assert torch.equal(received[rows], thd_partition(cu, p, p2p))
 
 
+def test_sbhd_row_orders_are_built_once_per_shape():
+    """Rebuilding them cost a host-to-device copy and small kernels per layer and step; THD
+    orders depend on the batch's cu_seqlens and are built each time."""
+    assert a2a_reorder(16, 2, 4) is a2a_reorder(16, 2, 4)
+    assert a2a_reorder(16, 2, 4) is not a2a_reorder(16, 4, 4)
+    assert gathered_to_natural(local_seq(16, 4)) is gathered_to_natural(local_seq(16, 4))
+    cu = pad_cu_seqlens([9, 30], 4).long()
+    assert a2a_reorder(int(cu[-1]) // 4, 2, 4, cu) is not a2a_reorder(int(cu[-1]) // 4, 2, 4, cu)
+
+
 # --------------------------------------------------------------------------------------------
 # bad configuration and input
 

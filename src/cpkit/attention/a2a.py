@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from cpkit.attention.chunks import a2a_reorder, local_seq
 from cpkit.attention.comm import RingComm, all_to_all_async, group_size
-from cpkit.attention.p2p import ring_backward, ring_forward, ring_attention
+from cpkit.attention.p2p import kv_from_saved, kv_to_save, ring_attention, ring_backward, ring_forward
 
 __all__ = ["a2a_attention", "A2A_CHUNKS_ENV", "a2a_chunk_count"]
 
@@ -107,12 +107,14 @@ class _UlyssesAttention(torch.autograd.Function):
         outbound, saved = [], []
         for c in range(chunks):
             qc, kc, vc = _arrived_heads(inbound[c], rows, widths)
-            oc, lse = ring_forward(qc, kc, vc, comm, causal, scale, seq)
+            oc, lse, kv = ring_forward(qc, kc, vc, comm, causal, scale, seq)
             outbound.append(_to_seq([oc], rows, a, a2a_group))
-            saved += [qc, kc, vc, oc, lse]
+            kv_tensors, kv_shapes = kv_to_save(kv)  # the same kind for every chunk
+            saved += [qc, oc, lse, *kv_tensors]
         for c, exchange in enumerate(outbound):
             _arrived_seq(exchange, [out], a, chunks, c)
         ctx.save_for_backward(*saved)
+        ctx.kv_shapes = kv_shapes
         ctx.setup = (a2a_group, comm, causal, scale, rows, seq, chunks, widths)
         ctx.shapes = [x.shape for x in (q, k, v)]
         return out
@@ -125,10 +127,12 @@ class _UlyssesAttention(torch.autograd.Function):
         inbound = [_to_heads((dout,), a, chunks, c, a2a_group) for c in range(chunks)]
         grads = [dout.new_empty(shape) for shape in ctx.shapes]
         outbound = []
+        per = len(saved) // chunks
         for c in range(chunks):
-            qc, kc, vc, oc, lse = saved[5 * c:5 * c + 5]
+            qc, oc, lse, *kv_tensors = saved[per * c:per * (c + 1)]
             (dc,) = _arrived_heads(inbound[c], rows, [widths[0]])
-            dq, dk, dv = ring_backward(dc.contiguous(), qc, kc, vc, oc.contiguous(), lse, comm,
+            kv = kv_from_saved(kv_tensors, ctx.kv_shapes)
+            dq, dk, dv = ring_backward(dc.contiguous(), qc, kv, oc.contiguous(), lse, comm,
                                         causal, scale, seq)
             outbound.append(_to_seq([dq, dk, dv], rows, a, a2a_group))
         for c, exchange in enumerate(outbound):

@@ -14,6 +14,7 @@ zigzag layout).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -122,20 +123,37 @@ def local_seq(tokens: int, size: int, global_cu: Optional[torch.Tensor] = None,
 
 def gathered_to_natural(seq: LocalSeq, device=None) -> torch.Tensor:
     """For rank-ordered all-gathered shards ([size * tokens] on dim 0), the natural (global)
-    position of every row (int64): rank r's rows are its chunk r then its chunk 2n-1-r."""
-    n = seq.size
-    if seq.varlen:
+    position of every row (int64): rank r's rows are its chunk r then its chunk 2n-1-r.
+    Without cu_seqlens the result is cached per shape: treat it as read-only."""
+    if not seq.varlen:
+        return _cached(_gathered_to_natural, seq.tokens, seq.size, _device(device))
+    return _gathered_to_natural(seq.tokens, seq.size, None, seq)
+
+
+@lru_cache(maxsize=64)
+def _cached(build, *args) -> torch.Tensor:
+    """An sbhd row order depends only on sizes and the device: build it once, not on every
+    call, where it cost a host-to-device copy and several small kernels per layer and step."""
+    return build(*args)
+
+
+def _device(device) -> torch.device:
+    return torch.device("cpu") if device is None else torch.device(device)
+
+
+def _gathered_to_natural(tokens: int, n: int, device, seq: Optional[LocalSeq] = None) -> torch.Tensor:
+    if seq is not None:
         device = seq.global_cu.device
         cu = seq.global_cu
         starts, chunk = cu[:-1], (cu[1:] - cu[:-1]) // (2 * n)
     else:
         starts = torch.zeros(1, dtype=torch.int64, device=device)
-        chunk = torch.tensor([seq.tokens // 2], dtype=torch.int64, device=device)
+        chunk = torch.tensor([tokens // 2], dtype=torch.int64, device=device)
     ranks = torch.arange(n, device=device).view(n, 1, 1)
     which = torch.stack([ranks, 2 * n - 1 - ranks], dim=-1).view(n, 1, 2)  # chunk ids per rank
     seg_starts = starts.view(1, -1, 1) + which * chunk.view(1, -1, 1)  # [rank, seq, 2]
     seg_lens = chunk.view(1, -1, 1).expand(n, -1, 2)
-    return segments_to_index(seg_starts.reshape(-1), seg_lens.reshape(-1), n * seq.tokens)
+    return segments_to_index(seg_starts.reshape(-1), seg_lens.reshape(-1), n * tokens)
 
 
 def a2a_reorder(tokens: int, a2a_size: int, cp_size: int, global_cu: Optional[torch.Tensor] = None,
@@ -146,8 +164,16 @@ def a2a_reorder(tokens: int, a2a_size: int, cp_size: int, global_cu: Optional[to
     a = 0..A-1 in turn, each being (per sequence) its chunk then its mirrored chunk. Taking,
     per sequence, the first chunks of a = 0..A-1 then the second chunks of a = A-1..0 gives the
     zigzag layout of the p2p level (size cp_size / A), or the natural order when A == cp_size.
-    Returns the int64 indices (gather order) of length a2a_size * tokens.
+    Returns the int64 indices (gather order) of length a2a_size * tokens; without cu_seqlens
+    cached per shape: treat it as read-only.
     """
+    if global_cu is None:
+        return _cached(_a2a_reorder, tokens, a2a_size, cp_size, None, _device(device))
+    return _a2a_reorder(tokens, a2a_size, cp_size, global_cu, device)
+
+
+def _a2a_reorder(tokens: int, a2a_size: int, cp_size: int, global_cu: Optional[torch.Tensor],
+                 device) -> torch.Tensor:
     a = a2a_size
     if global_cu is None:
         local_start = torch.zeros(1, dtype=torch.int64, device=device)

@@ -75,9 +75,12 @@ class RingComm:
         self.prev_peer = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
     def exchange(self, send: Union[torch.Tensor, Sequence[torch.Tensor]],
-                 recv: Union[torch.Tensor, Sequence[torch.Tensor]], tag: int = 0) -> "_Pending":
-        """Start sending `send` to the next rank and receiving `recv` from the previous one
-        (matching tensors or sequences of tensors, each sent as it is: no packing copy)."""
+                 recv: Union[torch.Tensor, Sequence[torch.Tensor]], tag: int = 0,
+                 reverse: bool = False) -> "_Pending":
+        """Start sending `send` to the next rank and receiving `recv` from the previous one, or
+        the other way round with `reverse` (matching tensors or sequences of tensors, each sent
+        as it is: no packing copy)."""
+        to, source = (self.prev_peer, self.next_peer) if reverse else (self.next_peer, self.prev_peer)
         sends = [t.contiguous() for t in ([send] if isinstance(send, torch.Tensor) else send)]
         recvs = [recv] if isinstance(recv, torch.Tensor) else list(recv)
         if not all(t.is_contiguous() for t in recvs):
@@ -85,8 +88,8 @@ class RingComm:
         # One tag per tensor, so gloo cannot match the i-th send with another receive. Even
         # ranks send first, odd ranks receive first (as TE does): unbatched, NCCL sets up a peer
         # pair's communicator on its first use, and this order lets every pair meet.
-        posts = [(dist.isend, t, self.next_peer, 16 * tag + i) for i, t in enumerate(sends)]
-        takes = [(dist.irecv, t, self.prev_peer, 16 * tag + i) for i, t in enumerate(recvs)]
+        posts = [(dist.isend, t, to, 16 * tag + i) for i, t in enumerate(sends)]
+        takes = [(dist.irecv, t, source, 16 * tag + i) for i, t in enumerate(recvs)]
         ops = posts + takes if self.rank % 2 == 0 else takes + posts
         if self.batched:
             works = dist.batch_isend_irecv([dist.P2POp(op, t, peer, self.group, tg) for op, t, peer, tg in ops])

@@ -1,16 +1,20 @@
 """`p2p`: ring attention over the load-balanced (2*cp chunk) layout.
 
-Each rank keeps its queries and passes its KV around the ring: at step i it holds the KV of
+Each rank keeps its queries and passes KV around the ring: at forward step i it holds the KV of
 rank src = rank - i and already sends it on while computing with it. With a causal mask the
 2-chunk layout gives three cases, each half the work of a full block except the diagonal:
-  step 0 (own KV)      causal attention over the local 2-chunk sequence;
+  src == rank          causal attention over the local 2-chunk sequence;
   src < rank           all local queries vs the first KV chunk, no mask;
   src > rank           the second query chunk vs all KV, no mask.
-Partial results are merged by log-sum-exp in fp32. Backward recomputes each step's block
-with the saved final output and LSE, rotates KV around the ring again and sends each block's
-dKV along with it, so the dKV of a block is complete when it arrives back at its owner. dQ is
-accumulated locally in fp32; dKV travels and accumulates in the input dtype, as in TE's ring
-(half the bytes of fp32; a bf16 dKV is rounded once per hop, cp - 1 times in all).
+Partial results are merged by log-sum-exp in fp32.
+
+Backward recomputes each block with the saved final output and LSE and runs the ring the other
+way, as TE does: it starts from the KV the forward ended with (the next rank's, src = rank + 1)
+and ends with the rank's own, so the dKV of a block, passed along with the KV one step behind,
+is complete on its owner after the last step with no extra transfer. dQ is accumulated locally
+in fp32; dKV travels and accumulates in the input dtype, as in TE's ring (half the bytes of
+fp32; a bf16 dKV is rounded once per hop, cp - 1 times in all). Every exchange moves one packed
+buffer (`_slots`), posted before the previous block's merge or dQ add.
 
 Tensors are sequence-first: q [s, b, h, d] / [t, h, d], k/v with h_kv heads.
 """
@@ -27,128 +31,191 @@ from cpkit.attention.comm import RingComm, group_size
 from cpkit.attention.kernels import attn_bwd, attn_fwd
 from cpkit.attention.merge import merge_
 
-__all__ = ["ring_attention", "ring_forward", "ring_backward"]
+__all__ = ["ring_attention", "ring_forward", "ring_backward", "PackedKV", "kv_to_save", "kv_from_saved"]
 
 
-def _step_case(step: int, rank: int, causal: bool) -> str:
-    """"diag", "full" (no mask, everything), "kv_first" (src < rank) or "q_second" (src > rank)."""
-    if step == 0:
+def _block_case(src: int, rank: int, causal: bool) -> str:
+    """"diag", "full" (no mask, everything), "kv_first" (src < rank) or "q_second" (src > rank)
+    for this rank's queries against the KV of rank `src`."""
+    if src == rank:
         return "diag" if causal else "full"
     if not causal:
         return "full"
-    return "kv_first" if step <= rank else "q_second"
+    return "kv_first" if src < rank else "q_second"
 
 
-def _buffer(x: torch.Tensor) -> torch.Tensor:
-    """A contiguous receive buffer shaped like x (x may be a strided view, e.g. of packed QKV)."""
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+def _slots(like: torch.Tensor, *shapes) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One flat buffer (dtype and device of `like`) holding tensors of `shapes` back to back,
+    and their views.
+
+    Each ring step moves one such buffer, so every exchange is one NCCL send and one receive
+    kernel, posted before the step's attention. Sent as separate tensors, the second tensor's
+    kernel queued behind the first and could not start until the attention kernel, which fills
+    every SM, was nearly done; the next step then waited for it (4x H200 profile, README)."""
+    sizes = [torch.Size(shape).numel() for shape in shapes]
+    flat = torch.empty(sum(sizes), dtype=like.dtype, device=like.device)
+    return flat, [part.view(shape) for part, shape in zip(flat.split(sizes), shapes)]
+
+
+class PackedKV:
+    """What the ring's backward needs of K and V: `flat`, the packed KV that the forward ended
+    with (the next rank's), and the shapes of k and v."""
+
+    def __init__(self, flat: torch.Tensor, k_shape: torch.Size, v_shape: torch.Size):
+        self.flat, self.k_shape, self.v_shape = flat, k_shape, v_shape
+
+
+def _attend_fwd(q, kv, case: str, scale: float, seq: LocalSeq):
+    if case in ("diag", "full"):
+        return attn_fwd(q, kv[0], kv[1], case == "diag", scale, **seq.kw("full", "full"))
+    if case == "kv_first":
+        return attn_fwd(q, seq.take(kv[0], 0), seq.take(kv[1], 0), False, scale, **seq.kw("full", "half"))
+    return attn_fwd(seq.take(q, 1), kv[0], kv[1], False, scale, **seq.kw("half", "full"))
+
+
+def _attend_bwd(dout, q, kv, out, lse, case: str, scale: float, seq: LocalSeq):
+    if case in ("diag", "full"):
+        return attn_bwd(dout, q, kv[0], kv[1], out, lse, case == "diag", scale, **seq.kw("full", "full"))
+    if case == "kv_first":
+        return attn_bwd(dout, q, seq.take(kv[0], 0), seq.take(kv[1], 0), out, lse, False, scale,
+                        **seq.kw("full", "half"))
+    return attn_bwd(seq.take(dout, 1), seq.take(q, 1), kv[0], kv[1], seq.take(out, 1),
+                    seq.take(lse, 1, dim=-1), False, scale, **seq.kw("half", "full"))
+
+
+def _merge_block(out, lse, case: str, o, l, seq: LocalSeq) -> None:
+    """Fold one block's output and LSE into the running fp32 output and LSE."""
+    if case == "q_second":
+        seq.merge_(out, lse, 1, o, l)
+    else:
+        merge_(out, lse, o, l)
+
+
+def _add_block(acc, case: str, grad, seq: LocalSeq, part_of: str) -> None:
+    """Add one block's gradient into `acc`: the second query chunk's rows for dQ of a
+    "q_second" block, the first KV chunk's rows for dKV of a "kv_first" block, else all."""
+    if part_of == "q" and case == "q_second":
+        seq.add_(acc, 1, grad)
+    elif part_of == "kv" and case == "kv_first":
+        seq.add_(acc, 0, grad)
+    else:
+        acc.add_(grad)
 
 
 def ring_forward(q, k, v, comm: Optional[RingComm], causal: bool, scale: float, seq: LocalSeq):
-    """The ring's forward (no autograd): (output like q, fp32 LSE). `comm` None: local attention.
+    """The ring's forward (no autograd): (output like q, fp32 LSE, what `ring_backward` needs
+    of k and v: a `PackedKV`, or (k, v) without a ring). `comm` None: local attention.
     Also the per-chunk step of `a2a.a2a_attention`."""
     n, rank = (comm.size, comm.rank) if comm is not None else (1, 0)
     if n == 1:  # one block: nothing to merge, no fp32 copy of the output
         out, lse = attn_fwd(q, k, v, causal, scale, **seq.kw("full", "full"))
-        return out, lse.float().contiguous()
-    kv = (k, v)  # sent as two tensors of one batch: no packing copy
+        return out, lse.float().contiguous(), (k, v)
+    buf, kv = _slots(k, k.shape, v.shape)
+    kv[0].copy_(k)
+    kv[1].copy_(v)
     out = torch.empty_like(q, dtype=torch.float32)  # keeps q's (sequence-first) strides
-    lse = None
+    lse = block = None
     for step in range(n):
         pending = None
         if step + 1 < n:
-            nxt = (_buffer(k), _buffer(v))
-            pending = comm.exchange(kv, nxt)
-        case = _step_case(step, rank, causal)
-        if case in ("diag", "full"):
-            o, l = attn_fwd(q, kv[0], kv[1], case == "diag", scale, **seq.kw("full", "full"))
-            if step == 0:
-                out.copy_(o)
-                lse = l.float().contiguous()
-            else:
-                merge_(out, lse, o, l)
-        elif case == "kv_first":
-            o, l = attn_fwd(q, seq.take(kv[0], 0), seq.take(kv[1], 0), False, scale, **seq.kw("full", "half"))
-            merge_(out, lse, o, l)
+            nxt, nxt_kv = _slots(k, k.shape, v.shape)
+            pending = comm.exchange(buf, nxt)
+        if block is not None:  # after the post: the exchange starts while this merge runs
+            _merge_block(out, lse, *block, seq)
+        case = _block_case((rank - step) % n, rank, causal)
+        o, l = _attend_fwd(q, kv, case, scale, seq)
+        if step == 0:
+            out.copy_(o)
+            lse = l.float().contiguous()
         else:
-            o, l = attn_fwd(seq.take(q, 1), kv[0], kv[1], False, scale, **seq.kw("half", "full"))
-            seq.merge_(out, lse, 1, o, l)
+            block = (case, o, l)
         if pending is not None:
             pending.wait()
-            kv = nxt
-    return out.to(q.dtype), lse
+            buf, kv = nxt, nxt_kv
+    _merge_block(out, lse, *block, seq)
+    return out.to(q.dtype), lse, PackedKV(buf, k.shape, v.shape)
 
 
-def ring_backward(dout, q, k, v, out, lse, comm: Optional[RingComm], causal: bool, scale: float,
+def ring_backward(dout, q, kv, out, lse, comm: Optional[RingComm], causal: bool, scale: float,
                   seq: LocalSeq):
-    """The ring's backward from `ring_forward`'s output and LSE: (dq, dk, dv) in q's dtype.
-    dout and out must be contiguous."""
+    """The ring's backward from `ring_forward`'s output, LSE and `kv` (its third result):
+    (dq, dk, dv) in q's dtype. dout and out must be contiguous.
+
+    Step s computes against the KV of src = rank + s + 1, so the last step is the rank's own
+    block. One buffer [k, v, dk, dv] travels to the previous rank: at step s it carries the KV
+    for the next step and the dKV accumulated at step s - 1, posted before the step's attention;
+    it brings the next KV and the dKV of the block being computed, to which this rank adds its
+    share once the exchange is done."""
     n, rank = (comm.size, comm.rank) if comm is not None else (1, 0)
     if n == 1:  # one block: the kernel's grads are the grads
-        return attn_bwd(dout, q, k, v, out, lse, causal, scale, **seq.kw("full", "full"))
-    kv = (k, v)
-    dq = None  # float32: local, so accumulating it exactly costs no communication
-    dkv = dkv_pending = nxt_dkv = None
+        return attn_bwd(dout, q, kv[0], kv[1], out, lse, causal, scale, **seq.kw("full", "full"))
+    shapes = (kv.k_shape, kv.v_shape)
+    kv_numel = kv.flat.numel()
+    buf, split = kv.flat, shapes[0].numel()
+    views = [kv.flat[:split].view(shapes[0]), kv.flat[split:].view(shapes[1])]
+    dq = dq_block = None  # dq float32: local, so accumulating it exactly costs no communication
     for step in range(n):
-        pending = None
-        if step + 1 < n:
-            nxt = (_buffer(k), _buffer(v))
-            pending = comm.exchange(kv, nxt, tag=0)
-        case = _step_case(step, rank, causal)
-        if case in ("diag", "full"):
-            dq_b, dk_b, dv_b = attn_bwd(dout, q, kv[0], kv[1], out, lse, case == "diag", scale,
-                                        **seq.kw("full", "full"))
-        elif case == "kv_first":
-            dq_b, dk_b, dv_b = attn_bwd(dout, q, seq.take(kv[0], 0), seq.take(kv[1], 0), out, lse, False,
-                                        scale, **seq.kw("full", "half"))
-        else:
-            dq_b, dk_b, dv_b = attn_bwd(
-                seq.take(dout, 1), seq.take(q, 1), kv[0], kv[1], seq.take(out, 1),
-                seq.take(lse, 1, dim=-1), False, scale, **seq.kw("half", "full"),
-            )
-        if step == 0:
+        # KV for the next step but not at the last one; dKV from the second step on.
+        lo = 0 if step + 1 < n else kv_numel
+        hi = 2 * kv_numel if step > 0 else kv_numel
+        nxt, nxt_views = _slots(kv.flat, *shapes, *shapes)
+        pending = comm.exchange(buf[lo:hi], nxt[lo:hi], reverse=True)
+        if dq_block is not None:  # after the post: the exchange starts while this add runs
+            _add_block(dq, *dq_block, seq, "q")
+        case = _block_case((rank + step + 1) % n, rank, causal)
+        dq_b, dk_b, dv_b = _attend_bwd(dout, q, views, out, lse, case, scale, seq)
+        if step == 0 and case != "q_second":
             dq = dq_b.float()
-        elif case == "q_second":
-            seq.add_(dq, 1, dq_b)
+        elif step == 0:  # the first block covers only the second query chunk
+            dq = torch.zeros_like(q, dtype=torch.float32)
+            _add_block(dq, case, dq_b, seq, "q")
         else:
-            dq.add_(dq_b)
-        # This block's dKV travels with it, in the input dtype (as TE's ring does: half the bytes
-        # of fp32): started by its owner at step 0, accumulated by every rank since, complete
-        # when it arrives back at its owner after the last step.
-        if step == 0:
-            dkv = (dk_b, dv_b)
+            dq_block = (case, dq_b)
+        pending.wait()
+        # The received dKV is this block's, with the shares of the ranks before; add ours.
+        dk_acc, dv_acc = nxt_views[2], nxt_views[3]
+        if step == 0 and case != "kv_first":  # the first share of this block covers it all
+            dk_acc.copy_(dk_b)
+            dv_acc.copy_(dv_b)
         else:
-            dkv_pending.wait()
-            dkv = nxt_dkv
-            if case == "kv_first":
-                seq.add_(dkv[0], 0, dk_b)
-                seq.add_(dkv[1], 0, dv_b)
-            else:
-                dkv[0].add_(dk_b)
-                dkv[1].add_(dv_b)
-        nxt_dkv = (_buffer(k), _buffer(v))
-        dkv_pending = comm.exchange(dkv, nxt_dkv, tag=1)
-        if pending is not None:
-            pending.wait()
-            kv = nxt
-    dkv_pending.wait()  # the last send brings every rank its own block's dKV
-    return dq.to(q.dtype), nxt_dkv[0], nxt_dkv[1]
+            if step == 0:
+                dk_acc.zero_()
+                dv_acc.zero_()
+            _add_block(dk_acc, case, dk_b, seq, "kv")
+            _add_block(dv_acc, case, dv_b, seq, "kv")
+        buf, views = nxt, nxt_views
+    _add_block(dq, *dq_block, seq, "q")
+    return dq.to(q.dtype), dk_acc, dv_acc
+
+
+def kv_to_save(kv) -> tuple[list[torch.Tensor], Optional[tuple]]:
+    """`ring_forward`'s KV result as (tensors for save_for_backward, shapes to keep on ctx)."""
+    if isinstance(kv, PackedKV):
+        return [kv.flat], (kv.k_shape, kv.v_shape)
+    return list(kv), None
+
+
+def kv_from_saved(tensors, shapes):
+    """The inverse of `kv_to_save`."""
+    return PackedKV(tensors[0], *shapes) if shapes is not None else tuple(tensors)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, scale, seq):
         comm = RingComm(group) if group_size(group) > 1 else None
-        out, lse = ring_forward(q, k, v, comm, causal, scale, seq)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse, kv = ring_forward(q, k, v, comm, causal, scale, seq)
+        kv_tensors, ctx.kv_shapes = kv_to_save(kv)
+        ctx.save_for_backward(q, out, lse, *kv_tensors)
         ctx.comm, ctx.causal, ctx.scale, ctx.seq = comm, causal, scale, seq
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, out, lse, *kv_tensors = ctx.saved_tensors
+        kv = kv_from_saved(kv_tensors, ctx.kv_shapes)
         # cuDNN wants dout and out in one layout; both sequence-first contiguous here.
-        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out.contiguous(), lse, ctx.comm,
+        dq, dk, dv = ring_backward(dout.contiguous(), q, kv, out.contiguous(), lse, ctx.comm,
                                     ctx.causal, ctx.scale, ctx.seq)
         return dq, dk, dv, None, None, None, None
 
