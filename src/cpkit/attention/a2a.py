@@ -132,8 +132,7 @@ class _UlyssesAttention(torch.autograd.Function):
             qc, oc, lse, *kv_tensors = saved[per * c:per * (c + 1)]
             (dc,) = _arrived_heads(inbound[c], rows, [widths[0]])
             kv = kv_from_saved(kv_tensors, ctx.kv_shapes)
-            dq, dk, dv = ring_backward(dc.contiguous(), qc, kv, oc.contiguous(), lse, comm,
-                                        causal, scale, seq)
+            dq, dk, dv = ring_backward(dc, qc, kv, oc, lse, comm, causal, scale, seq)
             outbound.append(_to_seq([dq, dk, dv], rows, a, a2a_group))
         for c, exchange in enumerate(outbound):
             _arrived_seq(exchange, grads, a, chunks, c)

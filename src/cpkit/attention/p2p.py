@@ -139,13 +139,15 @@ def ring_forward(q, k, v, comm: Optional[RingComm], causal: bool, scale: float, 
 def ring_backward(dout, q, kv, out, lse, comm: Optional[RingComm], causal: bool, scale: float,
                   seq: LocalSeq):
     """The ring's backward from `ring_forward`'s output, LSE and `kv` (its third result):
-    (dq, dk, dv) in q's dtype. dout and out must be contiguous.
+    (dq, dk, dv) in q's dtype.
 
     Step s computes against the KV of src = rank + s + 1, so the last step is the rank's own
     block. One buffer [k, v, dk, dv] travels to the previous rank: at step s it carries the KV
     for the next step and the dKV accumulated at step s - 1, posted before the step's attention;
     it brings the next KV and the dKV of the block being computed, to which this rank adds its
     share once the exchange is done."""
+    # cuDNN wants dout and out in one layout: both sequence-first contiguous.
+    dout, out = dout.contiguous(), out.contiguous()
     n, rank = (comm.size, comm.rank) if comm is not None else (1, 0)
     if n == 1:  # one block: the kernel's grads are the grads
         return attn_bwd(dout, q, kv[0], kv[1], out, lse, causal, scale, **seq.kw("full", "full"))
@@ -214,9 +216,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, out, lse, *kv_tensors = ctx.saved_tensors
         kv = kv_from_saved(kv_tensors, ctx.kv_shapes)
-        # cuDNN wants dout and out in one layout; both sequence-first contiguous here.
-        dq, dk, dv = ring_backward(dout.contiguous(), q, kv, out.contiguous(), lse, ctx.comm,
-                                    ctx.causal, ctx.scale, ctx.seq)
+        dq, dk, dv = ring_backward(dout, q, kv, out, lse, ctx.comm, ctx.causal, ctx.scale, ctx.seq)
         return dq, dk, dv, None, None, None, None
 
 
