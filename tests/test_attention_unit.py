@@ -67,6 +67,23 @@ def test_merge_keeps_rows_without_keys_finite():
     torch.testing.assert_close(lse, block_lse)
 
 
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_merge_rounds_once_like_the_fp32_merge(dtype):
+    # A ring of 2 merges straight into the first block's low-precision output: the result must
+    # be the fp32 merge rounded once, bit for bit, and the LSE the fp32 one.
+    gen = torch.Generator().manual_seed(3)
+    out0 = torch.randn(6, 2, 4, 8, generator=gen).to(dtype)
+    block = torch.randn(6, 2, 4, 8, generator=gen).to(dtype)
+    lse0, block_lse = torch.randn(2, 4, 6, generator=gen), torch.randn(2, 4, 6, generator=gen)
+    ref_out, ref_lse = out0.float(), lse0.clone()
+    merge_(ref_out, ref_lse, block, block_lse)
+    out, lse = out0.clone(), lse0.clone()
+    merge_(out, lse, block, block_lse)
+    assert out.dtype == dtype
+    assert torch.equal(out, ref_out.to(dtype))
+    assert torch.equal(lse, ref_lse)
 # --------------------------------------------------------------------------------------------
 # kernels
 

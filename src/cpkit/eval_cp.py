@@ -246,7 +246,9 @@ def _walk(roots: list[torch.nn.Module]) -> list[tuple[str, torch.nn.Module]]:
 
 
 def _is_cp_attention(module: torch.nn.Module) -> bool:
-    return callable(getattr(module, "set_context_parallel_group", None)) and hasattr(module, "cp_comm_type")
+    # Looked up on the class: a missing attribute on the instance goes through
+    # nn.Module.__getattr__ and an AttributeError, which made this a large share of a switch.
+    return callable(getattr(type(module), "set_context_parallel_group", None)) and hasattr(module, "cp_comm_type")
 
 
 def _qualname(cls: type) -> str:
@@ -280,13 +282,14 @@ def _rules_for(module: torch.nn.Module) -> list[RebindRule]:
 
 
 def _cache_clears(modules: list[torch.nn.Module]) -> list[Any]:
-    """The lru_cache wrappers (cache_clear) defined on the classes of `modules` (RoPE forward)."""
+    """The lru_cache wrappers (cache_clear) defined on the classes of `modules` (RoPE forward).
+    Each class of the modules' MROs is scanned once: scanning per module cost most of a switch."""
+    classes = {cls: None for module in modules for cls in type(module).__mro__}
     found: dict[int, Any] = {}
-    for module in modules:
-        for cls in type(module).__mro__:
-            for value in vars(cls).values():
-                if callable(getattr(value, "cache_clear", None)):
-                    found[id(value)] = value
+    for cls in classes:
+        for value in vars(cls).values():
+            if callable(getattr(value, "cache_clear", None)):
+                found[id(value)] = value
     return list(found.values())
 
 
@@ -398,8 +401,11 @@ def _preflight(walked, target, cp_comm_type) -> tuple[list, list]:
                     f"eval_pgs.{field}", theirs,
                     f"must have the members of the model's {field} group {mine} (eval CP changes "
                     "only cp and dp; tp and pp stay as trained)", fix_build))
+    reasons: dict[type, Optional[str]] = {}  # one MRO scan per class, not per module
     for name, module in walked:
-        reason = None if _is_cp_attention(module) else _unsupported_reason(module)
+        if type(module) not in reasons:
+            reasons[type(module)] = None if _is_cp_attention(module) else _unsupported_reason(module)
+        reason = reasons[type(module)]
         current = _current_cp_size(module) if reason else cp_size
         if current != cp_size:
             found.append(Violation(f"model.{name}", type(module).__name__,
@@ -508,12 +514,15 @@ def _apply(rebinding: Rebinding, with_rules, attention, target, cp_comm_type, be
                 value = group_size(get_pg(target, rule.source))
             rebinding._set(module, rule.attr, value, f"{name}.{rule.attr}")
     ranks = _global_ranks(cp) if cp_size > 1 else None
+    takes_strategy: dict[type, bool] = {}  # inspect.signature once per class, not per layer
     for name, module in attention:
         comm = cp_comm_type or module.cp_comm_type or "p2p"
         for attr in CP_ATTENTION_ATTRS:
             rebinding._snapshot(module, attr)
         kwargs = {}
-        if _accepts(module.set_context_parallel_group, "load_balancing_strategy") and \
+        if type(module) not in takes_strategy:
+            takes_strategy[type(module)] = _accepts(module.set_context_parallel_group, "load_balancing_strategy")
+        if takes_strategy[type(module)] and \
                 getattr(module, "load_balancing_strategy", None) is not None:
             kwargs["load_balancing_strategy"] = module.load_balancing_strategy
         if cp_size <= 1:

@@ -23,15 +23,20 @@ def lse_as_out(lse: torch.Tensor) -> torch.Tensor:
 def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     """Fold one partial result into the running one, in place.
 
-    out: float32 running output (may be a view), lse: float32 running LSE (may be a view);
-    block_out: the new partial output in any float dtype, block_lse: its float32 LSE. Rows
-    where both LSEs are -inf (no key seen yet) stay 0 instead of becoming NaN.
+    out: the running output (may be a view), float32 or a lower precision; lse: float32 running
+    LSE (may be a view); block_out: the new partial output in any float dtype, block_lse: its
+    float32 LSE. A lower-precision `out` is merged in fp32 and rounded once on the way back, so
+    a single merge (a ring of 2) needs no fp32 copy of the output. Rows where both LSEs are -inf
+    (no key seen yet) stay 0 instead of becoming NaN.
     """
     new_lse = torch.logaddexp(lse, block_lse)
     # exp(-inf - -inf) is NaN for rows with no keys in either part: their weight is 0.
     w_old = torch.nan_to_num_(torch.exp(lse - new_lse), nan=0.0)
     w_new = torch.nan_to_num_(torch.exp(block_lse - new_lse), nan=0.0)
-    out.mul_(lse_as_out(w_old)).addcmul_(block_out, lse_as_out(w_new))
+    if out.dtype == torch.float32:
+        out.mul_(lse_as_out(w_old)).addcmul_(block_out, lse_as_out(w_new))
+    else:
+        out.copy_((out * lse_as_out(w_old)).addcmul_(block_out, lse_as_out(w_new)))
     lse.copy_(new_lse)
 
 

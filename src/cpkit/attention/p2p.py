@@ -113,20 +113,22 @@ def ring_forward(q, k, v, comm: Optional[RingComm], causal: bool, scale: float, 
     buf, kv = _slots(k, k.shape, v.shape)
     kv[0].copy_(k)
     kv[1].copy_(v)
-    out = torch.empty_like(q, dtype=torch.float32)  # keeps q's (sequence-first) strides
-    lse = block = None
+    out = lse = block = None
     for step in range(n):
         pending = None
         if step + 1 < n:
             nxt, nxt_kv = _slots(k, k.shape, v.shape)
             pending = comm.exchange(buf, nxt)
         if block is not None:  # after the post: the exchange starts while this merge runs
+            if out.dtype != torch.float32:  # more merges to come: accumulate in fp32
+                out = out.float()
             _merge_block(out, lse, *block, seq)
         case = _block_case((rank - step) % n, rank, causal)
         o, l = _attend_fwd(q, kv, case, scale, seq)
         if step == 0:
-            out.copy_(o)
-            lse = l.float().contiguous()
+            # The first block's own output is the running one: a ring of 2 merges once, into
+            # it (merge_ computes in fp32 and rounds once), with no fp32 copy of the output.
+            out, lse = o, l.float().contiguous()
         else:
             block = (case, o, l)
         if pending is not None:
