@@ -436,3 +436,29 @@ def test_micro_batches_are_views_of_consecutive_rows_and_filler_is_masked():
     assert first.data_ptr() == data["tokens"][1].data_ptr() and first.is_contiguous()  # a view
     assert torch.equal(mbs[1]["tokens"][0], data["tokens"][3])
     assert [float(mb["loss_mask"].sum()) for mb in mbs] == [2 * CFG.seq_length, CFG.seq_length, 0.0]
+
+
+def test_evaluate_pipeline_transfers_skip_the_device_sync_and_leave_the_model_config(pgc, monkeypatch):
+    import megatron.core.pipeline_parallel.p2p_communication as p2p
+    import megatron.core.pipeline_parallel.schedules as schedules
+
+    import cpkit.eval_cp as eval_cp
+
+    model = build_gpt(GPTConfig(), pgc)
+    assert model.config.batch_p2p_sync and model.config.batch_p2p_comm  # MCore's defaults
+    seen = {}
+
+    class Recorder:
+        def __init__(self, pp_group, config):
+            seen["config"] = config
+
+    monkeypatch.setattr(p2p, "P2PCommunicator", Recorder)
+    monkeypatch.setattr(schedules, "get_forward_backward_func", lambda **_: lambda **kw: [])
+    monkeypatch.setattr(eval_cp.dist, "all_reduce", lambda *a, **k: None)
+    eval_cp._pipeline_sums(model, [{"tokens": torch.zeros(1, 8, dtype=torch.long)}], pgc, 1, torch.device("cpu"))
+    quiet = seen["config"]
+    assert quiet is not model.config and quiet.batch_p2p_sync is False
+    assert model.config.batch_p2p_sync is True  # the model's own config is untouched
+    assert quiet.batch_p2p_comm and quiet.pipeline_dtype == model.config.pipeline_dtype
+    model.config.batch_p2p_sync = False
+    assert eval_cp._no_p2p_sync(model.config) is model.config  # nothing to turn off: no copy

@@ -29,6 +29,7 @@ schedule when pp > 1).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import inspect
 import warnings
@@ -724,6 +725,20 @@ def evaluate(model: ModelOrChunks, dataset: Mapping[str, torch.Tensor], pg_colle
     return EvalResult(loss=loss, num_tokens=tokens, samples=shard, micro_batches=len(local))
 
 
+def _no_p2p_sync(config: Any) -> Any:
+    """A shallow copy of the model config with batch_p2p_sync off, for evaluate()'s own
+    P2PCommunicator. MCore synchronizes the whole device after every batched pipeline transfer,
+    "to protect against a race condition" of batch_isend_irecv in old PyTorch ("user should
+    assert that we have a modern enough PyTorch to not need this"); cpkit needs torch >= 2.6.
+    The sync drained the GPU at every micro-batch, and the eval layout, with half the work per
+    micro-batch, waited for the host after each. The model's config is left as it is."""
+    if not getattr(config, "batch_p2p_sync", False):
+        return config
+    quiet = copy.copy(config)
+    quiet.batch_p2p_sync = False
+    return quiet
+
+
 def _pipeline_sums(module, local: list[dict], pg_collection, mbs: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Loss sum and token count of `local` through MCore's forward-only pipeline schedule,
     summed over pp (only the last stage has them) so every stage returns the same."""
@@ -751,7 +766,7 @@ def _pipeline_sums(module, local: list[dict], pg_collection, mbs: int, device) -
         stored = schedule(
             forward_step_func=forward_step, data_iterator=iter(local), model=[module],
             num_microbatches=len(local), seq_length=seq_length, micro_batch_size=mbs,
-            forward_only=True, p2p_communicator=P2PCommunicator(pp_group=pp_group, config=config),
+            forward_only=True, p2p_communicator=P2PCommunicator(pp_group=pp_group, config=_no_p2p_sync(config)),
             pg_collection=pg_collection)
         for entry in stored or []:
             sums[0] += entry["loss_sum"].double()

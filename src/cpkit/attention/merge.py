@@ -27,17 +27,18 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
     LSE (may be a view); block_out: the new partial output in any float dtype, block_lse: its
     float32 LSE. A lower-precision `out` is merged in fp32 and rounded once on the way back, so
     a single merge (a ring of 2) needs no fp32 copy of the output. Rows where both LSEs are -inf
-    (no key seen yet) stay 0 instead of becoming NaN.
+    (no key seen yet) keep their running output (the kernels' zeros) instead of becoming NaN.
     """
-    new_lse = torch.logaddexp(lse, block_lse)
-    # exp(-inf - -inf) is NaN for rows with no keys in either part: their weight is 0.
-    w_old = torch.nan_to_num_(torch.exp(lse - new_lse), nan=0.0)
-    w_new = torch.nan_to_num_(torch.exp(block_lse - new_lse), nan=0.0)
+    # exp(l_block - logaddexp(l, l_block)) is sigmoid(l_block - l): one kernel fewer per weight
+    # (this merge runs in every ring step and, with short blocks, its launches are what costs).
+    # Rows with no keys in either part have l = l_block = -inf: NaN, so w_new 0 and w_old 1.
+    w_new = torch.sigmoid_(lse_as_out(block_lse) - lse_as_out(lse)).nan_to_num_(nan=0.0)
+    w_old = 1.0 - w_new
+    torch.logaddexp(lse, block_lse, out=lse)
     if out.dtype == torch.float32:
-        out.mul_(lse_as_out(w_old)).addcmul_(block_out, lse_as_out(w_new))
+        out.mul_(w_old).addcmul_(block_out, w_new)
     else:
-        out.copy_((out * lse_as_out(w_old)).addcmul_(block_out, lse_as_out(w_new)))
-    lse.copy_(new_lse)
+        out.copy_((out * w_old).addcmul_(block_out, w_new))
 
 
 def merge(outs, lses) -> tuple[torch.Tensor, torch.Tensor]:
