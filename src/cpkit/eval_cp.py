@@ -681,8 +681,9 @@ def evaluate(model: ModelOrChunks, dataset: Mapping[str, torch.Tensor], pg_colle
     micro-batches of `micro_batch_size`, each CP-sharded for `pg_collection.cp`
     (cpkit.sharding's 2*cp chunk layout); logits are gathered over tp for the loss. With pp > 1
     the forward runs through MCore's forward-only pipeline schedule (get_forward_backward_func
-    with an explicit P2PCommunicator and pg_collection; GPU only, as MCore's p2p buffers are
-    CUDA tensors) and the last stage's sums are shared over pp. The loss is reduced over
+    with an explicit P2PCommunicator and pg_collection, without MCore's device sync after each
+    transfer: _no_p2p_sync; GPU only, as MCore's p2p buffers are CUDA tensors) and the last
+    stage's sums are shared over pp. The loss is reduced over
     dp x cp (reduce_eval_loss). `min_micro_batches` adds loss-masked filler micro-batches up to
     that count (pass pp to run a full pipeline, as Megatron's eval and cpkit.eval_plan count
     it); they change the time, not the loss. Call it inside eval_cp_context with the eval
@@ -727,9 +728,9 @@ def evaluate(model: ModelOrChunks, dataset: Mapping[str, torch.Tensor], pg_colle
 
 def _no_p2p_sync(config: Any) -> Any:
     """A shallow copy of the model config with batch_p2p_sync off, for evaluate()'s own
-    P2PCommunicator. MCore synchronizes the whole device after every batched pipeline transfer,
-    "to protect against a race condition" of batch_isend_irecv in old PyTorch ("user should
-    assert that we have a modern enough PyTorch to not need this"); cpkit needs torch >= 2.6.
+    P2PCommunicator. MCore synchronizes the whole device after every batched pipeline transfer
+    "to protect against race condition when using batch_isend_irecv()", adding "User should
+    assert that we have a modern enough PyTorch to not need this"; cpkit needs torch >= 2.6.
     The sync drained the GPU at every micro-batch, and the eval layout, with half the work per
     micro-batch, waited for the host after each. The model's config is left as it is."""
     if not getattr(config, "batch_p2p_sync", False):
