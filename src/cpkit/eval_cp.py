@@ -402,11 +402,14 @@ def _preflight(walked, target, cp_comm_type) -> tuple[list, list]:
                     f"eval_pgs.{field}", theirs,
                     f"must have the members of the model's {field} group {mine} (eval CP changes "
                     "only cp and dp; tp and pp stay as trained)", fix_build))
-    reasons: dict[type, Optional[str]] = {}  # one MRO scan per class, not per module
+    reasons: dict[type, Optional[str]] = {}  # _unsupported_reason depends on the class only
     for name, module in walked:
-        if type(module) not in reasons:
-            reasons[type(module)] = None if _is_cp_attention(module) else _unsupported_reason(module)
-        reason = reasons[type(module)]
+        if _is_cp_attention(module):
+            reason = None
+        else:
+            if type(module) not in reasons:
+                reasons[type(module)] = _unsupported_reason(module)
+            reason = reasons[type(module)]
         current = _current_cp_size(module) if reason else cp_size
         if current != cp_size:
             found.append(Violation(f"model.{name}", type(module).__name__,

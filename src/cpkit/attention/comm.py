@@ -7,7 +7,7 @@ All helpers take the group as an argument; nothing here keeps a group at module 
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence, Union
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -58,9 +58,9 @@ def group_rank(group: Optional[dist.ProcessGroup]) -> int:
 class RingComm:
     """Send to the next rank of `group` and receive from the previous one, asynchronously.
 
-    `exchange(send, recv)` posts isend/irecv pairs (a tensor or a sequence of tensors each) and
-    returns a handle whose `wait()` completes them all; the caller computes in between, so the
-    transfer overlaps compute (NCCL runs P2P on its own stream; gloo in background threads).
+    `exchange(send, recv)` posts an isend/irecv pair and returns a handle whose `wait()`
+    completes both; the caller computes in between, so the transfer overlaps compute (NCCL runs
+    P2P on its own stream; gloo in background threads).
     `batched` (default: p2p_batched_default(size)) posts them as one batch_isend_irecv call or
     as separate calls. Every rank of the ring must post the same sequence of exchanges. Peers are
     passed as global ranks, which both torch 2.11 and 2.13 accept for subgroups.
@@ -74,28 +74,23 @@ class RingComm:
         self.next_peer = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev_peer = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
-    def exchange(self, send: Union[torch.Tensor, Sequence[torch.Tensor]],
-                 recv: Union[torch.Tensor, Sequence[torch.Tensor]], tag: int = 0,
-                 reverse: bool = False) -> "_Pending":
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor, reverse: bool = False) -> "_Pending":
         """Start sending `send` to the next rank and receiving `recv` from the previous one, or
-        the other way round with `reverse` (matching tensors or sequences of tensors, each sent
-        as it is: no packing copy)."""
+        the other way round with `reverse`. Both must be contiguous (the ring packs each step
+        into one buffer, so there is one send and one receive)."""
+        if not (send.is_contiguous() and recv.is_contiguous()):
+            raise ValueError("RingComm.exchange: send and receive buffers must be contiguous")
         to, source = (self.prev_peer, self.next_peer) if reverse else (self.next_peer, self.prev_peer)
-        sends = [t.contiguous() for t in ([send] if isinstance(send, torch.Tensor) else send)]
-        recvs = [recv] if isinstance(recv, torch.Tensor) else list(recv)
-        if not all(t.is_contiguous() for t in recvs):
-            raise ValueError("RingComm.exchange: receive buffers must be contiguous")
-        # One tag per tensor, so gloo cannot match the i-th send with another receive. Even
-        # ranks send first, odd ranks receive first (as TE does): unbatched, NCCL sets up a peer
-        # pair's communicator on its first use, and this order lets every pair meet.
-        posts = [(dist.isend, t, to, 16 * tag + i) for i, t in enumerate(sends)]
-        takes = [(dist.irecv, t, source, 16 * tag + i) for i, t in enumerate(recvs)]
-        ops = posts + takes if self.rank % 2 == 0 else takes + posts
+        # Even ranks send first, odd ranks receive first (as TE does): unbatched, NCCL sets up a
+        # peer pair's communicator on its first use, and this order lets every pair meet.
+        ops = [(dist.isend, send, to), (dist.irecv, recv, source)]
+        if self.rank % 2:
+            ops.reverse()
         if self.batched:
-            works = dist.batch_isend_irecv([dist.P2POp(op, t, peer, self.group, tg) for op, t, peer, tg in ops])
+            works = dist.batch_isend_irecv([dist.P2POp(op, t, peer, self.group) for op, t, peer in ops])
         else:
-            works = [op(t, peer, self.group, tg) for op, t, peer, tg in ops]
-        return _Pending(works, sends)
+            works = [op(t, peer, self.group) for op, t, peer in ops]
+        return _Pending(works, [send])
 
 
 class _Pending:
@@ -104,7 +99,7 @@ class _Pending:
 
     def __init__(self, works, sends, result: Optional[torch.Tensor] = None):
         self._works = works
-        self._sends = sends  # keeps contiguous copies alive until the transfer is done
+        self._sends = sends  # keeps the sent tensors alive until the transfer is done
         self._result = result
 
     def wait(self) -> Optional[torch.Tensor]:

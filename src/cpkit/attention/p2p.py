@@ -52,9 +52,14 @@ def _slots(like: torch.Tensor, *shapes) -> tuple[torch.Tensor, list[torch.Tensor
     kernel, posted before the step's attention. Sent as separate tensors, the second tensor's
     kernel queued behind the first and could not start until the attention kernel, which fills
     every SM, was nearly done; the next step then waited for it (4x H200 profile, README)."""
+    flat = torch.empty(sum(torch.Size(shape).numel() for shape in shapes), dtype=like.dtype, device=like.device)
+    return flat, _views(flat, *shapes)
+
+
+def _views(flat: torch.Tensor, *shapes) -> list[torch.Tensor]:
+    """Views of `flat` as tensors of `shapes`, back to back."""
     sizes = [torch.Size(shape).numel() for shape in shapes]
-    flat = torch.empty(sum(sizes), dtype=like.dtype, device=like.device)
-    return flat, [part.view(shape) for part, shape in zip(flat.split(sizes), shapes)]
+    return [part.view(shape) for part, shape in zip(flat.split(sizes), shapes)]
 
 
 class PackedKV:
@@ -155,8 +160,7 @@ def ring_backward(dout, q, kv, out, lse, comm: Optional[RingComm], causal: bool,
         return attn_bwd(dout, q, kv[0], kv[1], out, lse, causal, scale, **seq.kw("full", "full"))
     shapes = (kv.k_shape, kv.v_shape)
     kv_numel = kv.flat.numel()
-    buf, split = kv.flat, shapes[0].numel()
-    views = [kv.flat[:split].view(shapes[0]), kv.flat[split:].view(shapes[1])]
+    buf, views = kv.flat, _views(kv.flat, *shapes)
     dq = dq_block = None  # dq float32: local, so accumulating it exactly costs no communication
     for step in range(n):
         # KV for the next step but not at the last one; dKV from the second step on.
