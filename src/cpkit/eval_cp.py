@@ -706,10 +706,12 @@ def evaluate(model: ModelOrChunks, dataset: Mapping[str, torch.Tensor], pg_colle
     pp = group_size(pp_group)
     cp_group, tp_group = get_pg(pg_collection, "cp"), get_pg(pg_collection, "tp")
     device = next(module.parameters()).device
-    # Copied first, sharded on the device: no CPU tensor work per micro-batch.
-    local = [shard_batch({k: v.to(device) for k, v in mb.items()}, cp_group)
-             for mb in _micro_batches(dataset, shard, micro_batch_size, pad=pp > 1,
-                                      at_least=min_micro_batches)]
+    # This replica's rows copied and CP-sharded once per key, then cut into micro-batches (views):
+    # no per-micro-batch copies before the first kernel. With no rows of its own a replica
+    # still takes one, the source of its loss-masked filler.
+    rows = shard if len(shard) else range(0, min(1, num))
+    mine = shard_batch({k: v[rows.start:rows.stop].to(device) for k, v in dataset.items()}, cp_group)
+    local = _micro_batches(mine, range(len(shard)), micro_batch_size, pad=pp > 1, at_least=min_micro_batches)
     was_training = module.training
     module.eval()
     try:

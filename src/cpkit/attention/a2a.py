@@ -109,12 +109,12 @@ class _UlyssesAttention(torch.autograd.Function):
             qc, kc, vc = _arrived_heads(inbound[c], rows, widths)
             oc, lse, kv = ring_forward(qc, kc, vc, comm, causal, scale, seq)
             outbound.append(_to_seq([oc], rows, a, a2a_group))
-            kv_tensors, kv_shapes = kv_to_save(kv)  # the same kind for every chunk
+            kv_tensors, kv_packed = kv_to_save(kv)  # the same kind for every chunk
             saved += [qc, oc, lse, *kv_tensors]
         for c, exchange in enumerate(outbound):
             _arrived_seq(exchange, [out], a, chunks, c)
         ctx.save_for_backward(*saved)
-        ctx.kv_shapes = kv_shapes
+        ctx.kv_packed = kv_packed
         ctx.setup = (a2a_group, comm, causal, scale, rows, seq, chunks, widths)
         ctx.shapes = [x.shape for x in (q, k, v)]
         return out
@@ -131,7 +131,7 @@ class _UlyssesAttention(torch.autograd.Function):
         for c in range(chunks):
             qc, oc, lse, *kv_tensors = saved[per * c:per * (c + 1)]
             (dc,) = _arrived_heads(inbound[c], rows, [widths[0]])
-            kv = kv_from_saved(kv_tensors, ctx.kv_shapes)
+            kv = kv_from_saved(kv_tensors, ctx.kv_packed)
             dq, dk, dv = ring_backward(dc, qc, kv, oc, lse, comm, causal, scale, seq)
             outbound.append(_to_seq([dq, dk, dv], rows, a, a2a_group))
         for c, exchange in enumerate(outbound):

@@ -14,7 +14,11 @@ and ends with the rank's own, so the dKV of a block, passed along with the KV on
 is complete on its owner after the last step with no extra transfer. dQ is accumulated locally
 in fp32; dKV travels and accumulates in the input dtype, as in TE's ring (half the bytes of
 fp32; a bf16 dKV is rounded once per hop, cp - 1 times in all). Every exchange moves one packed
-buffer (`_slots`), posted before the previous block's merge or dQ add.
+buffer, posted before the previous block's merge or dQ add: [k, v] forward, [k, v, dk, dv]
+backward, stacked on a new leading dim (k and v have one shape; the entry point checks it).
+One buffer is one NCCL send and one receive kernel: sent as separate tensors, the second
+tensor's kernel queued behind the first and could not start until the attention kernel, which
+fills every SM, was nearly done; the next step then waited for it (4x H200 profile, README).
 
 Tensors are sequence-first: q [s, b, h, d] / [t, h, d], k/v with h_kv heads.
 """
@@ -31,7 +35,7 @@ from cpkit.attention.comm import RingComm, group_size
 from cpkit.attention.kernels import attn_bwd, attn_fwd
 from cpkit.attention.merge import merge_
 
-__all__ = ["ring_attention", "ring_forward", "ring_backward", "PackedKV", "kv_to_save", "kv_from_saved"]
+__all__ = ["ring_attention", "ring_forward", "ring_backward", "kv_to_save", "kv_from_saved"]
 
 
 def _block_case(src: int, rank: int, causal: bool) -> str:
@@ -42,32 +46,6 @@ def _block_case(src: int, rank: int, causal: bool) -> str:
     if not causal:
         return "full"
     return "kv_first" if src < rank else "q_second"
-
-
-def _slots(like: torch.Tensor, *shapes) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One flat buffer (dtype and device of `like`) holding tensors of `shapes` back to back,
-    and their views.
-
-    Each ring step moves one such buffer, so every exchange is one NCCL send and one receive
-    kernel, posted before the step's attention. Sent as separate tensors, the second tensor's
-    kernel queued behind the first and could not start until the attention kernel, which fills
-    every SM, was nearly done; the next step then waited for it (4x H200 profile, README)."""
-    flat = torch.empty(sum(torch.Size(shape).numel() for shape in shapes), dtype=like.dtype, device=like.device)
-    return flat, _views(flat, *shapes)
-
-
-def _views(flat: torch.Tensor, *shapes) -> list[torch.Tensor]:
-    """Views of `flat` as tensors of `shapes`, back to back."""
-    sizes = [torch.Size(shape).numel() for shape in shapes]
-    return [part.view(shape) for part, shape in zip(flat.split(sizes), shapes)]
-
-
-class PackedKV:
-    """What the ring's backward needs of K and V: `flat`, the packed KV that the forward ended
-    with (the next rank's), and the shapes of k and v."""
-
-    def __init__(self, flat: torch.Tensor, k_shape: torch.Size, v_shape: torch.Size):
-        self.flat, self.k_shape, self.v_shape = flat, k_shape, v_shape
 
 
 def _attend_fwd(q, kv, case: str, scale: float, seq: LocalSeq):
@@ -109,21 +87,19 @@ def _add_block(acc, case: str, grad, seq: LocalSeq, part_of: str) -> None:
 
 def ring_forward(q, k, v, comm: Optional[RingComm], causal: bool, scale: float, seq: LocalSeq):
     """The ring's forward (no autograd): (output like q, fp32 LSE, what `ring_backward` needs
-    of k and v: a `PackedKV`, or (k, v) without a ring). `comm` None: local attention.
-    Also the per-chunk step of `a2a.a2a_attention`."""
+    of k and v: the packed [2, ...] KV the forward ended with (the next rank's), or (k, v)
+    without a ring). `comm` None: local attention. Also the per-chunk step of `a2a.a2a_attention`."""
     n, rank = (comm.size, comm.rank) if comm is not None else (1, 0)
     if n == 1:  # one block: nothing to merge, no fp32 copy of the output
         out, lse = attn_fwd(q, k, v, causal, scale, **seq.kw("full", "full"))
         return out, lse.float().contiguous(), (k, v)
-    buf, kv = _slots(k, k.shape, v.shape)
-    kv[0].copy_(k)
-    kv[1].copy_(v)
+    kv = torch.stack((k, v))  # one kernel packs what the first exchange sends
     out = lse = block = None
     for step in range(n):
         pending = None
         if step + 1 < n:
-            nxt, nxt_kv = _slots(k, k.shape, v.shape)
-            pending = comm.exchange(buf, nxt)
+            nxt = torch.empty_like(kv)
+            pending = comm.exchange(kv, nxt)
         if block is not None:  # after the post: the exchange starts while this merge runs
             if out.dtype != torch.float32:  # more merges to come: accumulate in fp32
                 out = out.float()
@@ -138,9 +114,9 @@ def ring_forward(q, k, v, comm: Optional[RingComm], causal: bool, scale: float, 
             block = (case, o, l)
         if pending is not None:
             pending.wait()
-            buf, kv = nxt, nxt_kv
+            kv = nxt
     _merge_block(out, lse, *block, seq)
-    return out.to(q.dtype), lse, PackedKV(buf, k.shape, v.shape)
+    return out.to(q.dtype), lse, kv
 
 
 def ring_backward(dout, q, kv, out, lse, comm: Optional[RingComm], causal: bool, scale: float,
@@ -158,20 +134,17 @@ def ring_backward(dout, q, kv, out, lse, comm: Optional[RingComm], causal: bool,
     n, rank = (comm.size, comm.rank) if comm is not None else (1, 0)
     if n == 1:  # one block: the kernel's grads are the grads
         return attn_bwd(dout, q, kv[0], kv[1], out, lse, causal, scale, **seq.kw("full", "full"))
-    shapes = (kv.k_shape, kv.v_shape)
-    kv_numel = kv.flat.numel()
-    buf, views = kv.flat, _views(kv.flat, *shapes)
+    buf = kv  # [k, v] now; [k, v, dk, dv] from the first exchange on
     dq = dq_block = None  # dq float32: local, so accumulating it exactly costs no communication
     for step in range(n):
         # KV for the next step but not at the last one; dKV from the second step on.
-        lo = 0 if step + 1 < n else kv_numel
-        hi = 2 * kv_numel if step > 0 else kv_numel
-        nxt, nxt_views = _slots(kv.flat, *shapes, *shapes)
+        lo, hi = (0 if step + 1 < n else 2), (4 if step > 0 else 2)
+        nxt = kv.new_empty((4, *kv.shape[1:]))
         pending = comm.exchange(buf[lo:hi], nxt[lo:hi], reverse=True)
         if dq_block is not None:  # after the post: the exchange starts while this add runs
             _add_block(dq, *dq_block, seq, "q")
         case = _block_case((rank + step + 1) % n, rank, causal)
-        dq_b, dk_b, dv_b = _attend_bwd(dout, q, views, out, lse, case, scale, seq)
+        dq_b, dk_b, dv_b = _attend_bwd(dout, q, buf, out, lse, case, scale, seq)
         if step == 0 and case != "q_second":
             dq = dq_b.float()
         elif step == 0:  # the first block covers only the second query chunk
@@ -181,7 +154,7 @@ def ring_backward(dout, q, kv, out, lse, comm: Optional[RingComm], causal: bool,
             dq_block = (case, dq_b)
         pending.wait()
         # The received dKV is this block's, with the shares of the ranks before; add ours.
-        dk_acc, dv_acc = nxt_views[2], nxt_views[3]
+        dk_acc, dv_acc = nxt[2], nxt[3]
         if step == 0 and case != "kv_first":  # the first share of this block covers it all
             dk_acc.copy_(dk_b)
             dv_acc.copy_(dv_b)
@@ -191,21 +164,21 @@ def ring_backward(dout, q, kv, out, lse, comm: Optional[RingComm], causal: bool,
                 dv_acc.zero_()
             _add_block(dk_acc, case, dk_b, seq, "kv")
             _add_block(dv_acc, case, dv_b, seq, "kv")
-        buf, views = nxt, nxt_views
+        buf = nxt
     _add_block(dq, *dq_block, seq, "q")
     return dq.to(q.dtype), dk_acc, dv_acc
 
 
-def kv_to_save(kv) -> tuple[list[torch.Tensor], Optional[tuple]]:
-    """`ring_forward`'s KV result as (tensors for save_for_backward, shapes to keep on ctx)."""
-    if isinstance(kv, PackedKV):
-        return [kv.flat], (kv.k_shape, kv.v_shape)
-    return list(kv), None
+def kv_to_save(kv) -> tuple[list[torch.Tensor], bool]:
+    """`ring_forward`'s KV result as (tensors for save_for_backward, whether it is packed)."""
+    if isinstance(kv, torch.Tensor):
+        return [kv], True
+    return list(kv), False
 
 
-def kv_from_saved(tensors, shapes):
+def kv_from_saved(tensors, packed: bool):
     """The inverse of `kv_to_save`."""
-    return PackedKV(tensors[0], *shapes) if shapes is not None else tuple(tensors)
+    return tensors[0] if packed else tuple(tensors)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -213,7 +186,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, causal, scale, seq):
         comm = RingComm(group) if group_size(group) > 1 else None
         out, lse, kv = ring_forward(q, k, v, comm, causal, scale, seq)
-        kv_tensors, ctx.kv_shapes = kv_to_save(kv)
+        kv_tensors, ctx.kv_packed = kv_to_save(kv)
         ctx.save_for_backward(q, out, lse, *kv_tensors)
         ctx.comm, ctx.causal, ctx.scale, ctx.seq = comm, causal, scale, seq
         return out
@@ -221,7 +194,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, out, lse, *kv_tensors = ctx.saved_tensors
-        kv = kv_from_saved(kv_tensors, ctx.kv_shapes)
+        kv = kv_from_saved(kv_tensors, ctx.kv_packed)
         dq, dk, dv = ring_backward(dout, q, kv, out, lse, ctx.comm, ctx.causal, ctx.scale, ctx.seq)
         return dq, dk, dv, None, None, None, None
 
