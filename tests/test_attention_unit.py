@@ -302,3 +302,17 @@ def test_a2a_chunk_count_reads_the_environment(monkeypatch):
         monkeypatch.setenv(A2A_CHUNKS_ENV, bad)
         with pytest.raises(ValueError, match=f"CPKIT_A2A_CHUNKS='{bad}': must be a positive integer"):
             a2a_chunk_count(4)
+
+
+def test_ring_forward_rejects_k_and_v_of_different_shapes():
+    """The ring packs k and v into one buffer per exchange: unequal shapes get a clear error,
+    not torch.stack's."""
+    from cpkit.attention.chunks import local_seq
+    from cpkit.attention.p2p import ring_forward
+
+    class TwoRanks:  # the check runs before any exchange
+        size, rank = 2, 0
+
+    q, k = torch.randn(8, 1, 4, 16), torch.randn(8, 1, 2, 16)
+    with pytest.raises(ValueError, match=r"k.shape \(8, 1, 2, 16\) and v.shape \(8, 1, 2, 8\) must be equal"):
+        ring_forward(q, k, torch.randn(8, 1, 2, 8), TwoRanks(), True, 0.25, local_seq(8, 2))

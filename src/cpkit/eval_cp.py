@@ -640,8 +640,8 @@ def _micro_batches(dataset: Mapping[str, torch.Tensor], indices: range, mbs: int
     """Full-sequence micro-batches of `indices`. With `pad`, the last one is filled up to `mbs`
     with loss-masked copies (fixed shapes for the pipeline schedule); loss-masked filler
     micro-batches are added up to `at_least` (a full pipeline, as the planner counts it).
-    `indices` is a contiguous range (eval_shard's), so every micro-batch is a view: no CPU
-    gather per call."""
+    `indices` is a contiguous range (evaluate passes the rows of its replica's copied and
+    sharded shard), so every micro-batch is a view: no gather or copy per micro-batch."""
     spare = indices.start if len(indices) else 0
 
     def masked(rows: int) -> dict:

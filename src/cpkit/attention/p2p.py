@@ -93,6 +93,9 @@ def ring_forward(q, k, v, comm: Optional[RingComm], causal: bool, scale: float, 
     if n == 1:  # one block: nothing to merge, no fp32 copy of the output
         out, lse = attn_fwd(q, k, v, causal, scale, **seq.kw("full", "full"))
         return out, lse.float().contiguous(), (k, v)
+    if k.shape != v.shape:  # one packed buffer per exchange holds k and v alike
+        raise ValueError(f"ring_forward: k.shape {tuple(k.shape)} and v.shape {tuple(v.shape)} must "
+                         "be equal (the ring packs them into one buffer); pass k and v of one head dim")
     kv = torch.stack((k, v))  # one kernel packs what the first exchange sends
     out = lse = block = None
     for step in range(n):
