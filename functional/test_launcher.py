@@ -106,15 +106,23 @@ def test_results_come_back_per_rank_and_no_process_survives():
     assert not any(_pid_alive(pid) for _, _, pid in out)
 
 
-def _threads():
-    return torch.get_num_threads()
+def _threads_and_cuda_env():
+    return torch.get_num_threads(), os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
 @pytest.mark.dist
-def test_each_rank_gets_its_share_of_the_cores():
+def test_gloo_ranks_run_on_one_thread_with_cuda_hidden():
     # Ranks with intra-op pools as wide as the machine oversubscribe it (a 32 ms CPU slice per
-    # micro-batch in the eval_cp bench on a 64-core GPU host); each rank gets cores // ranks.
-    assert launch(_threads, 2, timeout=120) == [max(1, (os.cpu_count() or 1) // 2)] * 2
+    # micro-batch in the eval_cp bench on a 64-core GPU host). A gloo rank computes on CPU:
+    # one thread, as under torchrun, and no GPU to initialize by accident on a GPU host.
+    assert launch(_threads_and_cuda_env, 2, timeout=120) == [(1, "")] * 2
+
+
+@pytest.mark.dist
+def test_gloo_rank_sees_the_gpus_when_asked():
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    out = launch(_threads_and_cuda_env, 2, timeout=120, cuda_visible=True)
+    assert [cuda for _, cuda in out] == [visible] * 2
 
 
 @pytest.mark.dist

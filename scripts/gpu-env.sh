@@ -9,7 +9,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 if ! python3 -c "import megatron.core" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 fi
-export PYTHONPATH=/tmp/site:src${PYTHONPATH:+:$PYTHONPATH}
+# Absolute: tests start pytest and ranks in other working directories.
+export PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 if [ -z "${CUDNN_PATH:-}" ]; then
   cudnn=$(python3 -c "import nvidia.cudnn as c; print(list(c.__path__)[0])" 2>/dev/null) && export CUDNN_PATH=$cudnn
 fi

@@ -37,15 +37,27 @@ def _te_partition(cu: list[int], rank: int, cp: int) -> list[int]:
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
-def test_shard_seq_matches_mcore_get_batch_on_this_cp_rank(cp, monkeypatch):
-    from megatron.core import parallel_state
-    from megatron.core.utils import get_batch_on_this_cp_rank
+def test_shard_seq_matches_mcore_get_batch_on_this_cp_rank(cp, monkeypatch, world1):
+    from cpkit.compat import mcore_batch_on_this_cp_rank
 
+    class _Group:  # MCore reads size and rank through torch.distributed (0.19) or the group (0.16)
+        def __init__(self, rank):
+            self._rank = rank
+
+        def size(self):
+            return cp
+
+        def rank(self):
+            return self._rank
+
+    real_size, real_rank = torch.distributed.get_world_size, torch.distributed.get_rank
+    monkeypatch.setattr(torch.distributed, "get_world_size",
+                        lambda group=None: group.size() if isinstance(group, _Group) else real_size(group))
+    monkeypatch.setattr(torch.distributed, "get_rank",
+                        lambda group=None: group.rank() if isinstance(group, _Group) else real_rank(group))
     tokens = torch.arange(3 * 32).view(3, 32)  # [b, s]: MCore's batch layout
     for rank in range(cp):
-        monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: cp)
-        monkeypatch.setattr(parallel_state, "get_context_parallel_rank", lambda r=rank: r)
-        expected = get_batch_on_this_cp_rank({"tokens": tokens.clone()})["tokens"]
+        expected = mcore_batch_on_this_cp_rank({"tokens": tokens.clone()}, _Group(rank))["tokens"]
         assert torch.equal(shard_seq(tokens, rank, cp, seq_dim=1), expected)
 
 

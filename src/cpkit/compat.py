@@ -7,6 +7,8 @@ Known differences handled here:
   (`ensure_global_memory_buffer`; a buffer, not a process group).
 - An unset ProcessGroupCollection field raises AttributeError in 0.16 and returns None in 0.19:
   `get_pg` returns None for both.
+- `megatron.core.utils.get_batch_on_this_cp_rank(batch, cp_group=None)` in 0.16 became
+  `(batch, is_hybrid_cp, cp_group=None, ...)` in 0.19: `mcore_batch_on_this_cp_rank` calls either.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ __all__ = [
     "ensure_global_memory_buffer",
     "ensure_cuda_rng_tracker",
     "get_pg",
+    "mcore_batch_on_this_cp_rank",
     "mcore_version_at_least",
     "new_pg_collection",
     "set_pg",
@@ -91,3 +94,14 @@ def ensure_cuda_rng_tracker(seed: int = 1234) -> None:
     tracker = get_cuda_rng_tracker()
     if "model-parallel-rng" not in tracker.get_states():
         tracker.add("model-parallel-rng", seed)
+
+
+def mcore_batch_on_this_cp_rank(batch: dict, cp_group: Any) -> dict:
+    """MCore's own zigzag slicing of `batch` (tensors [b, s, ...]) for this rank of `cp_group`."""
+    import inspect
+
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:
+        return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
+    return get_batch_on_this_cp_rank(batch, cp_group=cp_group)

@@ -59,14 +59,15 @@ class GPTConfig:
         return replace(self, **changes)
 
 
-def _layer_spec(attention: AttentionBackend, num_layers: int):
+def _layer_spec(attention: AttentionBackend, num_layers: int, device: torch.device):
     if attention == "local":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
         from cpkit.compat import ensure_cuda_rng_tracker, ensure_global_memory_buffer
 
         ensure_global_memory_buffer()
-        ensure_cuda_rng_tracker()
+        if device.type == "cuda":  # on CPU the shim's fork is a no-op: no CUDA state needed
+            ensure_cuda_rng_tracker()
         return get_gpt_layer_local_spec()
     if attention == "cpkit":
         from cpkit.attention.spec import get_gpt_layer_spec_with_cp_attention
@@ -95,7 +96,9 @@ def build_gpt(
     processing follow this rank's pipeline stage. `attention` picks the core attention:
     "cpkit" (cpkit.attention's ContextParallelAttention, any cp), "local" (MCore's
     DotProductAttention, cp=1 only) or "te" (TEDotProductAttention, needs Transformer Engine).
-    Raises ValueError for an unknown backend; MCore raises for impossible sizes.
+    `device` defaults to this process's launcher device (cuda in an NCCL rank, else cpu, also
+    on a host with GPUs). Raises ValueError for an unknown backend; MCore raises for impossible
+    sizes.
     """
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -104,8 +107,11 @@ def build_gpt(
     pp_group = get_pg(pg_collection, "pp")
     pp = group_size(pp_group)
     cp = group_size(get_pg(pg_collection, "cp"))
-    device = device or (torch.device("cuda", torch.cuda.current_device())
-                        if torch.cuda.is_available() else torch.device("cpu"))
+    if device is None:  # the launcher's device for this process: cuda in an NCCL rank, else cpu
+        from cpkit.testing.launcher import device as launcher_device
+
+        device = launcher_device()
+    device = torch.device(device)
     tc_kwargs = dict(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -136,7 +142,7 @@ def build_gpt(
     pp_rank = dist.get_rank(pp_group) if pp_group is not None else 0
     model = GPTModel(
         config,
-        _layer_spec(attention, cfg.num_layers),
+        _layer_spec(attention, cfg.num_layers, device),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.seq_length,
         pre_process=pp_rank == 0,

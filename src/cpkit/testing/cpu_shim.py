@@ -14,7 +14,9 @@ such call with its device-neutral equivalent and changes nothing else:
   `parallel_state.get_global_memory_buffer` creates the buffer on first use (the decentralized
   process-group path never calls initialize_model_parallel, which would create it).
 
-The shim is active only while CUDA is unavailable and is never used by library code.
+The shim is for processes that run MCore on CPU: the unit tier and gloo ranks, also on a host
+that has GPUs (`device_in_use` says which device a process runs on). A process that runs MCore on
+CUDA (an NCCL rank) never installs it. Library code never uses it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from functools import reduce
 
 import torch
 
-__all__ = ["install_mcore_cpu_shim", "mcore_cpu_shim", "shim_installed"]
+__all__ = ["device_in_use", "install_mcore_cpu_shim", "mcore_cpu_shim", "shim_installed"]
 
 _saved: list[tuple[object, str, object]] = []
 
@@ -66,6 +68,14 @@ def _get_tensor_cpu(self, tensor_shape, dtype, name, mem_alloc_context=None):
     return buf[:required_len].view(*tensor_shape)
 
 
+def device_in_use() -> torch.device:
+    """The device MCore runs on in this process: cuda:<local rank> in an NCCL rank, else cpu
+    (the unit tier and gloo ranks run on CPU even where CUDA is present)."""
+    from cpkit.testing.launcher import device
+
+    return device()
+
+
 def _patch(owner, attr, value):
     _saved.append((owner, attr, getattr(owner, attr)))
     setattr(owner, attr, value)
@@ -75,9 +85,13 @@ def shim_installed() -> bool:
     return bool(_saved)
 
 
-def install_mcore_cpu_shim() -> bool:
-    """Install the CPU patches (idempotent). Returns False, doing nothing, when CUDA is usable."""
-    if torch.cuda.is_available():
+def install_mcore_cpu_shim(device: torch.device | str | None = None) -> bool:
+    """Install the CPU patches (idempotent) when MCore runs on CPU in this process.
+
+    `device` is the device this process runs MCore on; None means the launcher's device for this
+    process (cuda under an NCCL rank, else cpu). Returns False, doing nothing, for a CUDA device.
+    """
+    if torch.device(device if device is not None else device_in_use()).type != "cpu":
         return False
     if _saved:
         return True
@@ -121,9 +135,9 @@ def uninstall_mcore_cpu_shim() -> None:
 
 
 @contextlib.contextmanager
-def mcore_cpu_shim():
+def mcore_cpu_shim(device: torch.device | str | None = None):
     """Context manager form: install on entry (if needed), restore what it installed on exit."""
-    installed_here = not _saved and install_mcore_cpu_shim()
+    installed_here = not _saved and install_mcore_cpu_shim(device)
     try:
         yield
     finally:

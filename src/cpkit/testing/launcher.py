@@ -82,10 +82,14 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def _worker(rank, world_size, backend, store_path, dump_dir, pg_timeout_s, fn, args, kwargs, out_q,
-            parent_pid=None):
+            parent_pid=None, cuda_visible=None):
     global _progress_queue
     if parent_pid is not None:
         _die_with_parent(parent_pid)
+    if not (cuda_visible if cuda_visible is not None else backend == "nccl"):
+        # A gloo rank runs on CPU: hide the GPUs before torch first looks for them, so that
+        # nothing in the rank (MCore, a kernel choice, an RNG fork) initializes CUDA by accident.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     _progress_queue = out_q
     # A stack dump on SIGUSR1 lets the parent show where a hung rank is stuck.
     dump_file = open(os.path.join(dump_dir, f"rank{rank}.stacks"), "w")
@@ -109,7 +113,9 @@ def _worker(rank, world_size, backend, store_path, dump_dir, pg_timeout_s, fn, a
         # N ranks share the machine's cores: don't oversubscribe them. On GPU hosts too: with
         # every rank's intra-op pool as wide as the machine, a small CPU op (a batch slice) took
         # 32 ms instead of microseconds in the eval_cp bench (torchrun sets 1 thread for this).
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        # gloo ranks compute on CPU with test-sized tensors: one thread each, as under torchrun,
+        # so that a 16-core host is not slower than a 2-core one (idle intra-op pools spin).
+        torch.set_num_threads(1 if backend == "gloo" else max(1, (os.cpu_count() or 1) // world_size))
         if backend != "gloo":
             torch.cuda.set_device(rank)
         store = dist.FileStore(store_path, world_size)
@@ -199,6 +205,7 @@ def launch(
     args: Sequence[Any] = (),
     kwargs: dict | None = None,
     pg_timeout: float | None = None,
+    cuda_visible: bool | None = None,
     _on_progress: Callable[[int, Any], None] | None = None,
 ) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` fresh ranks; return the per-rank results.
@@ -209,7 +216,8 @@ def launch(
     raised or died, with its traceback, after stopping the others at once; raises LaunchTimeout
     naming the ranks that did not finish within `timeout` seconds, with their stack dumps.
     `pg_timeout` bounds every collective (default: the launch timeout), so an out-of-step
-    rank errors instead of hanging.
+    rank errors instead of hanging. `cuda_visible` (default: only under nccl) lets a gloo rank
+    see the GPUs; otherwise gloo ranks run with CUDA hidden and one intra-op thread each.
     """
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend={backend!r}: must be 'gloo' or 'nccl'")
@@ -223,7 +231,7 @@ def launch(
         ctx.Process(
             target=_worker,
             args=(r, world_size, backend, os.path.join(tmp, "store"), tmp, pg_timeout_s,
-                  fn, tuple(args), kwargs, out_q, os.getpid()),
+                  fn, tuple(args), kwargs, out_q, os.getpid(), cuda_visible),
             name=f"cpkit-rank{r}",
             daemon=True,
         )
