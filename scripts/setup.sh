@@ -2,17 +2,24 @@
 # Set up cpkit for development and testing on this machine.
 # torch comes first: a bare `torch` requirement would pull several GB of CUDA packages onto a
 # CPU-only machine. A machine that already has torch (e.g. a GPU machine) keeps its own.
+# Offline (a GPU machine without network, README "GPU machines"): with a .whl/ folder holding the
+# megatron-core wheel, everything installs from what is on the machine, nothing is downloaded.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-if ! "$PY" -c "import torch" 2>/dev/null; then
-  if command -v nvidia-smi >/dev/null 2>&1; then
-    "$PY" -m pip install -q "torch>=2.6"
-  else
-    # Resolves to the CPU wheel where a CPU wheel index/find-links is configured (as on the
-    # project's machines); elsewhere add: --index-url https://download.pytorch.org/whl/cpu
-    "$PY" -m pip install -q torch==2.13.0
+if [ -d .whl ]; then
+  "$PY" -c "import megatron.core" 2>/dev/null || "$PY" -m pip install -q --no-index --no-deps .whl/megatron_core-*.whl
+  "$PY" -m pip install -q --no-index --no-build-isolation -e ".[test]"
+else
+  if ! "$PY" -c "import torch" 2>/dev/null; then
+    if command -v nvidia-smi >/dev/null 2>&1; then
+      "$PY" -m pip install -q "torch>=2.6"
+    else
+      # Resolves to the CPU wheel where a CPU wheel index/find-links is configured (as on the
+      # project's machines); elsewhere add: --index-url https://download.pytorch.org/whl/cpu
+      "$PY" -m pip install -q torch==2.13.0
+    fi
   fi
+  "$PY" -m pip install -q -e ".[test]"
 fi
-"$PY" -m pip install -q -e ".[test]"
 "$PY" -c "import cpkit, torch, megatron.core; print('cpkit ready: torch', torch.__version__, '| megatron-core', megatron.core.__version__)"

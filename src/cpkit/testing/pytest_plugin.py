@@ -1,4 +1,5 @@
-"""pytest integration: markers, and skips for GPU tests where the GPUs are missing.
+"""pytest integration: markers, skips for GPU tests where the GPUs are missing, and test files
+spread over xdist workers on hosts with many cores.
 
 Loaded through `-p cpkit.testing.pytest_plugin` in pyproject's addopts.
 """
@@ -6,6 +7,7 @@ Loaded through `-p cpkit.testing.pytest_plugin` in pyproject's addopts.
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 
@@ -30,7 +32,40 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu4: NCCL test that needs at least 4 CUDA devices")
 
 
+RANKS_PER_TEST = 4
+"""The most ranks one CPU-tier test starts (each with one intra-op thread)."""
+
+
+def auto_workers(cpus: int) -> int:
+    """xdist workers for a host with `cpus` cores: none below 8 cores (CI's 2 cores run one
+    process, as before), else as many as fit without oversubscribing: cpus // RANKS_PER_TEST."""
+    return cpus // RANKS_PER_TEST if cpus >= 8 else 0
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """On a many-core host (a GPU machine) spread the suite over xdist workers, so that the
+    README's plain `python3 -m pytest` is not slower there than on CI's 2 cores: one worker per
+    test file (a file's case grid shares one launch) and one worker for every GPU test (they share
+    the GPUs). `-n N` (`-n 0`: none) overrides."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or not config.pluginmanager.hasplugin("xdist"):
+        return
+    if config.option.numprocesses is not None or config.getoption("usepdb", False):
+        return
+    workers = auto_workers(os.cpu_count() or 1)
+    if workers >= 2:
+        config.option.numprocesses = workers
+        config.option.dist = "loadgroup"
+        config.option.tx = ["popen"] * workers
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    # A worker sees `loadgroup` (xdist resets its `dist` to "no"); the main process sees `dist`.
+    if getattr(config.option, "loadgroup", False) or getattr(config.option, "dist", "no") == "loadgroup":
+        for item in items:
+            gpu = any(item.get_closest_marker(name) for name in GPU_MARKERS)
+            item.add_marker(pytest.mark.xdist_group("gpu" if gpu else item.nodeid.split("::")[0]))
     for item in items:
         for name, needed in GPU_MARKERS.items():
             if item.get_closest_marker(name) is None:
