@@ -427,7 +427,7 @@ def test_evaluate_filler_micro_batches_change_nothing_but_the_count(pgc):
 def test_micro_batches_are_views_of_consecutive_rows_and_filler_is_masked():
     # evaluate() used to gather rows on the CPU per micro-batch (aten::index): 32 ms each on a
     # 64-core GPU host with 4 ranks. Consecutive rows are now views; padding is loss-masked.
-    from cpkit.eval_cp import _micro_batches
+    from cpkit.eval_loop import _micro_batches
 
     data = make_batch(CFG, batch_size=5, seed=5)
     mbs = _micro_batches(data, range(1, 4), 2, pad=True, at_least=3)
@@ -442,7 +442,7 @@ def test_evaluate_pipeline_transfers_skip_the_device_sync_and_leave_the_model_co
     import megatron.core.pipeline_parallel.p2p_communication as p2p
     import megatron.core.pipeline_parallel.schedules as schedules
 
-    import cpkit.eval_cp as eval_cp
+    import cpkit.eval_loop as eval_loop
 
     model = build_gpt(GPTConfig(), pgc)
     assert model.config.batch_p2p_sync and model.config.batch_p2p_comm  # MCore's defaults
@@ -454,11 +454,11 @@ def test_evaluate_pipeline_transfers_skip_the_device_sync_and_leave_the_model_co
 
     monkeypatch.setattr(p2p, "P2PCommunicator", Recorder)
     monkeypatch.setattr(schedules, "get_forward_backward_func", lambda **_: lambda **kw: [])
-    monkeypatch.setattr(eval_cp.dist, "all_reduce", lambda *a, **k: None)
-    eval_cp._pipeline_sums(model, [{"tokens": torch.zeros(1, 8, dtype=torch.long)}], pgc, 1, torch.device("cpu"))
+    monkeypatch.setattr(eval_loop.dist, "all_reduce", lambda *a, **k: None)
+    eval_loop._pipeline_sums(model, [{"tokens": torch.zeros(1, 8, dtype=torch.long)}], pgc, 1, torch.device("cpu"))
     quiet = seen["config"]
     assert quiet is not model.config and quiet.batch_p2p_sync is False
     assert model.config.batch_p2p_sync is True  # the model's own config is untouched
     assert quiet.batch_p2p_comm and quiet.pipeline_dtype == model.config.pipeline_dtype
     model.config.batch_p2p_sync = False
-    assert eval_cp._no_p2p_sync(model.config) is model.config  # nothing to turn off: no copy
+    assert eval_loop._no_p2p_sync(model.config) is model.config  # nothing to turn off: no copy

@@ -11,7 +11,7 @@ Per micro-batch m, on the rank at DPxCP position p (`dp_cp_position`):
    TEDotProductAttention switches to it and never switches back, and 0.16's Attention applies
    THD RoPE over `self.pg_collection.cp`, the group it was built with.
 4. `use_cp_group(model, group)` therefore also rebinds every cached CP group of the model
-   (cpkit.eval_cp.install_pg_collection: pg_collection, RoPE and language-module groups, CP
+   (cpkit.rebind.install_pg_collection: pg_collection, RoPE and language-module groups, CP
    attention through set_context_parallel_group, config.context_parallel_size) for the forward
    and restores each of them, exactly, in a `finally` block.
 
@@ -47,6 +47,7 @@ from cpkit.dynamic.registry import GroupRegistry
 from cpkit.errors import CPConfigError
 from cpkit.models import all_reduce_gradients
 from cpkit.process_groups import group_size
+from cpkit.rebind import rebound
 from cpkit.sharding import pad_cu_seqlens, shard_thd, thd_position_ids
 
 __all__ = [
@@ -202,24 +203,19 @@ def use_cp_group(
 
     `pg_collection` is the collection the model was built with (default: the first one found
     on its modules); the block runs on a shallow copy of it whose `cp` (and, at tp == 1,
-    `tp_cp`) is `group`, installed with cpkit.eval_cp.install_pg_collection: every cached CP
+    `tp_cp`) is `group`, installed with cpkit.rebind.install_pg_collection: every cached CP
     group, CP attention through set_context_parallel_group (cpkit's and TE's alike),
     config.context_parallel_size. On exit, also when the block raises, every rebound attribute
     is the object it was before. Yields the Rebinding. Raises CPConfigError for a nested use on
     the same model or a module that cannot change its CP size (MCore's local attention).
     """
-    from cpkit.eval_cp import install_pg_collection
-
     static = pg_collection if pg_collection is not None else _model_collection(model)
     target = copy.copy(static)  # never mutate the caller's collection
     target.cp = group
     if group_size(get_pg(static, "tp")) == 1:
         target.tp_cp = group  # tp x cp is cp itself at tp == 1
-    rebinding = install_pg_collection(model, target, cp_comm_type=cp_comm_type)
-    try:
+    with rebound(model, target, cp_comm_type=cp_comm_type) as rebinding:
         yield rebinding
-    finally:
-        rebinding.restore()
 
 
 def zero_loss(model: torch.nn.Module) -> torch.Tensor:
