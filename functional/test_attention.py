@@ -32,10 +32,11 @@ import torch
 import torch.distributed as dist
 import pytest
 
-from cpkit.attention import context_parallel_attention, new_hierarchical_groups, reference_attention
+from cpkit.attention import context_parallel_attention, reference_attention
 from cpkit.errors import CPConfigError
 from cpkit.sharding import pad_cu_seqlens, shard_seq, shard_thd
 from cpkit.testing import device, dist_params, run_cases
+from cpkit.testing.groups import new_hierarchical_groups
 
 HEADS, HEAD_DIM_CPU, HEAD_DIM_GPU = 8, 16, 64
 TOLERANCE = {  # dtype -> (rtol, atol as a fraction of max |reference|, or absolute for fp32)

@@ -28,7 +28,7 @@ from cpkit.dynamic import CPGroupAssignment, Microbatch, Plan, build_group_regis
 from cpkit.dynamic.runtime import dynamic_cp_step
 from cpkit.groups import build_pg_collection
 from cpkit.layout import CPLayout
-from cpkit.models import GPTConfig, build_gpt, named_gradients
+from cpkit.testing.models import GPTConfig, build_gpt, named_gradients
 from cpkit.testing import device, grid_params, grid_result
 from cpkit.testing.cpu_shim import install_mcore_cpu_shim
 from cpkit.testing.compare import assert_grads_close

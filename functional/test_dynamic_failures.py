@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from cpkit.dynamic import build_group_registry, schedule
 from cpkit.dynamic.runtime import dynamic_cp_step
-from cpkit.models import GPTConfig, build_gpt
+from cpkit.testing.models import GPTConfig, build_gpt
 from cpkit.testing import run_cases
 from cpkit.testing.cpu_shim import install_mcore_cpu_shim
 from cpkit.testing.reference import single_rank_pg_collection

@@ -33,7 +33,8 @@ from cpkit.compat import get_pg
 from cpkit.eval_cp import build_eval_pg_collection, eval_cp_context, evaluate
 from cpkit.groups import build_pg_collection
 from cpkit.layout import CPLayout
-from cpkit.models import GPTConfig, build_gpt, eval_step, make_batch, shard_batch, train_step
+from cpkit.testing.models import GPTConfig, build_gpt, eval_step, make_batch, train_step
+from cpkit.sharding import shard_batch
 from cpkit.testing import device, grid_params, grid_result
 from cpkit.testing.cpu_shim import install_mcore_cpu_shim
 from cpkit.testing.reference import single_rank_pg_collection
@@ -138,7 +139,7 @@ def eval_cp_scenario(case):
     build = dict(attention="cpkit", cp_comm_type=_comm(case["train_hcp"]),
                  hierarchical_cp_sizes=case["train_hcp"], device=dev)
     model = _sharpen(build_gpt(cfg, train_pgs, **build))
-    trains = case["pp"] == 1  # cpkit.models.train_step has no pipeline schedule
+    trains = case["pp"] == 1  # cpkit.testing.models.train_step has no pipeline schedule
     control = _sharpen(build_gpt(cfg, train_pgs, **build)) if trains else None
     eval_comm = _comm(case["eval_hcp"]) if case["eval_hcp"] else None
     num_samples = 2 * world - 2  # uneven over 4 dp ranks, a partly filled micro-batch

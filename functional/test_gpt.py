@@ -17,9 +17,16 @@ import torch.distributed as dist
 
 from cpkit.layout import CPLayout
 from cpkit.groups import build_pg_collection
-from cpkit.models import (
-    GPTConfig, build_gpt, eval_step, make_batch, named_gradients, named_parameters_full, shard_batch, train_step,
+from cpkit.testing.models import (
+    GPTConfig,
+    build_gpt,
+    eval_step,
+    make_batch,
+    named_gradients,
+    named_parameters_full,
+    train_step,
 )
+from cpkit.sharding import shard_batch
 from cpkit.compat import get_pg
 from cpkit.testing import device, grid_params, grid_result
 from cpkit.testing.cpu_shim import install_mcore_cpu_shim

@@ -77,9 +77,10 @@ def _mcore_reference(layout):
 
 def _scenario(case):
     from cpkit.errors import CPConfigError
-    from cpkit.groups import HCP_LOG_PREFIX, build_pg_collection, describe_groups, require_hierarchical_groups
+    from cpkit.group_info import require_hierarchical_groups
+    from cpkit.groups import HCP_LOG_PREFIX, build_pg_collection, describe_groups
     from cpkit.layout import CPLayout
-    from cpkit.rank_layout import groups_of_rank, rank_groups
+    from cpkit.layout import groups_of_rank, rank_groups
 
     rank = dist.get_rank()
     layout = CPLayout(world_size=dist.get_world_size(), tp=case.get("tp", 1), pp=case.get("pp", 1),

@@ -37,7 +37,8 @@ from cpkit.compat import get_pg, new_pg_collection
 from cpkit.errors import CPConfigError
 from cpkit.groups import HCP_LOG_PREFIX, build_pg_collection
 from cpkit.layout import CPLayout
-from cpkit.models import GPTConfig, build_gpt, eval_step, make_batch, named_gradients, shard_batch, train_step
+from cpkit.testing.models import GPTConfig, build_gpt, eval_step, make_batch, named_gradients, train_step
+from cpkit.sharding import shard_batch
 from cpkit.testing import device, grid_params, grid_result
 from cpkit.testing.cpu_shim import install_mcore_cpu_shim
 from cpkit.testing.compare import assert_grads_close, first_layer_name, max_rel_diff

@@ -13,7 +13,7 @@ and, through the gpu2/gpu4 markers, where the GPUs are missing.
    decentralized path) until cpkit.attention.te.bind_te_attention_groups binds [a2a, p2p].
 2. `test_te_gpt_matches_cpkit_spec`: the small GPT with the cpkit spec and with MCore's TE spec,
    same weights (build_gpt's init_weights already maps TE's fused layer-norm names through
-   cpkit.models.local_spec_name; te_support.copy_weights_from_local copies them once more and
+   cpkit.testing.models.local_spec_name; te_support.copy_weights_from_local copies them once more and
    fails if any TE parameter has no local counterpart or another shape), same CP layout: the loss of one train step and after the update, and every gradient.
 3. Features with TE:
    - `test_te_eval_cp_rebinding`: a TE-spec model trained at cp=1 evaluates at cp=2 / 4 / a2a+p2p
@@ -22,7 +22,7 @@ and, through the gpu2/gpu4 markers, where the GPUs are missing.
      (a probe against the fp32 reference); after, every attribute eval CP may touch `is` the
      object it was, and the training-layout evaluation is bitwise the one before.
    - `test_te_hierarchical_cp`: a2a+p2p [2,2] on the decentralized path: the TE-spec GPT built
-     by cpkit.models.build_gpt has [a2a, p2p] bound on every attention, trains like a cp=1 run
+     by cpkit.testing.models.build_gpt has [a2a, p2p] bound on every attention, trains like a cp=1 run
      (loss, gradients, loss after the update), and the binding MCore gives on its own (no CP
      group) is far off, so the comparison can fail.
    - `test_te_dynamic_cp`: cpkit.dynamic.runtime.dynamic_cp_step with TE attention (THD, the
@@ -144,7 +144,7 @@ def _same_groups(bound, groups) -> bool:
 
 
 def _gpt_cfg(seq_length: int = GPT_SEQ):
-    from cpkit.models import GPTConfig
+    from cpkit.testing.models import GPTConfig
 
     return GPTConfig(num_layers=2, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS,
                      num_query_groups=GPT_KV_HEADS, seq_length=seq_length, dtype=torch.bfloat16)
@@ -159,7 +159,7 @@ def _layout(world, cp, comm="p2p", hcp=None, seq_length=GPT_SEQ):
 
 def _cpkit_and_te(cfg, pgc, dev, **build):
     """(cpkit-spec model, TE-spec model with the cpkit model's weights), same layout."""
-    from cpkit.models import build_gpt
+    from cpkit.testing.models import build_gpt
     from cpkit.testing.te_support import copy_weights_from_local
 
     ref = build_gpt(cfg, pgc, attention="cpkit", device=dev, **build)
@@ -287,7 +287,8 @@ def gpt_case(case):
     """cpkit spec vs TE spec at cp = world: loss, loss after the update, gradients."""
     _require_te()
     from cpkit.groups import build_pg_collection
-    from cpkit.models import eval_step, make_batch, named_gradients, shard_batch, train_step
+    from cpkit.testing.models import eval_step, make_batch, named_gradients, train_step
+    from cpkit.sharding import shard_batch
     from cpkit.testing.te_support import map_te_names
 
     dev, world = device(), dist.get_world_size()
@@ -346,7 +347,7 @@ def _eval_case(case):
     from cpkit.compat import get_pg
     from cpkit.eval_cp import build_eval_pg_collection, eval_cp_context, evaluate
     from cpkit.groups import build_pg_collection
-    from cpkit.models import make_batch, train_step
+    from cpkit.testing.models import make_batch, train_step
     from cpkit.testing.te_support import assert_rebind_restored, rebind_snapshot
 
     dev, world = device(), dist.get_world_size()
@@ -399,7 +400,8 @@ def _hcp_case(case):
     from megatron.core.transformer.enums import AttnMaskType
 
     from cpkit.groups import build_pg_collection
-    from cpkit.models import build_gpt, eval_step, make_batch, named_gradients, shard_batch, train_step
+    from cpkit.testing.models import build_gpt, eval_step, make_batch, named_gradients, train_step
+    from cpkit.sharding import shard_batch
     from cpkit.testing.reference import single_rank_pg_collection
     from cpkit.testing.te_support import copy_weights_from_local, map_te_names
 
@@ -453,7 +455,8 @@ def _dynamic_case(case):
     from cpkit.dynamic import build_group_registry, schedule
     from cpkit.dynamic.runtime import dynamic_cp_step
     from cpkit.groups import build_pg_collection
-    from cpkit.models import build_gpt, forward_loss, named_gradients
+    from cpkit.testing.models import build_gpt, named_gradients
+    from cpkit.loss import forward_loss
     from cpkit.testing.reference import per_sequence_reference, single_rank_pg_collection
     from cpkit.testing.te_support import assert_rebind_restored, copy_weights_from_local, map_te_names, rebind_snapshot
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from cpkit.dynamic import CPGroupAssignment, Microbatch, Plan, build_group_registry, cp_size_for
 from cpkit.dynamic.runtime import (
@@ -18,9 +19,10 @@ from cpkit.dynamic.runtime import (
     zero_loss,
 )
 from cpkit.errors import CPConfigError
-from cpkit.models import GPTConfig, all_reduce_gradients, build_gpt, named_gradients
+from cpkit.testing.models import GPTConfig, build_gpt, named_gradients
+from cpkit.loss import all_reduce_gradients
 from cpkit.sharding import gather_thd
-from cpkit.testing.fakes import FakeGroup
+from cpkit.testing.fakes import fake_group
 from cpkit.testing.reference import per_sequence_reference, single_rank_pg_collection, token_sample
 
 CFG = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=64)
@@ -39,9 +41,9 @@ def _plan(groups_per_mb, lens, dp_cp_size) -> Plan:
 
 
 def _fake_registry(dp_cp_size: int, position: int):
-    """A registry over global ranks 0..n-1 of FakeGroups whose rank() is `position`'s in each."""
+    """A registry over global ranks 0..n-1 of fake groups whose rank() is `position`'s in each."""
     def new_group(ranks):
-        return FakeGroup(ranks, rank=ranks.index(position) if position in ranks else -1)
+        return fake_group(ranks, rank=ranks.index(position) if position in ranks else None)
     return build_group_registry([list(range(dp_cp_size))], position, new_group=new_group)
 
 
@@ -103,7 +105,7 @@ def test_shard_covers_every_token_once_with_sequence_positions(cp):
 
 def test_packed_seq_params_carry_group_and_offsets():
     packed = pack_thd([_sample(3, 0), _sample(6, 1)], cp_size=2)
-    group = FakeGroup([4, 5])
+    group = fake_group([4, 5])
     psp = packed_seq_params_for(packed, group)
     assert psp.qkv_format == "thd"
     assert psp.cp_group is group and psp.local_cp_size == 2
@@ -129,7 +131,7 @@ def test_prepare_microbatch_idle_and_busy_ranks():
     assert fetched == []  # an idle rank fetches nothing
     mb = prepare_microbatch(plan, 0, reg0, 0, get)
     assert fetched == [0, 1]
-    assert mb.assignment.cp_size == 2 and mb.cp_rank == 0 and mb.group.ranks == [0, 1]
+    assert mb.assignment.cp_size == 2 and mb.cp_rank == 0 and dist.get_process_group_ranks(mb.group) == [0, 1]
     assert mb.packed.cu_seqlens_padded.tolist() == [0, 8, 16]
     # Chunks 0 and 3 of each sequence: 2 real tokens of the 5, 3 of the 7 (its last is padding).
     assert mb.batch["tokens"].shape == (1, 8) and mb.num_tokens == 5.0
@@ -146,7 +148,7 @@ def test_prepare_microbatch_rejects_a_plan_for_another_dp_cp_size():
 
 
 def test_dp_cp_position():
-    reg = build_group_registry([[4, 6, 5, 7]], 5, new_group=lambda ranks: FakeGroup(ranks))
+    reg = build_group_registry([[4, 6, 5, 7]], 5, new_group=lambda ranks: fake_group(ranks))
     assert dp_cp_position(reg, 5) == 2
     with pytest.raises(CPConfigError, match="not in the DPxCP group"):
         dp_cp_position(reg, 0)
@@ -184,7 +186,7 @@ def _same(a: dict, b: dict) -> bool:
 def test_use_cp_group_switches_and_restores_after_an_exception(model, pgc):
     before = _bindings(model)
     static_cp = pgc.cp
-    group = FakeGroup([0, 1])
+    group = fake_group([0, 1])
     with pytest.raises(RuntimeError, match="boom"):
         with use_cp_group(model, group, pg_collection=pgc):
             attn = [m for m in model.modules() if type(m).__name__ == "ContextParallelAttention"]
@@ -197,7 +199,7 @@ def test_use_cp_group_switches_and_restores_after_an_exception(model, pgc):
     assert _same(_bindings(model), before)
     assert pgc.cp is static_cp
     # And it can be entered again (no stale "already active" state).
-    with use_cp_group(model, FakeGroup([0, 1, 2, 3]), pg_collection=pgc):
+    with use_cp_group(model, fake_group([0, 1, 2, 3]), pg_collection=pgc):
         assert model.config.context_parallel_size == 4
     assert _same(_bindings(model), before)
 
@@ -216,17 +218,17 @@ class StickyAttention(torch.nn.Module):
 
     def forward(self, packed_seq_params):
         group = packed_seq_params.cp_group
-        self.set_context_parallel_group(group, group.ranks, None, self.cp_comm_type)
+        self.set_context_parallel_group(group, dist.get_process_group_ranks(group), None, self.cp_comm_type)
 
 
 def test_use_cp_group_undoes_a_sticky_te_style_switch(pgc):
     static = pgc.cp
     net = torch.nn.Sequential(StickyAttention(static))
-    group = FakeGroup([0, 1])
+    group = fake_group([0, 1])
     packed = pack_thd([_sample(4, 0)], cp_size=2)
     with use_cp_group(net, group, pg_collection=pgc):
         assert net[0].cp_group is group and net[0].cp_global_ranks == [0, 1]
-        net[0](packed_seq_params_for(packed, FakeGroup([2, 3])))  # the forward's own switch
+        net[0](packed_seq_params_for(packed, fake_group([2, 3])))  # the forward's own switch
     assert net[0].cp_group is static and net[0].cp_global_ranks == [0]
     net[0](packed_seq_params_for(packed, group))  # without use_cp_group the switch sticks
     assert net[0].cp_group is group
@@ -234,15 +236,15 @@ def test_use_cp_group_undoes_a_sticky_te_style_switch(pgc):
 
 def test_use_cp_group_finds_the_model_collection(model, pgc):
     before = _bindings(model)
-    with use_cp_group(model, FakeGroup([0, 1])):
-        assert model.pg_collection.cp.ranks == [0, 1]
+    with use_cp_group(model, fake_group([0, 1])):
+        assert dist.get_process_group_ranks(model.pg_collection.cp) == [0, 1]
     assert _same(_bindings(model), before)
 
 
 def test_use_cp_group_refuses_nesting(model, pgc):
-    with use_cp_group(model, FakeGroup([0, 1]), pg_collection=pgc):
+    with use_cp_group(model, fake_group([0, 1]), pg_collection=pgc):
         with pytest.raises(CPConfigError, match="already active"):
-            with use_cp_group(model, FakeGroup([0, 1]), pg_collection=pgc):
+            with use_cp_group(model, fake_group([0, 1]), pg_collection=pgc):
                 pass
 
 
@@ -295,7 +297,7 @@ def test_step_at_cp1_equals_per_sequence_forwards(pgc):
 
 
 def test_step_rejects_a_dp_cp_group_that_is_not_the_registry(pgc, model):
-    registry = build_group_registry([[0, 1]], 0, new_group=lambda ranks: FakeGroup(ranks))
+    registry = build_group_registry([[0, 1]], 0, new_group=lambda ranks: fake_group(ranks))
     plan = _plan([[((0, 1), (0,))]], [4], dp_cp_size=2)
     with pytest.raises(CPConfigError, match="registry's ranks"):
         dynamic_cp_step(model, plan, registry, lambda i: _sample(4, i), pg_collection=pgc)

@@ -1,5 +1,5 @@
-"""Eval-CP rebinding at world size 1: real MCore GPT modules (cpkit.models), stand-in groups where
-a CP size > 1 is needed. Inside eval_cp_context every rebound attribute is the target's; after it
+"""Eval-CP rebinding at world size 1: real MCore GPT modules (cpkit.testing.models), and process
+groups on torch's fake backend (cpkit.testing.fakes.fake_group) where a CP size > 1 is needed. Inside eval_cp_context every rebound attribute is the target's; after it
 every attribute `is` the original object, also after an exception or 1000 cycles."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from cpkit.compat import get_pg, new_pg_collection
 from cpkit.errors import CPConfigError
@@ -23,8 +24,8 @@ from cpkit.eval_cp import (
     install_pg_collection,
 )
 from cpkit.layout import CPLayout
-from cpkit.models import GPTConfig, build_gpt, eval_step, make_batch
-from cpkit.testing.fakes import FakeGroup
+from cpkit.testing.models import GPTConfig, build_gpt, eval_step, make_batch
+from cpkit.testing.fakes import fake_group
 from cpkit.testing.reference import single_rank_pg_collection
 
 CFG = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=16)
@@ -38,9 +39,9 @@ def pgc(mcore_cpu):
 
 def fake_target(pgc, cp_ranks=(0, 1), hcp=None, **overrides):
     """An eval collection at CP = len(cp_ranks) on the model's tp and pp groups."""
-    cp = FakeGroup(cp_ranks)
-    groups = dict(tp=pgc.tp, pp=pgc.pp, mp=pgc.mp, cp=cp, dp=FakeGroup([0]), tp_cp=FakeGroup(cp_ranks),
-                  dp_cp=FakeGroup(cp_ranks), tp_dp_cp=FakeGroup(cp_ranks), hcp=hcp)
+    cp = fake_group(cp_ranks)
+    groups = dict(tp=pgc.tp, pp=pgc.pp, mp=pgc.mp, cp=cp, dp=fake_group([0]), tp_cp=fake_group(cp_ranks),
+                  dp_cp=fake_group(cp_ranks), tp_dp_cp=fake_group(cp_ranks), hcp=hcp)
     groups.update(overrides)
     return new_pg_collection(**groups)
 
@@ -222,7 +223,7 @@ def test_te_like_attention_gets_set_context_parallel_group_with_the_right_argume
 
 def test_te_like_attention_a2a_p2p_gets_the_hierarchical_pair(pgc):
     te = TELikeAttention()
-    a2a, p2p = FakeGroup([0, 1]), FakeGroup([0, 2])
+    a2a, p2p = fake_group([0, 1]), fake_group([0, 2])
     target = fake_target(pgc, cp_ranks=(0, 1, 2, 3), hcp=[a2a, p2p])
     with eval_cp_context(Holder(pgc, te), target, cp_comm_type="a2a+p2p"):
         group, ranks, stream, comm, _ = te.calls[0]
@@ -233,10 +234,10 @@ def test_te_like_attention_a2a_p2p_gets_the_hierarchical_pair(pgc):
 
 def test_te_like_attention_at_eval_cp1_turns_cp_off(pgc):
     te = TELikeAttention(cp_comm_type="a2a")
-    te.cp_group = FakeGroup([0, 1])
+    te.cp_group = fake_group([0, 1])
     with eval_cp_context(Holder(pgc, te), fake_target(pgc, cp_ranks=(0,))):
         assert te.calls[0][:4] == (None, None, None, "a2a")
-    assert te.cp_group.ranks == [0, 1]
+    assert dist.get_process_group_ranks(te.cp_group) == [0, 1]
 
 
 def test_a2a_p2p_without_hierarchical_groups_is_rejected_before_anything_changes(pgc):
@@ -264,7 +265,7 @@ def test_target_with_other_tp_or_pp_members_is_rejected(pgc):
     model = build_gpt(CFG, pgc, attention="cpkit")
     before = snapshot(model)
     with pytest.raises(CPConfigError) as info:
-        install_pg_collection(model, fake_target(pgc, tp=FakeGroup([0, 1]), pp=FakeGroup([0, 4])))
+        install_pg_collection(model, fake_target(pgc, tp=fake_group([0, 1]), pp=fake_group([0, 4])))
     fields = {v.field for v in info.value.violations}
     assert fields == {"eval_pgs.tp", "eval_pgs.pp"}
     assert_same_objects(model, before)
@@ -280,7 +281,7 @@ def test_target_without_a_cp_group_is_rejected(pgc):
 
 def test_a_model_without_cp_bearing_modules_warns():
     with pytest.warns(EvalCPWarning, match="no CP-bearing module"):
-        with eval_cp_context(torch.nn.Linear(2, 2), new_pg_collection(cp=FakeGroup([0, 1]))) as rebinding:
+        with eval_cp_context(torch.nn.Linear(2, 2), new_pg_collection(cp=fake_group([0, 1]))) as rebinding:
             assert rebinding.rebound == []
 
 

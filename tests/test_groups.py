@@ -7,15 +7,16 @@ import math
 import pytest
 
 from cpkit.errors import CPConfigError
-from cpkit.groups import require_hierarchical_groups
-from cpkit.layout import CPLayout
-from cpkit.rank_layout import (
+from cpkit.group_info import require_hierarchical_groups
+from cpkit.layout import (
+    CPLayout,
     GROUP_KINDS,
     groups_of_rank,
     hierarchical_levels,
     rank_coordinates,
     rank_groups,
 )
+from cpkit.testing.fakes import fake_group
 
 
 def hcp(world_size, hier, tp=1, **kw):
@@ -184,14 +185,11 @@ def test_axis_groups_equal_hyper_comm_grid_membership(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
-# The a2a+p2p build gate (stand-in groups: sizes only, no processes)
+# The a2a+p2p build gate (fake-backend groups: real ProcessGroups over no processes)
 
-class FakeGroup:
-    def __init__(self, size):
-        self._size = size
-
-    def size(self):
-        return self._size
+def group_of(size):
+    """A fake group over global ranks 0..size-1 (this process is rank 0)."""
+    return fake_group(range(size))
 
 
 def pgc(**groups):
@@ -201,51 +199,59 @@ def pgc(**groups):
 
 
 @pytest.mark.parametrize("comm", ["p2p", "a2a", "all_gather", ["p2p", "a2a"]])
-def test_gate_is_a_no_op_without_a2a_p2p(comm):
-    assert require_hierarchical_groups(pgc(cp=FakeGroup(4)), comm) is None
+def test_gate_is_a_no_op_without_a2a_p2p(comm, world1):
+    assert require_hierarchical_groups(pgc(cp=group_of(4)), comm) is None
     assert require_hierarchical_groups(None, comm) is None
 
 
 @pytest.mark.parametrize("comm", ["a2a+p2p", ["p2p", "a2a+p2p"]])
-def test_gate_fails_when_hcp_is_missing(comm):
+def test_gate_fails_when_hcp_is_missing(comm, world1):
     with pytest.raises(CPConfigError) as info:
-        require_hierarchical_groups(pgc(cp=FakeGroup(4)), comm)
+        require_hierarchical_groups(pgc(cp=group_of(4)), comm)
     assert [v.field for v in info.value.violations] == ["pg_collection.hcp"]
     assert "build_pg_collection" in info.value.violations[0].fix
 
 
-def test_gate_fails_without_collection_or_cp():
+def test_gate_fails_without_collection_or_cp(world1):
     with pytest.raises(CPConfigError) as info:
         require_hierarchical_groups(None, "a2a+p2p")
     assert [v.field for v in info.value.violations] == ["pg_collection.cp", "pg_collection.hcp"]
 
 
 @pytest.mark.parametrize("hcp_value", [
-    [FakeGroup(4)],                              # one level
-    [FakeGroup(2), FakeGroup(2), FakeGroup(1)],  # three levels
-    [FakeGroup(2), None],                        # a level missing
-    FakeGroup(4),                                # not a list
+    [group_of(4)],                              # one level
+    [group_of(2), group_of(2), group_of(1)],  # three levels
+    [group_of(2), None],                        # a level missing
+    group_of(4),                                # not a list
 ])
-def test_gate_fails_for_not_two_groups(hcp_value):
+def test_gate_fails_for_not_two_groups(hcp_value, world1):
     with pytest.raises(CPConfigError, match="exactly two groups"):
-        require_hierarchical_groups(pgc(cp=FakeGroup(4), hcp=hcp_value), "a2a+p2p")
+        require_hierarchical_groups(pgc(cp=group_of(4), hcp=hcp_value), "a2a+p2p")
 
 
 @pytest.mark.parametrize("sizes", [(2, 1), (1, 1), (4, 4), (2, 3)])
-def test_gate_fails_when_sizes_do_not_multiply_to_cp(sizes):
+def test_gate_fails_when_sizes_do_not_multiply_to_cp(sizes, world1):
     with pytest.raises(CPConfigError, match="multiply to the cp group size 4"):
-        require_hierarchical_groups(pgc(cp=FakeGroup(4), hcp=[FakeGroup(s) for s in sizes]), "a2a+p2p")
+        require_hierarchical_groups(pgc(cp=group_of(4), hcp=[group_of(s) for s in sizes]), "a2a+p2p")
 
 
-def test_gate_checks_the_configured_sizes():
-    groups = pgc(cp=FakeGroup(4), hcp=[FakeGroup(4), FakeGroup(1)])
+def test_gate_checks_the_configured_sizes(world1):
+    groups = pgc(cp=group_of(4), hcp=[group_of(4), group_of(1)])
     with pytest.raises(CPConfigError) as info:
         require_hierarchical_groups(groups, "a2a+p2p", hierarchical_context_parallel_sizes=[2, 2])
     assert info.value.field == "hierarchical_context_parallel_sizes"
 
 
-def test_gate_passes_and_returns_the_two_groups():
-    a2a, p2p = FakeGroup(2), FakeGroup(2)
-    out = require_hierarchical_groups(pgc(cp=FakeGroup(4), hcp=[a2a, p2p]), "a2a+p2p",
+def test_gate_passes_and_returns_the_two_groups(world1):
+    a2a, p2p = fake_group([0, 1]), fake_group([0, 2])
+    out = require_hierarchical_groups(pgc(cp=group_of(4), hcp=[a2a, p2p]), "a2a+p2p",
                                       hierarchical_context_parallel_sizes=[2, 2])
     assert out == (a2a, p2p)
+
+
+def test_gate_fails_when_the_a2a_group_is_strided(world1):
+    # Sizes fit (2 x 2 = 4) but the levels are swapped: this rank's CP position would not be
+    # p2p_rank * a2a_size + a2a_rank, and the chunks it holds would not be the ones a2a+p2p assumes.
+    a2a, p2p = fake_group([0, 2]), fake_group([0, 1])
+    with pytest.raises(CPConfigError, match="a2a group \\(level 0\\) must be CP positions 0..1"):
+        require_hierarchical_groups(pgc(cp=group_of(4), hcp=[a2a, p2p]), "a2a+p2p")

@@ -1,9 +1,9 @@
-"""cpkit.models at world size 1: builds on CPU, runs forward + backward, weights are deterministic."""
+"""cpkit.testing.models at world size 1: builds on CPU, runs forward + backward, weights are deterministic."""
 
 import pytest
 import torch
 
-from cpkit.models import GPTConfig, build_gpt, eval_step, make_batch, named_gradients, train_step
+from cpkit.testing.models import GPTConfig, build_gpt, eval_step, make_batch, named_gradients, train_step
 from cpkit.testing.reference import single_rank_pg_collection
 
 CFG = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=16)
@@ -71,7 +71,7 @@ def test_config_error_survives_mcore_build_module_rewrap(pgc):
 
 
 def test_te_fused_norm_names_map_to_the_local_spec_names():
-    from cpkit.models import local_spec_name
+    from cpkit.testing.models import local_spec_name
 
     assert local_spec_name("decoder.layers.1.self_attention.linear_qkv.layer_norm_weight") == \
         "decoder.layers.1.input_layernorm.weight"

@@ -20,6 +20,7 @@ from typing import Any, Iterator, Optional, Sequence
 from cpkit.compat import get_pg
 from cpkit.eval_loop import EvalResult, eval_shard, eval_shard_for, evaluate, reduce_eval_loss
 from cpkit.eval_plan import plan_eval_cp
+from cpkit.group_info import members
 from cpkit.layout import CPLayout
 from cpkit.rebind import (
     CP_ATTENTION_ATTRS,
@@ -30,7 +31,6 @@ from cpkit.rebind import (
     Rebinding,
     RebindRule,
     install_pg_collection,
-    members,
     rebound,
 )
 

@@ -18,8 +18,10 @@ import torch.distributed as dist
 
 from cpkit.compat import get_pg
 from cpkit.errors import CPConfigError
-from cpkit.process_groups import group_size
+from cpkit.group_info import group_size
+from cpkit.loss import gather_vocab, reduce_group
 from cpkit.rebind import ModelOrChunks, model_roots
+from cpkit.sharding import shard_batch
 
 __all__ = [
     "eval_shard",
@@ -55,13 +57,6 @@ def eval_shard_for(num_samples: int, pg_collection: Any) -> range:
     return eval_shard(num_samples, dp.rank(), dp.size())
 
 
-def _reduce_group(pg_collection: Any):
-    group = get_pg(pg_collection, "dp_cp")
-    if group is None:
-        group = get_pg(pg_collection, "cp")
-    return group
-
-
 def reduce_eval_loss(loss_sum: torch.Tensor, num_tokens: torch.Tensor, pg_collection: Any) -> tuple[float, float]:
     """(global mean loss, global token count): sums over the eval dp x cp group (`dp_cp`).
 
@@ -70,7 +65,7 @@ def reduce_eval_loss(loss_sum: torch.Tensor, num_tokens: torch.Tensor, pg_collec
     """
     device = loss_sum.device
     buf = torch.stack([loss_sum.detach().double().reshape(()), num_tokens.detach().double().reshape(()).to(device)])
-    group = _reduce_group(pg_collection)
+    group = reduce_group(pg_collection)
     if group_size(group) > 1:
         dist.all_reduce(buf, group=group)
     total, count = buf.tolist()
@@ -120,10 +115,7 @@ def _micro_batches(dataset: Mapping[str, torch.Tensor], indices: range, mbs: int
 
 def _loss_sum(logits: torch.Tensor, mb: Mapping[str, torch.Tensor], tp_group: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of masked per-token losses, token count) of a [b, s, vocab/tp] logits shard."""
-    if group_size(tp_group) > 1:
-        from torch.distributed.nn.functional import all_gather
-
-        logits = torch.cat(all_gather(logits.contiguous(), group=tp_group), dim=-1)
+    logits = gather_vocab(logits, tp_group)
     losses = torch.nn.functional.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]), mb["labels"].reshape(-1), reduction="none")
     mask = mb["loss_mask"].reshape(-1).float()
@@ -136,7 +128,7 @@ def evaluate(model: ModelOrChunks, dataset: Mapping[str, torch.Tensor], pg_colle
     """Evaluate a GPT-style model over a validation set, each sample once, under `pg_collection`.
 
     `dataset` holds full-sequence tensors [S, L]: tokens, labels, position_ids, loss_mask (the
-    form of cpkit.models.make_batch). This rank's eval dp replica takes eval_shard_for(S) in
+    form of cpkit.testing.models.make_batch). This rank's eval dp replica takes eval_shard_for(S) in
     micro-batches of `micro_batch_size`, each CP-sharded for `pg_collection.cp`
     (cpkit.sharding's 2*cp chunk layout); logits are gathered over tp for the loss. With pp > 1
     the forward runs through MCore's forward-only pipeline schedule (get_forward_backward_func
@@ -148,8 +140,6 @@ def evaluate(model: ModelOrChunks, dataset: Mapping[str, torch.Tensor], pg_colle
     it); they change the time, not the loss. Call it inside eval_cp_context with the eval
     collection, or outside with the training one. Virtual pipeline chunks are not supported.
     """
-    from cpkit.models import shard_batch
-
     chunks = model_roots(model)
     if len(chunks) > 1:
         raise CPConfigError.single("model", f"{len(chunks)} chunks",

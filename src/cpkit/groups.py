@@ -2,10 +2,9 @@
 
 `build_pg_collection(layout)` returns the ProcessGroupCollection MCore modules take as
 `pg_collection`, with the membership `parallel_state.initialize_model_parallel` gives for the
-same sizes (rank order tp-cp-dp-pp, see `cpkit.rank_layout`) and, unlike MCore's decentralized
-path, `hcp` set for a2a+p2p. `describe_groups` / `log_groups` print the groups for logs;
-`require_hierarchical_groups` is the build-time gate that makes a2a+p2p without usable
-hierarchical groups an error instead of silently local attention.
+same sizes (rank order tp-cp-dp-pp, see `cpkit.layout.rank_groups`) and, unlike MCore's decentralized
+path, `hcp` set for a2a+p2p. `describe_groups` / `log_groups` print the groups for logs. The
+build-time gate for a2a+p2p groups is `cpkit.group_info.require_hierarchical_groups`.
 """
 
 from __future__ import annotations
@@ -19,16 +18,15 @@ import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from cpkit.compat import get_pg
-from cpkit.errors import CPConfigError, Violation
-from cpkit.layout import CPLayout
-from cpkit.rank_layout import rank_groups
+from cpkit.errors import CPConfigError
+from cpkit.group_info import global_ranks
+from cpkit.layout import CPLayout, rank_groups
 
 __all__ = [
     "HCP_LOG_PREFIX",
     "build_pg_collection",
     "describe_groups",
     "log_groups",
-    "require_hierarchical_groups",
 ]
 
 HCP_LOG_PREFIX = "HIERARCHICAL_CONTEXT_PARALLEL_GROUPS"
@@ -123,7 +121,7 @@ def build_pg_collection(
     and for a2a+p2p `hcp = [a2a group, p2p group]` of this rank.
 
     The axis groups come from MCore's HyperCommGrid (shape [tp, cp, dp, pp]) where it exists
-    and agrees with `cpkit.rank_layout.rank_groups`; otherwise (or with use_hyper_comm_grid=False)
+    and agrees with `cpkit.layout.rank_groups`; otherwise (or with use_hyper_comm_grid=False)
     from that arithmetic. Raises CPConfigError for an invalid layout or a world size mismatch.
     """
     layout.validate()
@@ -174,10 +172,6 @@ def build_pg_collection(
     return ProcessGroupCollection(**{k: v for k, v in groups.items() if v is not None})
 
 
-def _ranks(group: Any) -> list[int]:
-    return list(dist.get_process_group_ranks(group))
-
-
 def describe_groups(pg_collection: ProcessGroupCollection) -> list[str]:
     """Log lines for this rank's groups: a header, then `<field> <MCORE_GROUP_NAME> ranks=[...]`
     per set field (global ranks), and, when hcp is set, a line
@@ -187,11 +181,11 @@ def describe_groups(pg_collection: ProcessGroupCollection) -> list[str]:
     for field, name in _DESCRIBED:
         group = get_pg(pg_collection, field)
         if group is not None:
-            lines.append(f"{field} {name} ranks={_ranks(group)}")
+            lines.append(f"{field} {name} ranks={global_ranks(group)}")
     hcp = get_pg(pg_collection, "hcp")
     if hcp:
         names = ["a2a", "p2p"] if len(hcp) == 2 else [f"level{i}" for i in range(len(hcp))]
-        parts = [f"{n}={_ranks(g) if g is not None else None}" for n, g in zip(names, hcp)]
+        parts = [f"{n}={global_ranks(g)}" for n, g in zip(names, hcp)]
         lines.append(f"{HCP_LOG_PREFIX} " + " ".join(parts))
     return lines
 
@@ -206,108 +200,3 @@ def log_groups(pg_collection: ProcessGroupCollection, logger: Optional[logging.L
     for line in lines:
         log.info(line)
     return lines
-
-
-def _is_hierarchical(cp_comm_type: Any) -> bool:
-    if isinstance(cp_comm_type, str):
-        return cp_comm_type == "a2a+p2p"
-    return isinstance(cp_comm_type, (list, tuple)) and "a2a+p2p" in cp_comm_type
-
-
-def _size(group: Any) -> Optional[int]:
-    try:
-        return int(group.size())
-    except Exception:  # noqa: BLE001 - a non-group (or non-member) has no usable size
-        return None
-
-
-def require_hierarchical_groups(
-    pg_collection: Optional[ProcessGroupCollection],
-    cp_comm_type: Any,
-    *,
-    hierarchical_context_parallel_sizes: Optional[Sequence[int]] = None,
-):
-    """The build-time gate for a2a+p2p: return (a2a_group, p2p_group), or None when
-    `cp_comm_type` (a string or per-layer list) does not use a2a+p2p.
-
-    Raises CPConfigError, listing every problem, when hcp is missing (MCore's decentralized path
-    leaves it unset), is not exactly two groups, their sizes do not multiply to the cp group size
-    or differ from `hierarchical_context_parallel_sizes`, or (with real process groups) the a2a
-    group is not a contiguous block of this rank's CP group or the p2p group not the matching
-    strided one. Without this check, a2a+p2p without groups would attend to the local chunk only.
-    """
-    if not _is_hierarchical(cp_comm_type):
-        return None
-    fix_build = ("build the collection with cpkit.groups.build_pg_collection(layout), or call "
-                 "initialize_model_parallel(..., hierarchical_context_parallel_sizes=[a2a, p2p]) "
-                 "and ProcessGroupCollection.use_mpu_process_groups()")
-    hcp = get_pg(pg_collection, "hcp")
-    cp = get_pg(pg_collection, "cp")
-    found: list[Violation] = []
-    if cp is None:
-        found.append(Violation("pg_collection.cp", None, "a2a+p2p needs the CP group", fix_build))
-    if hcp is None:
-        found.append(Violation("pg_collection.hcp", None,
-                               "a2a+p2p needs hierarchical CP groups [a2a, p2p]; MCore's "
-                               "decentralized path leaves hcp unset", fix_build))
-        raise CPConfigError(found)
-    if not isinstance(hcp, (list, tuple)) or len(hcp) != 2 or any(g is None for g in hcp):
-        found.append(Violation("pg_collection.hcp", _describe_value(hcp),
-                               "must be exactly two groups [a2a group, p2p group] of this rank", fix_build))
-        raise CPConfigError(found)
-    a2a, p2p = hcp
-    sizes = [_size(a2a), _size(p2p)]
-    cp_size = _size(cp) if cp is not None else None
-    if None in sizes:
-        found.append(Violation("pg_collection.hcp", _describe_value(hcp),
-                               "both groups must be process groups this rank belongs to", fix_build))
-    elif cp_size is not None and sizes[0] * sizes[1] != cp_size:
-        found.append(Violation("pg_collection.hcp", sizes,
-                               f"the group sizes {sizes[0]}*{sizes[1]} must multiply to the cp group size {cp_size}",
-                               fix_build))
-    want = hierarchical_context_parallel_sizes
-    if want is not None and None not in sizes and list(want) != sizes:
-        found.append(Violation("hierarchical_context_parallel_sizes", list(want),
-                               f"pg_collection.hcp has sizes {sizes}; they must match",
-                               "build the groups from the same layout as the attention"))
-    if not found and cp is not None:
-        found += _membership_violations(cp, a2a, p2p)
-    if found:
-        raise CPConfigError(found)
-    return a2a, p2p
-
-
-def _describe_value(hcp: Any) -> Any:
-    if isinstance(hcp, (list, tuple)):
-        return [_size(g) for g in hcp]
-    return repr(hcp)
-
-
-def _membership_violations(cp: Any, a2a: Any, p2p: Any) -> list[Violation]:
-    """a2a = a contiguous, aligned block of CP positions holding this rank; p2p = the positions
-    strided by the a2a size through this rank (MCore's and TE's convention)."""
-    if not (dist.is_initialized() and all(isinstance(g, dist.ProcessGroup) for g in (cp, a2a, p2p))):
-        return []  # no membership to read (e.g. stand-in groups)
-    cp_ranks, a2a_ranks, p2p_ranks = _ranks(cp), sorted(_ranks(a2a)), sorted(_ranks(p2p))
-    me = dist.get_rank()
-    out = []
-    fix = "build the groups with cpkit.groups.build_pg_collection(layout) (level 0 contiguous, level 1 strided)"
-    if not set(a2a_ranks) | set(p2p_ranks) <= set(cp_ranks):
-        return [Violation("pg_collection.hcp", [a2a_ranks, p2p_ranks],
-                          f"both groups must lie inside the CP group {cp_ranks}", fix)]
-    pos = {r: i for i, r in enumerate(cp_ranks)}
-    if me not in pos or me not in a2a_ranks or me not in p2p_ranks:
-        return [Violation("pg_collection.hcp", [a2a_ranks, p2p_ranks],
-                          f"rank {me} must be in its CP group {cp_ranks} and in both hcp groups", fix)]
-    n = len(a2a_ranks)
-    start = pos[me] - pos[me] % n
-    if [pos[r] for r in a2a_ranks] != list(range(start, start + n)):
-        out.append(Violation("pg_collection.hcp", [a2a_ranks, p2p_ranks],
-                             f"the a2a group (level 0) must be CP positions {start}..{start + n - 1} "
-                             f"of CP group {cp_ranks}", fix))
-    first = pos[me] % n
-    if [pos[r] for r in p2p_ranks] != list(range(first, len(cp_ranks), n)):
-        out.append(Violation("pg_collection.hcp", [a2a_ranks, p2p_ranks],
-                             f"the p2p group (level 1) must be CP positions {first}, {first}+{n}, ... "
-                             f"of CP group {cp_ranks}", fix))
-    return out

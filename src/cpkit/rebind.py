@@ -31,12 +31,11 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
 
 from cpkit.compat import get_pg
 from cpkit.errors import CPConfigError, Violation
 from cpkit.layout import CP_COMM_TYPES
-from cpkit.process_groups import group_size
+from cpkit.group_info import check_hierarchical_groups, global_ranks, group_size, members
 
 __all__ = [
     "RebindRule",
@@ -106,33 +105,6 @@ _MISSING = object()
 
 class EvalCPWarning(UserWarning):
     """A rebinding that does nothing useful (e.g. a model without CP-bearing modules)."""
-
-
-def members(group: Any) -> Optional[tuple]:
-    """Sorted global ranks of a group (stand-in groups: their `ranks`), None for None."""
-    if group is None:
-        return None
-    if isinstance(group, (list, tuple)):
-        return tuple(members(g) for g in group)
-    if isinstance(group, dist.ProcessGroup):
-        return tuple(sorted(dist.get_process_group_ranks(group)))
-    ranks = getattr(group, "ranks", None)
-    return tuple(sorted(ranks)) if ranks is not None else ("object", id(group))
-
-
-def global_ranks(group: Any) -> Optional[list[int]]:
-    """Global ranks of a group in group-rank order (stand-in groups: their `ranks`)."""
-    if group is None:
-        return None
-    if isinstance(group, dist.ProcessGroup):
-        return list(dist.get_process_group_ranks(group))
-    ranks = getattr(group, "ranks", None)
-    return list(ranks) if ranks is not None else None
-
-
-
-# ----------------------------------------------------------------------------------------------
-# Rebinding
 
 
 def model_roots(model: ModelOrChunks) -> list[torch.nn.Module]:
@@ -351,20 +323,16 @@ def _preflight(walked, target, cp_comm_type) -> tuple[list, list]:
                                    f"cannot change CP size {current} -> {cp_size}: {reason}",
                                    "evaluate at the training CP size, or rebuild the model"))
     if cp_size > 1:
-        hcp = get_pg(target, "hcp")
-        for name, module in attention:
-            comm = cp_comm_type or module.cp_comm_type or "p2p"
-            if comm != "a2a+p2p":
-                continue
-            if not (isinstance(hcp, (list, tuple)) and len(hcp) == 2 and None not in hcp
-                    and group_size(hcp) == cp_size):
-                found.append(Violation(
-                    "eval_pgs.hcp", None if hcp is None else [group_size(g) for g in hcp],
-                    f"{name} uses a2a+p2p, which needs [a2a, p2p] groups whose sizes multiply "
-                    f"to the eval CP size {cp_size}",
-                    "build_eval_pg_collection(layout, eval_cp, hierarchical_sizes=[a2a, p2p]), "
-                    "or pass cp_comm_type='p2p'"))
-                break
+        hierarchical = [name for name, module in attention
+                        if (cp_comm_type or module.cp_comm_type or "p2p") == "a2a+p2p"]
+        if hierarchical:
+            try:
+                check_hierarchical_groups(
+                    get_pg(target, "hcp"), cp, source="eval_pgs.hcp",
+                    fix=f"{hierarchical[0]} uses a2a+p2p: build_eval_pg_collection(layout, eval_cp, "
+                        "hierarchical_sizes=[a2a, p2p]), or pass cp_comm_type='p2p'")
+            except CPConfigError as exc:
+                found += exc.violations
     if found:
         raise CPConfigError(found)
     return with_rules, attention

@@ -15,13 +15,14 @@ token its position in its own (global) sequence, as RoPE needs.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
 from cpkit.errors import CPConfigError
 
 __all__ = [
+    "shard_batch",
     "check_seq_divisible",
     "zigzag_indices",
     "position_ids",
@@ -248,3 +249,13 @@ def gather_thd(shards: Sequence[torch.Tensor], cu_seqlens: torch.Tensor, seq_dim
             )
         out.index_copy_(seq_dim, index, shard)
     return out
+
+
+def shard_batch(batch: dict, cp_group: Any) -> dict:
+    """This CP rank's part of a full batch (each tensor [b, s, ...], sequence dim 1), in the
+    load-balanced zigzag layout of shard_seq; a copy of the dict at CP size 1 (None group)."""
+    cp = 1 if cp_group is None else cp_group.size()
+    if cp == 1:
+        return dict(batch)
+    rank = cp_group.rank()
+    return {k: shard_seq(v, rank, cp, seq_dim=1) for k, v in batch.items()}

@@ -8,7 +8,6 @@ log-sum-exp merge), `chunks.py` (this rank's two chunks, token permutations) and
 """
 
 from cpkit.attention.functional import CP_COMM_TYPES, check_comm_type, context_parallel_attention
-from cpkit.attention.hierarchical import new_hierarchical_groups
 from cpkit.attention.kernels import attn_bwd, attn_fwd, reference_attention
 
 
@@ -43,6 +42,5 @@ __all__ = [
     "attn_fwd",
     "check_comm_type",
     "context_parallel_attention",
-    "new_hierarchical_groups",
     "reference_attention",
 ]

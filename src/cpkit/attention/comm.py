@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from cpkit.process_groups import group_size  # noqa: F401 - part of this module's API
+from cpkit.group_info import group_size  # noqa: F401 - part of this module's API
 
 __all__ = [
     "P2P_BATCHED_ENV",

@@ -20,6 +20,7 @@ from cpkit.attention.comm import group_size
 from cpkit.attention.hierarchical import hierarchical_attention
 from cpkit.attention.p2p import ring_attention
 from cpkit.errors import CPConfigError
+from cpkit.group_info import check_hierarchical_groups
 from cpkit.layout import COMM_TYPE_SPELLING_HINTS, CP_COMM_TYPES
 from cpkit.sharding import check_cu_seqlens
 
@@ -56,14 +57,8 @@ def _groups(cp_group: CPGroup, comm: str):
         return ()
     is_list = isinstance(cp_group, (list, tuple))
     if comm == "a2a+p2p":
-        if not is_list or len(cp_group) != 2 or not all(isinstance(g, dist.ProcessGroup) for g in cp_group):
-            raise CPConfigError.single(
-                "cp_group", _describe(cp_group),
-                "a2a+p2p needs a two-level list [a2a_group, p2p_group] (TE's convention)",
-                "pass pg_collection.hcp (cpkit.groups builds it; "
-                "cpkit.attention.hierarchical.new_hierarchical_groups for tests)",
-            )
-        return tuple(cp_group)
+        return check_hierarchical_groups(cp_group, source="cp_group",
+                                         fix="pass pg_collection.hcp (cpkit.groups builds it)")
     if is_list or not isinstance(cp_group, dist.ProcessGroup):
         raise CPConfigError.single(
             "cp_group", _describe(cp_group),

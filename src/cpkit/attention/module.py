@@ -26,7 +26,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from cpkit.attention.functional import check_comm_type, context_parallel_attention
 from cpkit.compat import get_pg
 from cpkit.errors import CPConfigError, Violation
-from cpkit.process_groups import group_size
+from cpkit.group_info import check_hierarchical_groups, group_size, require_hierarchical_groups
 
 __all__ = ["ContextParallelAttention"]
 
@@ -38,6 +38,9 @@ _NO_MASKS = {"no_mask"}
 _THD_MASKS = {"padding_causal": True, "padding_causal_bottom_right": True, "padding": False}
 
 CPGroup = Union[dist.ProcessGroup, Sequence[dist.ProcessGroup], None]
+
+_HCP_FIX = ("build the collection with cpkit.groups.build_pg_collection(layout) for a layout with "
+            "hierarchical_context_parallel_sizes, or set pg_collection.hcp = [a2a_group, p2p_group]")
 
 
 def _mask_name(mask: Any) -> str:
@@ -66,61 +69,6 @@ def _is_causal(mask: Any, thd: Optional[bool]) -> bool:
         "use AttnMaskType.causal or AttnMaskType.no_mask; for packed variable-length "
         "sequences use THD (packed_seq_params.qkv_format='thd') instead of a padding mask",
     )
-
-
-def _check_hierarchical(hcp: Any, cp_group: CPGroup, source: str) -> list:
-    """The [a2a, p2p] pair from `hcp`, checked against `cp_group`; CPConfigError otherwise.
-
-    Missing or degenerate hierarchical groups are exactly what made older stacks silently run
-    each rank on its own chunk, so everything that can be checked locally is checked here.
-    """
-    fix = (
-        "build the collection with cpkit.groups.build_pg_collection(layout) for a layout with "
-        "hierarchical_context_parallel_sizes, or set pg_collection.hcp = [a2a_group, p2p_group]"
-    )
-    if hcp is None:
-        raise CPConfigError.single(
-            source, None, "cp_comm_type='a2a+p2p' needs hierarchical CP groups, found none", fix
-        )
-    if not isinstance(hcp, (list, tuple)) or len(hcp) != 2 or any(g is None for g in hcp):
-        raise CPConfigError.single(
-            source,
-            hcp,
-            "cp_comm_type='a2a+p2p' needs exactly two groups [a2a_group, p2p_group] "
-            "(TE's convention: level 0 contiguous ranks, level 1 strided)",
-            fix,
-        )
-    a2a, p2p = hcp
-    violations = []
-    cp_size = group_size(cp_group) if cp_group is not None else None
-    sizes = [dist.get_world_size(a2a), dist.get_world_size(p2p)]
-    if cp_size is not None and sizes[0] * sizes[1] != cp_size:
-        violations.append(
-            Violation(
-                source,
-                sizes,
-                f"a2a size x p2p size must equal the CP size {cp_size}",
-                fix,
-            )
-        )
-    if cp_group is not None and not isinstance(cp_group, (list, tuple)) and not violations:
-        # A rank's position in the CP group must be p2p_rank * a2a_size + a2a_rank, or the
-        # sequence chunks it holds are not the ones the hierarchical algorithm assumes.
-        want = dist.get_rank(p2p) * sizes[0] + dist.get_rank(a2a)
-        got = dist.get_rank(cp_group)
-        if want != got:
-            violations.append(
-                Violation(
-                    source,
-                    {"cp_rank": got, "a2a_rank": dist.get_rank(a2a), "p2p_rank": dist.get_rank(p2p)},
-                    "the rank's CP rank must be p2p_rank * a2a_size + a2a_rank (a2a groups of "
-                    "contiguous CP ranks, p2p groups strided)",
-                    fix,
-                )
-            )
-    if violations:
-        raise CPConfigError(violations)
-    return [a2a, p2p]
 
 
 def _check_comm_type(cp_comm_type: Any) -> str:
@@ -162,14 +110,8 @@ def _resolve_build_groups(config, pg_collection, cp_comm_type: str) -> tuple[CPG
 
 def _require_hcp(pg_collection, sizes: Optional[Sequence[int]]) -> list:
     """pg_collection.hcp checked for a2a+p2p (and against the config's
-    hierarchical_context_parallel_sizes when set): the build-time gate of cpkit.groups."""
-    from cpkit.groups import require_hierarchical_groups
-
-    return list(
-        require_hierarchical_groups(
-            pg_collection, "a2a+p2p", hierarchical_context_parallel_sizes=sizes
-        )
-    )
+    hierarchical_context_parallel_sizes when set): the build-time gate of cpkit.group_info."""
+    return list(require_hierarchical_groups(pg_collection, "a2a+p2p", hierarchical_context_parallel_sizes=sizes))
 
 
 class ContextParallelAttention(MegatronModule):
@@ -306,7 +248,7 @@ class ContextParallelAttention(MegatronModule):
         cp_comm_type = _check_comm_type(cp_comm_type)
         if cp_group is not None:
             if cp_comm_type == "a2a+p2p":
-                cp_group = _check_hierarchical(cp_group, None, "cp_group")
+                cp_group = list(check_hierarchical_groups(cp_group, source="cp_group", fix=_HCP_FIX))
             elif isinstance(cp_group, (list, tuple)):
                 raise CPConfigError.single(
                     "cp_group",

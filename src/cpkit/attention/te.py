@@ -116,7 +116,8 @@ def bind_te_attention_groups(
     Raises CPConfigError when a module is a2a+p2p and pg_collection.hcp is missing or does not
     fit pg_collection.cp (the case where MCore would silently leave CP off).
     """
-    from cpkit.attention.module import _check_comm_type, _check_hierarchical
+    from cpkit.attention.module import _check_comm_type
+    from cpkit.group_info import check_hierarchical_groups
 
     modules = te_attention_modules(model, attention_type)
     if not modules:
@@ -133,7 +134,7 @@ def bind_te_attention_groups(
             continue
         if comm == "a2a+p2p":
             if hcp is None:
-                hcp = _check_hierarchical(get_pg(pg_collection, "hcp"), cp, "pg_collection.hcp")
+                hcp = list(check_hierarchical_groups(get_pg(pg_collection, "hcp"), cp))
             group = hcp
         else:
             group = cp

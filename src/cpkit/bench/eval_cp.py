@@ -2,7 +2,7 @@
 
 One launch over `--world-size` ranks (NCCL, one GPU per rank; or gloo with `--device cpu`).
 For each layout (`--layouts`, e.g. tp1pp2 and tp2pp1: tp and pp fixed, cp_train -> cp_eval, dp
-follows) and each sequence length (`--seq`), a GPT (cpkit.models, cpkit attention, `--hidden`,
+follows) and each sequence length (`--seq`), a GPT (cpkit.testing.models, cpkit attention, `--hidden`,
 `--layers`, `--heads`, bf16) evaluates one fixed validation set (`--eval-samples`; default
 dp_eval * pp * micro-batch, the eval layout's pipeline filled once, the regime of the planner's
 calibration) with `cpkit.eval_cp.evaluate`:
@@ -149,7 +149,7 @@ def _cell(tp, pp, seq, s: Settings, groups, dev) -> dict:
 
     from cpkit.eval_cp import eval_cp_context, evaluate
     from cpkit.eval_plan import plan_eval_cp
-    from cpkit.models import GPTConfig, build_gpt, make_batch
+    from cpkit.testing.models import GPTConfig, build_gpt, make_batch
 
     dtype = torch.bfloat16 if s.dtype == "bf16" else torch.float32
     layout, train_pgs, eval_pgs = groups
@@ -211,9 +211,9 @@ def _worker(s: Settings):
     from cpkit.testing import device
 
     if s.device == "cpu":
-        from cpkit.testing.cpu_shim import install_mcore_cpu_shim
+        from cpkit.testing.models import prepare_cpu
 
-        install_mcore_cpu_shim()
+        prepare_cpu()
     dev = device()
     world = dist.get_world_size()
     results = []

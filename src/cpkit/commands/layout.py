@@ -11,8 +11,7 @@ import json
 import sys
 
 from cpkit.errors import CPConfigError
-from cpkit.layout import CPLayout
-from cpkit.rank_layout import rank_groups
+from cpkit.layout import CPLayout, rank_groups
 
 __all__ = ["add_parser", "layout_from_args", "check"]
 

@@ -25,7 +25,7 @@ gradient hooks (MCore DDP's bucketed all-reduce) fire on it exactly as on the bu
 Loss: every rank returns sum(its local token losses) / T, T = the number of loss tokens of the
 whole global batch (an all-reduce of the local counts). Summed over micro-batches and over the
 DPxCP ranks it is the mean over all tokens of all samples, the number a cp=1 run reports, and
-so are the summed gradients (`cpkit.models.all_reduce_gradients`).
+so are the summed gradients (`cpkit.loss.all_reduce_gradients`).
 
 Backward may run outside `use_cp_group` (cpkit's and TE's attention keep the group of the
 forward in the autograd context), so a pipeline schedule can wrap only its forward step.
@@ -45,8 +45,8 @@ from cpkit.compat import get_pg
 from cpkit.dynamic.plan import CPGroupAssignment, Plan
 from cpkit.dynamic.registry import GroupRegistry
 from cpkit.errors import CPConfigError
-from cpkit.models import all_reduce_gradients
-from cpkit.process_groups import group_size
+from cpkit.loss import all_reduce_gradients, forward_loss
+from cpkit.group_info import global_ranks, group_rank, group_size
 from cpkit.rebind import rebound
 from cpkit.sharding import pad_cu_seqlens, shard_thd, thd_position_ids
 
@@ -244,14 +244,6 @@ def dp_cp_position(registry: GroupRegistry, global_rank: Optional[int] = None) -
     return registry.dp_cp_ranks.index(rank)
 
 
-def _group_rank(group: Any, fallback: int) -> int:
-    # The attention orders chunks by the group's own rank; new_group sorts ranks, so read it.
-    if isinstance(group, dist.ProcessGroup):
-        return dist.get_rank(group)
-    rank = getattr(group, "rank", None)
-    return rank() if callable(rank) else fallback
-
-
 @dataclass(frozen=True)
 class LocalMicrobatch:
     """What this rank runs in one micro-batch: its shard of the group's packed samples."""
@@ -304,7 +296,7 @@ def prepare_microbatch(
         sample = get_sample(sid)
         samples.append({k: (v.to(device) if device is not None else v) for k, v in sample.items()})
     packed = pack_thd(samples, assignment.cp_size)
-    cp_rank = _group_rank(group, position - assignment.first_rank)
+    cp_rank = group_rank(group)  # the attention orders chunks by it; new_group sorts ranks
     return LocalMicrobatch(
         index=index, assignment=assignment, group=group, cp_rank=cp_rank, packed=packed,
         batch=packed.shard(cp_rank), packed_seq_params=packed_seq_params_for(packed, group),
@@ -330,8 +322,6 @@ class DynamicStepResult:
 
 
 def _default_loss(model, batch, pg_collection, *, total_tokens, packed_seq_params):
-    from cpkit.models import forward_loss
-
     return forward_loss(model, batch, pg_collection, total_tokens=total_tokens,
                         packed_seq_params=packed_seq_params)
 
@@ -383,11 +373,11 @@ def dynamic_cp_step(
     `.grad` (call model.zero_grad() before) and are summed over the DPxCP group at the end;
     the optimizer step is the caller's. `loss_fn(model, batch, pg_collection, total_tokens=,
     packed_seq_params=)` returns this rank's share sum(local token losses) / total_tokens
-    (cpkit.models.forward_loss by default). Raises CPConfigError for a DPxCP group that does
+    (cpkit.loss.forward_loss by default). Raises CPConfigError for a DPxCP group that does
     not match the registry or the plan.
     """
     group = dp_cp_group if dp_cp_group is not None else get_pg(pg_collection, "dp_cp")
-    members = sorted(dist.get_process_group_ranks(group)) if group is not None else [dist.get_rank()]
+    members = sorted(global_ranks(group)) if group is not None else [dist.get_rank()]
     if members != sorted(registry.dp_cp_ranks):
         raise CPConfigError.single(
             "dp_cp_group", members, f"must have the registry's ranks {sorted(registry.dp_cp_ranks)}",

@@ -67,8 +67,8 @@ def token_sample(length: int, seed: int, vocab: int, device=None) -> dict:
 def per_sequence_reference(model, samples, pg_collection, *, total_tokens: float) -> float:
     """Forward and backward every sample (a `token_sample` dict) on its own as a batch of one, sbhd,
     loss normalized by `total_tokens`: returns the summed loss; the gradients accumulate in `model`.
-    Talks over pg_collection's tp group only (as cpkit.models.forward_loss); a single-rank one: none."""
-    from cpkit.models import forward_loss
+    Talks over pg_collection's tp group only (as cpkit.loss.forward_loss); a single-rank one: none."""
+    from cpkit.loss import forward_loss
 
     total = 0.0
     for s in samples:

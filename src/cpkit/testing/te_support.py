@@ -1,7 +1,7 @@
 """Test support for the Transformer Engine backend: skips, parameter names, restore checks.
 
 - `te_skip_reason()` / `requires_te()`: skip a test with the reason where TE is not importable.
-- `map_te_names`, `copy_weights_from_local` (names through cpkit.models.local_spec_name):
+- `map_te_names`, `copy_weights_from_local` (names through cpkit.testing.models.local_spec_name):
   MCore's TE layer spec fuses the layer norms into the following linear
   (`TELayerNormColumnParallelLinear`), so a TE-spec GPT names `input_layernorm.weight`
   `self_attention.linear_qkv.layer_norm_weight` (and `pre_mlp_layernorm.*`
@@ -20,7 +20,7 @@ from typing import Any, Optional
 import pytest
 import torch
 
-from cpkit.models import local_spec_name
+from cpkit.testing.models import local_spec_name
 
 __all__ = [
     "te_skip_reason",

@@ -2,8 +2,9 @@
 
 Weights are a deterministic function of a seed and of each parameter's layout-independent name
 (`init_weights`), sliced for this rank's tensor-parallel shard, so a cp=1 and a cp=N (or tp=2)
-model start identical. The loss helpers reduce per token over the context-parallel (and
-data-parallel) ranks so every layout reports the same number as the single-rank reference.
+model start identical. `train_step` / `eval_step` reduce per token over the context-parallel
+(and data-parallel) ranks (cpkit.loss) so every layout reports the same number as the
+single-rank reference. Library code never imports this module.
 """
 
 from __future__ import annotations
@@ -16,20 +17,18 @@ import torch
 import torch.distributed as dist
 
 from cpkit.compat import get_pg
-from cpkit.process_groups import group_size
+from cpkit.group_info import group_size
+from cpkit.loss import forward_loss, global_loss, reduce_gradients, require_single_stage, total_tokens
 
 __all__ = [
     "GPTConfig",
     "build_gpt",
+    "prepare_cpu",
     "init_weights",
     "local_spec_name",
     "make_batch",
-    "shard_batch",
-    "forward_loss",
     "train_step",
     "eval_step",
-    "all_reduce_gradients",
-    "reduce_gradients",
     "named_gradients",
     "named_parameters_full",
 ]
@@ -78,6 +77,15 @@ def _layer_spec(attention: AttentionBackend, num_layers: int, device: torch.devi
 
         return get_gpt_layer_spec_te()
     raise ValueError(f"attention={attention!r}: must be one of 'cpkit', 'local', 'te'")
+
+
+def prepare_cpu() -> bool:
+    """Let these models run on CPU: installs cpkit.testing.cpu_shim (MCore calls CUDA in a few
+    places). Returns False, doing nothing, where CUDA is usable. Benchmarks call this rather
+    than patching MCore themselves."""
+    from cpkit.testing.cpu_shim import install_mcore_cpu_shim
+
+    return install_mcore_cpu_shim()
 
 
 def build_gpt(
@@ -276,131 +284,15 @@ def make_batch(cfg: GPTConfig, batch_size: int = 2, seed: int = 0, device=None) 
     return batch
 
 
-def shard_batch(batch: dict, cp_group) -> dict:
-    """This CP rank's part of a full batch (sequence dim 1), in the load-balanced zigzag layout."""
-    from cpkit.sharding import shard_seq
-
-    cp = group_size(cp_group)
-    if cp == 1:
-        return dict(batch)
-    rank = dist.get_rank(cp_group)
-    return {k: shard_seq(v, rank, cp, seq_dim=1) for k, v in batch.items()}
-
-
-def _reduce_groups(pg_collection):
-    """The group over which per-token losses and gradients are summed: dp x cp."""
-    group = get_pg(pg_collection, "dp_cp")
-    if group is None:
-        group = get_pg(pg_collection, "cp")
-    return group
-
-
-def forward_loss(model, local_batch: dict, pg_collection, *, total_tokens: float, packed_seq_params=None):
-    """Mean per-token loss as this rank's share: sum(local token losses) / `total_tokens`.
-
-    Summing the returned value over the dp x cp ranks gives the global mean loss, and its
-    gradients, summed the same way, the reference gradients. Logits are gathered over tp for
-    the cross entropy (MCore 0.16's vocab-parallel cross entropy reads global groups).
-    Returns None on pipeline stages other than the last.
-    """
-    logits = model(
-        local_batch["tokens"],
-        local_batch["position_ids"],
-        None,
-        packed_seq_params=packed_seq_params,
-    )
-    if logits is None or not getattr(model, "post_process", True):
-        return None
-    tp_group = get_pg(pg_collection, "tp")
-    if group_size(tp_group) > 1:
-        logits = _GatherLastDim.apply(logits, tp_group)
-    losses = torch.nn.functional.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), local_batch["labels"].reshape(-1), reduction="none"
-    )
-    mask = local_batch["loss_mask"].reshape(-1).float()
-    return (losses * mask).sum() / total_tokens
-
-
-class _GatherLastDim(torch.autograd.Function):
-    """All-gather vocab shards over tp; every tp rank then computes the same (replicated) loss,
-    so the backward keeps only this rank's slice of the gradient, with no reduction."""
-
-    @staticmethod
-    def forward(ctx, local, group):
-        ctx.group = group
-        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, local.contiguous(), group=group)
-        return torch.cat(parts, dim=-1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        chunks = grad.chunk(dist.get_world_size(ctx.group), dim=-1)
-        return chunks[dist.get_rank(ctx.group)].contiguous(), None
-
-
-def all_reduce_gradients(model, group) -> None:
-    """Sum `.grad` of every trainable parameter over `group`, in one all-reduce per dtype.
-
-    A missing `.grad` becomes zeros first, so every rank sends the same buffers whatever it ran
-    (a rank that skipped work, as in dynamic CP, can never desynchronize the collective).
-    """
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    if group_size(group) == 1:
-        return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in params:
-        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
-
-
-def reduce_gradients(model, pg_collection) -> None:
-    """Sum gradients over the dp x cp ranks (what MCore's DDP does over its dp_cp group)."""
-    all_reduce_gradients(model, _reduce_groups(pg_collection))
-
-
-def _global_loss(local_loss: torch.Tensor, pg_collection) -> float:
-    value = local_loss.detach().float().clone()
-    group = _reduce_groups(pg_collection)
-    if group_size(group) > 1:
-        dist.all_reduce(value, group=group)
-    return value.item()
-
-
-def _total_tokens(local_batch: dict, pg_collection) -> float:
-    count = local_batch["loss_mask"].float().sum()
-    group = _reduce_groups(pg_collection)
-    if group_size(group) > 1:
-        dist.all_reduce(count, group=group)
-    return count.item()
-
-
-def _require_single_stage(pg_collection, what: str) -> None:
-    pp = group_size(get_pg(pg_collection, "pp"))
-    if pp > 1:
-        from cpkit.errors import CPConfigError
-
-        raise CPConfigError.single("pp", pp, f"{what} runs the whole model on one pipeline stage",
-                                   "use pp=1, or MCore's pipeline schedule (see cpkit.eval_cp.evaluate)")
-
-
 def train_step(model, local_batch: dict, pg_collection, *, lr: float = 0.1, packed_seq_params=None) -> float:
     """Forward, backward, gradient reduction over dp x cp, one SGD step; returns the global loss.
 
     Gradients stay in `.grad` after the step so tests can compare them (see named_gradients).
     Raises CPConfigError for pp > 1 (no pipeline schedule here).
     """
-    _require_single_stage(pg_collection, "train_step")
+    require_single_stage(pg_collection, "train_step")
     model.zero_grad(set_to_none=True)
-    total = _total_tokens(local_batch, pg_collection)
+    total = total_tokens(local_batch, pg_collection)
     loss = forward_loss(model, local_batch, pg_collection, total_tokens=total,
                         packed_seq_params=packed_seq_params)
     loss.backward()
@@ -409,20 +301,20 @@ def train_step(model, local_batch: dict, pg_collection, *, lr: float = 0.1, pack
         for p in model.parameters():
             if p.grad is not None:
                 p.add_(p.grad, alpha=-lr)
-    return _global_loss(loss, pg_collection)
+    return global_loss(loss, pg_collection)
 
 
 @torch.no_grad()
 def eval_step(model, local_batch: dict, pg_collection, *, packed_seq_params=None) -> float:
     """Forward only; returns the global mean loss over the dp x cp ranks (pp = 1 only)."""
-    _require_single_stage(pg_collection, "eval_step")
+    require_single_stage(pg_collection, "eval_step")
     was_training = model.training
     model.eval()
     try:
-        total = _total_tokens(local_batch, pg_collection)
+        total = total_tokens(local_batch, pg_collection)
         loss = forward_loss(model, local_batch, pg_collection, total_tokens=total,
                             packed_seq_params=packed_seq_params)
-        return _global_loss(loss, pg_collection)
+        return global_loss(loss, pg_collection)
     finally:
         model.train(was_training)
 
