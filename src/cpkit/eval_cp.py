@@ -21,7 +21,7 @@ from cpkit.compat import get_pg
 from cpkit.eval_loop import EvalResult, eval_shard, eval_shard_for, evaluate, reduce_eval_loss
 from cpkit.eval_plan import plan_eval_cp
 from cpkit.group_info import members
-from cpkit.layout import CPLayout
+from cpkit.layout import A2A_P2P, CPLayout
 from cpkit.rebind import (
     CP_ATTENTION_ATTRS,
     REBIND_TABLE,
@@ -72,10 +72,10 @@ def eval_layout(
     dataclasses.replace(layout, eval_context_parallel_size=eval_cp).validate()
     ev = layout.with_cp(eval_cp)
     if hierarchical_sizes is not None:
-        ev = dataclasses.replace(ev, cp_comm_type=cp_comm_type or "a2a+p2p",
+        ev = dataclasses.replace(ev, cp_comm_type=cp_comm_type or A2A_P2P,
                                  hierarchical_context_parallel_sizes=list(hierarchical_sizes))
     elif cp_comm_type is not None:
-        hier = ev.hierarchical_context_parallel_sizes if cp_comm_type == "a2a+p2p" else None
+        hier = ev.hierarchical_context_parallel_sizes if cp_comm_type == A2A_P2P else None
         ev = dataclasses.replace(ev, cp_comm_type=cp_comm_type, hierarchical_context_parallel_sizes=hier)
     return ev.validate()
 

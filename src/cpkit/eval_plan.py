@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence, Union
 
 from cpkit.errors import CPConfigError, Violation
-from cpkit.layout import CPLayout
+from cpkit.layout import CPLayout, P2P
 
 __all__ = [
     "SpeedupModel",
@@ -240,7 +240,7 @@ def plan_eval_cp(
     seq_length: int,
     num_layers: Optional[int] = None,
     hidden_size: Optional[int] = None,
-    cp_comm_type: Union[str, Sequence[str]] = "p2p",
+    cp_comm_type: Union[str, Sequence[str]] = P2P,
     hierarchical_context_parallel_sizes: Optional[list[int]] = None,
     model: SpeedupModel = DEFAULT_MODEL,
 ) -> EvalPlan:

@@ -88,7 +88,7 @@ class CPLayout:
     cp: int = 1
     """Context-parallel size (MCore `context_parallel_size`): the sequence is split over cp ranks."""
 
-    cp_comm_type: Union[str, list[str]] = "p2p"
+    cp_comm_type: Union[str, list[str]] = P2P
     """CP communication: one of CP_COMM_TYPES for every layer, or a list with one entry per layer."""
 
     hierarchical_context_parallel_sizes: Optional[list[int]] = None
@@ -140,7 +140,7 @@ class CPLayout:
     @property
     def uses_hierarchical(self) -> bool:
         """True when some layer uses a2a+p2p."""
-        return "a2a+p2p" in self.layer_comm_types
+        return A2A_P2P in self.layer_comm_types
 
     @property
     def a2a_size(self) -> int:
@@ -148,9 +148,9 @@ class CPLayout:
         a2a+p2p, 1 when no layer uses all-to-all."""
         sizes = {1}
         types = self.layer_comm_types
-        if "a2a" in types:
+        if A2A in types:
             sizes.add(self.cp)
-        if "a2a+p2p" in types and _valid_hier(self.hierarchical_context_parallel_sizes):
+        if A2A_P2P in types and _valid_hier(self.hierarchical_context_parallel_sizes):
             sizes.add(self.hierarchical_context_parallel_sizes[0])
         return max(sizes)
 
@@ -229,7 +229,7 @@ class CPLayout:
             tp=config.tensor_model_parallel_size,
             pp=config.pipeline_model_parallel_size,
             cp=config.context_parallel_size,
-            cp_comm_type=list(comm) if isinstance(comm, (list, tuple)) else (comm or "p2p"),
+            cp_comm_type=list(comm) if isinstance(comm, (list, tuple)) else (comm or P2P),
             hierarchical_context_parallel_sizes=list(hier) if hier is not None else None,
             seq_length=seq_length,
             num_layers=getattr(config, "num_layers", None),
@@ -417,7 +417,7 @@ def _check_a2a_heads(layout: CPLayout, out: list[Violation], *, a2a: int,
     if a2a <= 1:
         return
     tp = layout.tp
-    level = "cp" if "a2a" in layout.layer_comm_types and a2a == layout.cp else "a2a level"
+    level = "cp" if A2A in layout.layer_comm_types and a2a == layout.cp else "a2a level"
     for name, count in _head_counts(layout):
         if count % tp:
             continue  # reported by the tp rule

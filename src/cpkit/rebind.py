@@ -34,7 +34,7 @@ import torch
 
 from cpkit.compat import get_pg
 from cpkit.errors import CPConfigError, Violation
-from cpkit.layout import CP_COMM_TYPES
+from cpkit.layout import A2A_P2P, CP_COMM_TYPES, P2P
 from cpkit.group_info import check_hierarchical_groups, global_ranks, group_size, members
 
 __all__ = [
@@ -324,7 +324,7 @@ def _preflight(walked, target, cp_comm_type) -> tuple[list, list]:
                                    "evaluate at the training CP size, or rebuild the model"))
     if cp_size > 1:
         hierarchical = [name for name, module in attention
-                        if (cp_comm_type or module.cp_comm_type or "p2p") == "a2a+p2p"]
+                        if (cp_comm_type or module.cp_comm_type or P2P) == A2A_P2P]
         if hierarchical:
             try:
                 check_hierarchical_groups(
@@ -418,7 +418,7 @@ def _apply(rebinding: Rebinding, with_rules, attention, target, cp_comm_type, be
     ranks = global_ranks(cp) if cp_size > 1 else None
     takes_strategy: dict[type, bool] = {}  # inspect.signature once per class, not per layer
     for name, module in attention:
-        comm = cp_comm_type or module.cp_comm_type or "p2p"
+        comm = cp_comm_type or module.cp_comm_type or P2P
         for attr in CP_ATTENTION_ATTRS:
             rebinding.snapshot(module, attr)
         kwargs = {}
@@ -430,7 +430,7 @@ def _apply(rebinding: Rebinding, with_rules, attention, target, cp_comm_type, be
         if cp_size <= 1:
             module.set_context_parallel_group(None, None, None, comm, **kwargs)
         else:
-            group = list(get_pg(target, "hcp")) if comm == "a2a+p2p" else cp
+            group = list(get_pg(target, "hcp")) if comm == A2A_P2P else cp
             module.set_context_parallel_group(group, ranks, _cp_stream_for(module, cp_size, rebinding),
                                               comm, **kwargs)
         rebinding.rebound.append(f"{name}.set_context_parallel_group")

@@ -21,7 +21,7 @@ from cpkit.attention.hierarchical import hierarchical_attention
 from cpkit.attention.p2p import ring_attention
 from cpkit.errors import CPConfigError
 from cpkit.group_info import check_hierarchical_groups
-from cpkit.layout import COMM_TYPE_SPELLING_HINTS, CP_COMM_TYPES
+from cpkit.layout import A2A, A2A_P2P, ALL_GATHER, COMM_TYPE_SPELLING_HINTS, CP_COMM_TYPES, P2P
 from cpkit.sharding import check_cu_seqlens
 
 __all__ = ["context_parallel_attention", "check_comm_type", "check_a2a_heads", "CP_COMM_TYPES"]
@@ -40,7 +40,7 @@ def check_comm_type(cp_comm_type: str) -> str:
     raise CPConfigError.single("cp_comm_type", cp_comm_type, f"must be one of {list(CP_COMM_TYPES)}", fix)
 
 
-def check_a2a_heads(heads: int, kv_heads: int, a2a_size: int, comm: str = "a2a") -> None:
+def check_a2a_heads(heads: int, kv_heads: int, a2a_size: int, comm: str = A2A) -> None:
     """CPConfigError unless heads and kv heads divide by the all-to-all group size."""
     for name, value in (("heads (q.shape[-2])", heads), ("kv heads (k.shape[-2])", kv_heads)):
         if value % a2a_size:
@@ -56,7 +56,7 @@ def _groups(cp_group: CPGroup, comm: str):
     if cp_group is None:
         return ()
     is_list = isinstance(cp_group, (list, tuple))
-    if comm == "a2a+p2p":
+    if comm == A2A_P2P:
         return check_hierarchical_groups(cp_group, source="cp_group",
                                          fix="pass pg_collection.hcp (cpkit.groups builds it)")
     if is_list or not isinstance(cp_group, dist.ProcessGroup):
@@ -192,7 +192,7 @@ def context_parallel_attention(
     groups = _groups(cp_group, comm)
     thd = _check_tensors(q, k, v, cu_seqlens)
     cp = group_size(groups)  # the product over both levels; 1 without CP
-    if comm in ("a2a", "a2a+p2p") and groups:
+    if comm in (A2A, A2A_P2P) and groups:
         check_a2a_heads(q.shape[-2], k.shape[-2], group_size(groups[0]), comm)
     if not thd and cp > 1 and q.shape[0] % 2:
         raise CPConfigError.single(
@@ -209,10 +209,10 @@ def context_parallel_attention(
 
     if cp == 1:
         return ring_attention(q, k, v, None, causal, scale, local_seq(q.shape[0], 1, cu, max_seqlen))
-    if comm == "p2p":
+    if comm == P2P:
         return ring_attention(q, k, v, groups[0], causal, scale, local_seq(q.shape[0], cp, cu, max_seqlen))
-    if comm == "all_gather":
+    if comm == ALL_GATHER:
         return all_gather_attention(q, k, v, groups[0], causal, scale, local_seq(q.shape[0], cp, cu, max_seqlen))
-    if comm == "a2a":
+    if comm == A2A:
         return a2a_attention(q, k, v, groups[0], None, causal, scale, cu, max_seqlen)
     return hierarchical_attention(q, k, v, groups[0], groups[1], causal, scale, cu, max_seqlen)

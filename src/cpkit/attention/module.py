@@ -27,6 +27,7 @@ from cpkit.attention.functional import check_comm_type, context_parallel_attenti
 from cpkit.compat import get_pg
 from cpkit.errors import CPConfigError, Violation
 from cpkit.group_info import check_hierarchical_groups, group_size, require_hierarchical_groups
+from cpkit.layout import A2A_P2P, P2P
 
 __all__ = ["ContextParallelAttention"]
 
@@ -73,7 +74,7 @@ def _is_causal(mask: Any, thd: Optional[bool]) -> bool:
 
 def _check_comm_type(cp_comm_type: Any) -> str:
     """None -> "p2p" (MCore passes None at cp=1); otherwise one of CP_COMM_TYPES or CPConfigError."""
-    return "p2p" if cp_comm_type is None else check_comm_type(cp_comm_type)
+    return P2P if cp_comm_type is None else check_comm_type(cp_comm_type)
 
 
 def _resolve_build_groups(config, pg_collection, cp_comm_type: str) -> tuple[CPGroup, Optional[list]]:
@@ -96,7 +97,7 @@ def _resolve_build_groups(config, pg_collection, cp_comm_type: str) -> tuple[CPG
         )
     # The hierarchical gate first: its message says what is missing, not only that sizes differ.
     hcp = None
-    if cp_comm_type == "a2a+p2p":
+    if cp_comm_type == A2A_P2P:
         hcp = _require_hcp(pg_collection, getattr(config, "hierarchical_context_parallel_sizes", None))
     if dist.get_world_size(cp) != cp_size:
         raise CPConfigError.single(
@@ -111,7 +112,7 @@ def _resolve_build_groups(config, pg_collection, cp_comm_type: str) -> tuple[CPG
 def _require_hcp(pg_collection, sizes: Optional[Sequence[int]]) -> list:
     """pg_collection.hcp checked for a2a+p2p (and against the config's
     hierarchical_context_parallel_sizes when set): the build-time gate of cpkit.group_info."""
-    return list(require_hierarchical_groups(pg_collection, "a2a+p2p", hierarchical_context_parallel_sizes=sizes))
+    return list(require_hierarchical_groups(pg_collection, A2A_P2P, hierarchical_context_parallel_sizes=sizes))
 
 
 class ContextParallelAttention(MegatronModule):
@@ -147,7 +148,7 @@ class ContextParallelAttention(MegatronModule):
         attention_type: str,
         attention_dropout: Optional[float] = None,
         softmax_scale: Optional[float] = None,
-        cp_comm_type: Optional[str] = "p2p",
+        cp_comm_type: Optional[str] = P2P,
         pg_collection=None,
         **unused: Any,
     ):
@@ -236,7 +237,7 @@ class ContextParallelAttention(MegatronModule):
         cp_group: CPGroup,
         cp_global_ranks: Optional[Sequence[int]],
         cp_stream: Any = None,
-        cp_comm_type: str = "p2p",
+        cp_comm_type: str = P2P,
     ) -> None:
         """Bind the CP group(s); TE's `DotProductAttention.set_context_parallel_group` signature.
 
@@ -247,7 +248,7 @@ class ContextParallelAttention(MegatronModule):
         """
         cp_comm_type = _check_comm_type(cp_comm_type)
         if cp_group is not None:
-            if cp_comm_type == "a2a+p2p":
+            if cp_comm_type == A2A_P2P:
                 cp_group = list(check_hierarchical_groups(cp_group, source="cp_group", fix=_HCP_FIX))
             elif isinstance(cp_group, (list, tuple)):
                 raise CPConfigError.single(
@@ -294,7 +295,7 @@ class ContextParallelAttention(MegatronModule):
 
     def _bind_micro_batch_group(self, group: CPGroup, local_size: Optional[int]) -> None:
         comm = self.cp_comm_type
-        if comm == "a2a+p2p" and not isinstance(group, (list, tuple)):
+        if comm == A2A_P2P and not isinstance(group, (list, tuple)):
             raise CPConfigError.single(
                 "packed_seq_params.cp_group",
                 group,
@@ -386,7 +387,7 @@ class ContextParallelAttention(MegatronModule):
         if group_size(self.cp_group) > 1:
             group, comm = self.cp_group, self.cp_comm_type
         else:  # CP off: local attention, whatever the configured comm type
-            group, comm = None, "p2p"
+            group, comm = None, P2P
         return context_parallel_attention(
             query,
             key,

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from cpkit.compat import get_pg
+from cpkit.layout import A2A_P2P
 
 __all__ = [
     "te_available",
@@ -132,7 +133,7 @@ def bind_te_attention_groups(
         if cp_size <= 1:
             module.set_context_parallel_group(None, None, None, comm)
             continue
-        if comm == "a2a+p2p":
+        if comm == A2A_P2P:
             if hcp is None:
                 hcp = list(check_hierarchical_groups(get_pg(pg_collection, "hcp"), cp))
             group = hcp

@@ -42,11 +42,12 @@ from cpkit.bench.common import (
     time_fn,
     write_json,
 )
+from cpkit.layout import A2A_P2P, CP_COMM_TYPES
 
 __all__ = ["main", "Case", "causal_fwd_bwd_flops", "build_cases"]
 
 NAME = "attention"
-COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+COMM_TYPES = CP_COMM_TYPES
 BACKENDS = ("cpkit", "te", "torch", "sdpa")
 
 
@@ -96,7 +97,7 @@ def build_cases(backends, comms, kv_heads, cps, seqs, hcp_a2a: int, te_ok: bool)
     for cp in cps:
         for kvh in kv_heads:
             for comm in comms:
-                if comm == "a2a+p2p" and not (1 < hcp_a2a < cp and cp % hcp_a2a == 0):
+                if comm == A2A_P2P and not (1 < hcp_a2a < cp and cp % hcp_a2a == 0):
                     continue  # a degenerate hierarchy is plain a2a or p2p
                 for backend in ("cpkit", "te"):
                     if backend in backends and (backend != "te" or te_ok):
@@ -157,7 +158,7 @@ def _step_cpkit(case: Case, s: Settings, dev, groups):
     k = _rand((local, s.batch, case.kv_heads, s.head_dim), s, dev)
     v = _rand((local, s.batch, case.kv_heads, s.head_dim), s, dev)
     dout = _rand((local, s.batch, s.heads, s.head_dim), s, dev, grad=False)
-    group = groups[("hcp", case.cp)] if case.comm == "a2a+p2p" else groups[("cp", case.cp)]
+    group = groups[("hcp", case.cp)] if case.comm == A2A_P2P else groups[("cp", case.cp)]
 
     def step():
         out = context_parallel_attention(
@@ -174,7 +175,7 @@ def _step_te(case: Case, s: Settings, dev, groups):
 
     local = case.seq // case.cp
     cp_group = groups[("cp", case.cp)]
-    group = groups[("hcp", case.cp)] if case.comm == "a2a+p2p" else cp_group
+    group = groups[("hcp", case.cp)] if case.comm == A2A_P2P else cp_group
     attn = te.DotProductAttention(
         num_attention_heads=s.heads,
         kv_channels=s.head_dim,

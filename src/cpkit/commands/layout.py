@@ -11,7 +11,7 @@ import json
 import sys
 
 from cpkit.errors import CPConfigError
-from cpkit.layout import CPLayout, rank_groups
+from cpkit.layout import CPLayout, P2P, rank_groups
 
 __all__ = ["add_parser", "layout_from_args", "check"]
 
@@ -51,7 +51,7 @@ def add_parser(sub) -> None:
     c.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     c.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     c.add_argument("--cp", type=int, default=1, help="context-parallel size")
-    c.add_argument("--cp-comm-type", type=_comm_type, default="p2p",
+    c.add_argument("--cp-comm-type", type=_comm_type, default=P2P,
                    help="p2p | all_gather | a2a | a2a+p2p, or a comma-separated list per layer")
     c.add_argument("--hierarchical-cp-sizes", type=_int_list, default=None,
                    help="for a2a+p2p: a2a size,p2p size (product = cp), e.g. 2,2")

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from cpkit.compat import get_pg
 from cpkit.group_info import group_size
 from cpkit.loss import forward_loss, global_loss, reduce_gradients, require_single_stage, total_tokens
+from cpkit.layout import P2P
 
 __all__ = [
     "GPTConfig",
@@ -93,7 +94,7 @@ def build_gpt(
     pg_collection,
     *,
     attention: AttentionBackend = "cpkit",
-    cp_comm_type: str | list[str] = "p2p",
+    cp_comm_type: str | list[str] = P2P,
     hierarchical_cp_sizes: Optional[list[int]] = None,
     sequence_parallel: bool = False,
     device: Optional[torch.device] = None,
