@@ -81,9 +81,9 @@ def _layer_spec(attention: AttentionBackend, num_layers: int, device: torch.devi
 
 
 def prepare_cpu() -> bool:
-    """Let these models run on CPU: installs cpkit.testing.cpu_shim (MCore calls CUDA in a few
-    places). Returns False, doing nothing, where CUDA is usable. Benchmarks call this rather
-    than patching MCore themselves."""
+    """Let these models run on CPU in this process: installs cpkit.testing.cpu_shim (MCore calls
+    CUDA in a few places). Returns False, doing nothing, when this process runs MCore on CUDA
+    (the launcher's device). Benchmarks call this rather than patching MCore themselves."""
     from cpkit.testing.cpu_shim import install_mcore_cpu_shim
 
     return install_mcore_cpu_shim()
