@@ -108,6 +108,8 @@ class EvalCPWarning(UserWarning):
 
 
 def model_roots(model: ModelOrChunks) -> list[torch.nn.Module]:
+    """`model` as a list of chunks: [model], or the list of its virtual-pipeline chunks.
+    Raises CPConfigError for anything else (an empty list, a non-module)."""
     roots = list(model) if isinstance(model, (list, tuple)) else [model]
     bad = [type(r).__name__ for r in roots if not isinstance(r, torch.nn.Module)]
     if not roots or bad:
@@ -378,7 +380,7 @@ def install_pg_collection(model: ModelOrChunks, target: Any, *, cp_comm_type: Op
     unless `cp_comm_type` is given; a model built at cp=1 has p2p everywhere, so pass
     "a2a+p2p" for a hierarchical eval layout), config.context_parallel_size once per config
     object, and clears the RoPE caches. Returns the Rebinding; call its restore() (or use
-    eval_cp_context) to put everything back.
+    `rebound`, or cpkit.eval_cp.eval_cp_context) to put everything back.
 
     Raises CPConfigError, changing nothing, when the model is already rebound (nested use),
     the target's tp or pp membership differs, the target lacks cp (or hcp for a2a+p2p), or a
