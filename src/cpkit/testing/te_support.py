@@ -11,6 +11,8 @@
   megatron/core/models/gpt/gpt_layer_specs.py, 0.16 and 0.19).
 - `rebind_snapshot` / `assert_rebind_restored`: every attribute eval CP (and dynamic CP) may
   rebind, captured by object identity, so a test can prove the restore put back the very objects.
+- `TELikeAttention`: a TE-style CP attention stand-in that records its set_context_parallel_group
+  calls, for rebinding tests without TE.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ __all__ = [
     "copy_weights_from_local",
     "rebind_snapshot",
     "assert_rebind_restored",
+    "TELikeAttention",
 ]
 
 
@@ -144,3 +147,27 @@ def assert_rebind_restored(snapshot: list[tuple[str, Any, str, Any]]) -> int:
             wrong.append(f"{label}: now {now!r}, was {value!r}")
     assert not wrong, "not restored:\n" + "\n".join(wrong)
     return len(snapshot)
+
+
+# --- a TE-style attention stand-in ------------------------------------------------------------
+
+class TELikeAttention(torch.nn.Module):
+    """Stands in for TE's DotProductAttention / MCore's TEDotProductAttention: TE's
+    set_context_parallel_group signature, a class-level cp_stream as MCore keeps it, a
+    load-balancing strategy, and `calls`, a record of every set_context_parallel_group call as
+    (cp_group, cp_global_ranks, cp_stream, cp_comm_type, load_balancing_strategy)."""
+
+    cp_stream = object()  # MCore keeps TEDotProductAttention.cp_stream on the class
+
+    def __init__(self, cp_comm_type="p2p"):
+        super().__init__()
+        self.cp_group, self.cp_global_ranks, self.cp_comm_type = None, None, cp_comm_type
+        self.load_balancing_strategy = "dual_chunk_swap"
+        self.calls = []
+
+    def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream, cp_comm_type="p2p",
+                                   load_balancing_strategy="default"):
+        """Record the call and set the attributes TE's version sets."""
+        self.calls.append((cp_group, cp_global_ranks, cp_stream, cp_comm_type, load_balancing_strategy))
+        self.cp_group, self.cp_global_ranks, self.cp_stream = cp_group, cp_global_ranks, cp_stream
+        self.cp_comm_type, self.load_balancing_strategy = cp_comm_type, load_balancing_strategy
