@@ -417,6 +417,8 @@ def _apply(rebinding: Rebinding, with_rules, attention, target, cp_comm_type, be
             else:
                 value = group_size(get_pg(target, rule.source))
             rebinding.set(module, rule.attr, value, f"{name}.{rule.attr}")
+        if any(rule.attr == "cp_size" for rule in rules) and callable(getattr(module, "_setup_variant_attrs", None)):
+            _rederive_variant_attrs(rebinding, module, name)
     ranks = global_ranks(cp) if cp_size > 1 else None
     takes_strategy: dict[type, bool] = {}  # inspect.signature once per class, not per layer
     for name, module in attention:
@@ -455,6 +457,22 @@ def _apply(rebinding: Rebinding, with_rules, attention, target, cp_comm_type, be
             rebinding.set(module, "max_seq_len_cached", -1)  # the next get_cached_cos_sin rebuilds
     rebinding.clear_caches(_cache_clears(bearing))
 
+
+
+def _rederive_variant_attrs(rebinding: Rebinding, module: torch.nn.Module, name: str) -> None:
+    """MCore 0.19's GatedDeltaNet derives its per-rank split (feat_dim_split) from cp_size in
+    _setup_variant_attrs at build: run it again at the rebound cp_size and record every
+    attribute it changed, so that restore() puts back the objects that were there."""
+    before = dict(vars(module))
+    module._setup_variant_attrs()
+    changed = {attr: value for attr, value in vars(module).items()
+               if before.get(attr, _MISSING) is not value}
+    for attr, value in changed.items():  # undo directly, then redo through the recorder
+        if before.get(attr, _MISSING) is _MISSING:
+            delattr(module, attr)
+        else:
+            setattr(module, attr, before[attr])
+        rebinding.set(module, attr, value, f"{name}.{attr}")
 
 
 @contextlib.contextmanager

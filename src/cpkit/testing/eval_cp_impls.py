@@ -100,8 +100,7 @@ def cpkit_impl() -> EvalCPImpl:
     def context(model, eval_pgs, train_pgs):
         return eval_cp_context(model, eval_pgs)
 
-    return EvalCPImpl("cpkit", context, {"test_a_cached_cp_size_rederives_what_was_built_from_it": _no_rederive(
-        "cpkit.rebind.install_pg_collection")})
+    return EvalCPImpl("cpkit", context, {})
 
 
 # ---------------------------------------------------------------------------------------------
