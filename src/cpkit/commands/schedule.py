@@ -1,9 +1,16 @@
-"""`cpkit schedule`: plan one global batch with dynamic CP and print it.
+"""`cpkit schedule`: plan one global batch with dynamic CP, check it, and print it.
 
-Prints a rank x micro-batch grid (cell "s3/cp4": rank runs sample 3 in a CP group of 4;
-"s1,s5/cp2": samples 1 and 5 packed together; "-": idle) and the balance figures: max/mean load
-per micro-batch and the ideal/actual critical path (cpkit.dynamic.plan). `--json` prints
-plan.to_dict() instead. Exit 0, or 2 with one "error: ..." line per problem on stderr.
+`--impl cpkit` (default) runs cpkit.dynamic.schedule; `--impl mcore` runs MCore's
+BalancedCPScheduler through cpkit.dynamic.mcore. Either plan is checked against the invariants
+of cpkit.dynamic.invariants (and run twice for determinism) and timed by the step-time model
+(cpkit.dynamic.cost) next to static CP and the other implementation.
+
+Text: a rank x micro-batch grid (cell "s3/cp4": rank runs sample 3 in a CP group of 4;
+"s1,s5/cp2": samples 1 and 5 packed together; "-": idle), every sample with the CP size it needs
+and the one it got, the modeled step times, and the violations. `--json` prints
+{"impl", "microbatches", "stats", "violations": [{"property", "detail"}]}.
+Exit 0 for a valid plan, 1 when the implementation broke an invariant (a crash inside it is the
+violation `no-crash`), 2 with one "error: ..." line per problem on stderr for invalid input.
 """
 
 from __future__ import annotations
@@ -12,13 +19,17 @@ import json
 import re
 import sys
 
+from cpkit.dynamic.cost import COMM_TYPES, CostModel, ModelDims, load_calibration
+from cpkit.dynamic.invariants import PlanViolation, plan_violations
 from cpkit.dynamic.plan import Plan
-from cpkit.dynamic.scheduler import DEFAULT_BALANCE_TOLERANCE, schedule
+from cpkit.dynamic.scheduler import DEFAULT_BALANCE_TOLERANCE, needed_cp_sizes, schedule
+from cpkit.dynamic.static import static_cp_plan
 from cpkit.errors import CPConfigError
 
-__all__ = ["add_parser", "run", "format_plan", "parse_seq_lens"]
+__all__ = ["add_parser", "run", "format_plan", "parse_seq_lens", "plan_report"]
 
 _MAX_IDS = 3  # sample ids shown per cell before "+k"
+IMPLS = ("cpkit", "mcore")
 
 
 def add_parser(sub) -> None:
@@ -28,12 +39,24 @@ def add_parser(sub) -> None:
     p.add_argument("--dp-cp", type=int, required=True, help="size of the DPxCP group (ranks)")
     p.add_argument("--max-seq-len-per-rank", type=int, required=True,
                    help="most tokens one rank may hold in a micro-batch")
+    p.add_argument("--impl", choices=IMPLS, default="cpkit",
+                   help="scheduler: cpkit's (default) or MCore's BalancedCPScheduler")
     p.add_argument("--min-cp", type=int, default=1, help="smallest CP group size (power of two)")
     p.add_argument("--microbatch-group-size", type=int, default=None,
                    help="make the number of micro-batches a multiple of this (e.g. VPP stages)")
     p.add_argument("--balance-tolerance", type=float, default=DEFAULT_BALANCE_TOLERANCE,
-                   help="a group may cost up to (1 + this) x the mean load per rank before it "
-                        "is merged (default %(default)s)")
+                   help=argparse_suppress())
+    model = p.add_argument_group("step-time model (cpkit.dynamic.cost)")
+    model.add_argument("--hidden-size", type=int, default=4096)
+    model.add_argument("--num-heads", type=int, default=32)
+    model.add_argument("--num-kv-heads", type=int, default=8)
+    model.add_argument("--head-dim", type=int, default=128)
+    model.add_argument("--num-layers", type=int, default=32)
+    model.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden")
+    model.add_argument("--cp-comm-type", choices=COMM_TYPES, default="p2p")
+    model.add_argument("--calibration", default=None,
+                       help="calibration JSON (python -m cpkit.bench calibrate); default "
+                            "$CPKIT_CALIBRATION, else the shipped H200 file")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--seq-lens", help="comma-separated sample lengths, e.g. 4000,100,200")
     src.add_argument("--seq-lens-file",
@@ -41,6 +64,12 @@ def add_parser(sub) -> None:
                           "spaces or newlines")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
+
+
+def argparse_suppress():
+    import argparse
+
+    return argparse.SUPPRESS  # a knob of the compute-only balancing kept for compatibility
 
 
 def parse_seq_lens(text: str, source: str) -> list[int]:
@@ -74,40 +103,54 @@ def _cell(samples: tuple[int, ...], cp_size: int) -> str:
     return f"{ids}{more}/cp{cp_size}"
 
 
-def format_plan(plan: Plan) -> str:
-    """The text report: header, rank x micro-batch grid, balance table, critical path."""
+def _seconds(x) -> str:
+    return "-" if x is None else f"{x * 1e3:.1f} ms"
+
+
+def format_plan(plan: Plan, stats: dict, violations: list[PlanViolation], impl: str) -> str:
+    """The text report: header, grid, per-sample CP sizes, modeled step times, violations."""
     n, mbs = plan.dp_cp_size, plan.microbatches
-    s = plan.stats
     lines = [
-        f"dynamic CP plan: {len(plan.seq_lens)} samples over dp_cp_size={n}, "
+        f"dynamic CP plan ({impl}): {len(plan.seq_lens)} samples over dp_cp_size={n}, "
         f"max_seq_len_per_rank={plan.max_seq_len_per_rank}: {len(mbs)} micro-batches",
         "",
     ]
     header = ["rank"] + [f"mb{m}" for m in range(len(mbs))]
     rows = []
+    slots = [[None] * n for _ in mbs]
+    for m, mb in enumerate(mbs):
+        for g in mb.groups:
+            for r in g.ranks:
+                if 0 <= r < n:
+                    slots[m][r] = g
     for r in range(n):
-        row = [str(r)]
-        for m in range(len(mbs)):
-            g = plan.assignment_for_rank(r, m)
-            row.append("-" if g is None else _cell(g.samples, g.cp_size))
-        rows.append(row)
+        rows.append([str(r)] + ["-" if slots[m][r] is None else
+                                _cell(slots[m][r].samples, slots[m][r].cp_size)
+                                for m in range(len(mbs))])
     widths = [max(len(x[c]) for x in [header] + rows) for c in range(len(header))]
     for row in [header, ["-" * w for w in widths]] + rows:
         lines.append("  ".join(x.ljust(w) for x, w in zip(row, widths)).rstrip())
-    lines += ["", "micro-batch  groups  max load    mean load   max/mean  max tokens/rank"]
+    placed = {}
     for m, mb in enumerate(mbs):
-        lines.append(
-            f"mb{m:<10d} {len(mb.groups):6d}  {s.max_load[m]:10.4g}  {s.mean_load[m]:10.4g}  "
-            f"{s.imbalance[m]:8.3f}  {max(plan.rank_tokens(m)):15d}"
-        )
+        for g in mb.groups:
+            for s in g.samples:
+                placed.setdefault(s, (m, g.cp_size))
+    lines += ["", "sample  length  needs cp  got cp  micro-batch"]
+    for s, L in enumerate(plan.seq_lens):
+        m, got = placed.get(s, ("-", "-"))
+        lines.append(f"s{s:<6d} {L:7d}  {plan.needed_cp_sizes[s]:8d}  {got!s:>6}  {m!s:>11}")
     lines += [
         "",
-        f"critical path: ideal {s.ideal_critical_path:.4g} (total work / {n} ranks), "
-        f"actual {s.actual_critical_path:.4g} (sum of per-micro-batch max), "
-        f"ideal/actual {s.critical_path_efficiency:.3f}",
-        f"median max/mean {s.median_imbalance:.3f}; {s.expanded_samples} of {len(plan.seq_lens)} "
-        f"samples run on more ranks than they need; idle rank slots {s.idle_rank_slots}",
+        f"modeled step time {_seconds(stats.get('modeled_step_time_s'))}; static CP "
+        f"{_seconds(stats.get('static_step_time_s'))} (x{stats.get('speedup_vs_static', 0):.2f}); "
+        f"MCore {_seconds(stats.get('mcore_step_time_s'))}"
+        + (f" (x{stats['speedup_vs_mcore']:.2f})" if stats.get("speedup_vs_mcore") else
+           f" ({stats['mcore_error']})" if stats.get("mcore_error") else ""),
+        f"  model: {stats['model']}",
     ]
+    if violations:
+        lines += ["", f"{len(violations)} invariant(s) broken:"]
+        lines += [f"  {v.property}: {v.detail}" for v in violations]
     return "\n".join(lines)
 
 
@@ -117,29 +160,103 @@ def _fail(messages: list[str]) -> int:
     return 2
 
 
+def _read_lens(args) -> list[int]:
+    if args.seq_lens is not None:
+        return parse_seq_lens(args.seq_lens, "--seq-lens")
+    try:
+        with open(args.seq_lens_file, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as err:
+        raise ValueError(f"--seq-lens-file {args.seq_lens_file}: {err.strerror}") from None
+    return parse_seq_lens(text, f"--seq-lens-file {args.seq_lens_file}")
+
+
+def _run_impl(impl: str, lens, args, model: CostModel):
+    """(plan or None, violations) of one implementation, run twice for determinism."""
+    from cpkit.dynamic.mcore import SchedulerCrash, mcore_schedule
+
+    def once():
+        if impl == "mcore":
+            return mcore_schedule(lens, dp_cp_size=args.dp_cp,
+                                  max_seq_len_per_rank=args.max_seq_len_per_rank)
+        return schedule(lens, dp_cp_size=args.dp_cp, max_seq_len_per_rank=args.max_seq_len_per_rank,
+                        min_cp_size=args.min_cp, microbatch_group_size=args.microbatch_group_size,
+                        balance_tolerance=args.balance_tolerance, cost_model=model)
+
+    try:
+        plan = once()
+        again = once()
+    except SchedulerCrash as err:
+        return None, [PlanViolation("no-crash", err.detail)]
+    violations = plan_violations(plan, args.microbatch_group_size)
+    if json.dumps(plan.to_dict()) != json.dumps(again.to_dict()):
+        violations.append(PlanViolation("deterministic", "two runs on the same input gave "
+                                                         "different plans"))
+    return plan, violations
+
+
+def plan_report(impl: str, lens, args, model: CostModel) -> tuple[Plan | None, dict, list]:
+    """(plan, stats, violations) of `impl` on `lens`, stats with the modeled step times of the
+    plan, static CP and the other implementation (cpkit.dynamic.cost)."""
+    needs = needed_cp_sizes(lens, dp_cp_size=args.dp_cp,
+                            max_seq_len_per_rank=args.max_seq_len_per_rank,
+                            min_cp_size=args.min_cp,
+                            microbatch_group_size=args.microbatch_group_size)
+    plan, violations = _run_impl(impl, lens, args, model)
+    static = static_cp_plan(lens, needs, dp_cp_size=args.dp_cp,
+                            max_seq_len_per_rank=args.max_seq_len_per_rank, cost_model=model,
+                            min_cp_size=args.min_cp, microbatch_group_size=args.microbatch_group_size)
+    static_time = model.step_time(static)
+    other = "mcore" if impl == "cpkit" else "cpkit"
+    other_plan, other_violations = _run_impl(other, lens, args, model)
+    stats = dict(plan.stats.to_dict()) if plan is not None else {}
+    step = model.step_time(plan) if plan is not None else None
+    mcore_plan = plan if impl == "mcore" else other_plan
+    mcore_time = model.step_time(mcore_plan) if mcore_plan is not None else None
+    d = model.dims
+    stats.update({
+        "modeled_step_time_s": step,
+        "static_step_time_s": static_time,
+        "speedup_vs_static": static_time / step if step else None,
+        "mcore_step_time_s": mcore_time,
+        "speedup_vs_mcore": mcore_time / step if step and mcore_time else None,
+        "mcore_error": next((v.detail for v in (violations if impl == "mcore" else other_violations)
+                             if v.property == "no-crash"), None),
+        "model": (f"hidden {d.hidden_size}, heads {d.num_heads}/{d.num_kv_heads} x {d.head_dim}, "
+                  f"{d.num_layers} layers, {model.comm_type}, calibration "
+                  f"{model.calibration.source.get('device', '?').split(';')[0]}"),
+    })
+    if plan is not None and plan.candidate:
+        stats["candidate"] = plan.candidate
+    return plan, stats, violations
+
+
 def run(args) -> int:
     """Handler of `cpkit schedule`; returns the exit code."""
     try:
-        if args.seq_lens is not None:
-            lens = parse_seq_lens(args.seq_lens, "--seq-lens")
-        else:
-            try:
-                with open(args.seq_lens_file, encoding="utf-8") as f:
-                    text = f.read()
-            except OSError as err:
-                return _fail([f"--seq-lens-file {args.seq_lens_file}: {err.strerror}"])
-            lens = parse_seq_lens(text, f"--seq-lens-file {args.seq_lens_file}")
-        plan = schedule(
-            lens,
-            dp_cp_size=args.dp_cp,
-            max_seq_len_per_rank=args.max_seq_len_per_rank,
-            min_cp_size=args.min_cp,
-            microbatch_group_size=args.microbatch_group_size,
-            balance_tolerance=args.balance_tolerance,
-        )
+        lens = _read_lens(args)
+        if args.impl == "mcore" and (args.min_cp != 1 or args.microbatch_group_size):
+            raise ValueError("--impl mcore: MCore's BalancedCPScheduler has no min_cp_size or "
+                             "microbatch_group_size; drop --min-cp and --microbatch-group-size")
+        dims = ModelDims(hidden_size=args.hidden_size, num_heads=args.num_heads,
+                         num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
+                         num_layers=args.num_layers, ffn_hidden_size=args.ffn_hidden_size)
+        model = CostModel(dims, load_calibration(args.calibration), args.cp_comm_type)
+        plan, stats, violations = plan_report(args.impl, lens, args, model)
     except CPConfigError as err:
         return _fail([v.message for v in err.violations])
     except ValueError as err:
         return _fail([str(err)])
-    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
-    return 0
+    if args.json:
+        out = {"impl": args.impl,
+               "microbatches": [mb.to_dict() for mb in plan.microbatches] if plan else [],
+               "stats": stats,
+               "violations": [v.to_dict() for v in violations]}
+        print(json.dumps(out, indent=2))
+    elif plan is None:
+        print(f"{args.impl}: no plan")
+        for v in violations:
+            print(f"  {v.property}: {v.detail}")
+    else:
+        print(format_plan(plan, stats, violations, args.impl))
+    return 1 if violations else 0

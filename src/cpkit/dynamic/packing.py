@@ -254,11 +254,14 @@ def pack_microbatch(
     base: int,
     max_len: int,
     tolerance: float,
+    cover_idle: bool = True,
 ) -> list[CPGroupAssignment]:
     """CP groups (ordered by first rank) running the samples in `bag` (algorithm: module doc).
 
     `spans[i]` is the largest group size in which sample i still gives every rank a token (>= its
-    need); `base` is min_cp_size. Raises Overflow if a sample fits nowhere.
+    need); `base` is min_cp_size. `cover_idle=False` skips the covering placement (for spans the
+    cost model capped: an idle rank is then cheaper than a wider group). Raises Overflow if a
+    sample fits nowhere.
     """
     if not bag:
         return []
@@ -271,7 +274,7 @@ def pack_microbatch(
     if covered < n_ranks:
         _grow_into_idle(groups, roots)
         covered = sum(g.size for g in groups)
-    if covered < n_ranks:
+    if covered < n_ranks and cover_idle:
         try:
             other = _pack_covering(bag, _Packing(*data))
         except Overflow:

@@ -146,6 +146,10 @@ class Plan:
 
     `workloads[i]` is sample i's total workload; `needed_cp_sizes[i]` the smallest CP size its
     length allows (cp_size_for); a group may be larger than a sample needs (to fill or balance).
+    `step_time_s` / `static_step_time_s`: modeled seconds of this plan and of static CP
+    (cpkit.dynamic.cost), set by the scheduler; `candidate` names the plan it chose. `packed`:
+    a group's samples run packed in one forward/backward (cpkit); False: one after another, a
+    forward/backward each (MCore's hybrid CP schedule), so memory holds one sample at a time.
     """
 
     microbatches: tuple[Microbatch, ...]
@@ -154,6 +158,10 @@ class Plan:
     max_seq_len_per_rank: int
     workloads: tuple[float, ...]
     needed_cp_sizes: tuple[int, ...]
+    step_time_s: float | None = None
+    static_step_time_s: float | None = None
+    candidate: str | None = None
+    packed: bool = True
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def _check_microbatch_index(self, microbatch_index: int) -> None:
@@ -255,8 +263,14 @@ class Plan:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """{"microbatches": [{"groups": [{"ranks", "samples", "cp_size"}]}], "stats": {...}}."""
-        return {
-            "microbatches": [mb.to_dict() for mb in self.microbatches],
-            "stats": self.stats.to_dict(),
-        }
+        """{"microbatches": [{"groups": [{"ranks", "samples", "cp_size"}]}], "stats": {...}};
+        stats carries the modeled step times when the scheduler set them."""
+        stats = self.stats.to_dict()
+        if self.step_time_s is not None:
+            stats["modeled_step_time_s"] = self.step_time_s
+            stats["candidate"] = self.candidate
+        if self.static_step_time_s is not None:
+            stats["static_step_time_s"] = self.static_step_time_s
+            stats["speedup_vs_static"] = (self.static_step_time_s / self.step_time_s
+                                          if self.step_time_s else 1.0)
+        return {"microbatches": [mb.to_dict() for mb in self.microbatches], "stats": stats}

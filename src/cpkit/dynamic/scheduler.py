@@ -28,21 +28,27 @@ Algorithm, per global batch (w = workload, W = a micro-batch's mean load per ran
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 import math
 import operator
 from typing import Callable, Iterable, Sequence
 
+from cpkit.dynamic.cost import CostModel, default_cost_model
+from cpkit.dynamic.earliest_finish import earliest_finish_plan
 from cpkit.dynamic.packing import Overflow, pack_microbatch
 from cpkit.dynamic.plan import Microbatch, Plan
-from cpkit.dynamic.workload import default_workload
+from cpkit.dynamic.static import static_cp_plan
 from cpkit.errors import CPConfigError, Violation
 
 __all__ = [
     "DEFAULT_BALANCE_TOLERANCE",
     "aligned_roots",
+    "balanced_plan",
     "cp_size_for",
+    "fastest_cp_size",
     "largest_group_size",
+    "needed_cp_sizes",
     "schedule",
 ]
 
@@ -122,6 +128,21 @@ def cp_size_for(
     return cp
 
 
+def needed_cp_sizes(
+    seq_lens: Iterable[int],
+    *,
+    dp_cp_size: int,
+    max_seq_len_per_rank: int,
+    min_cp_size: int = 1,
+    microbatch_group_size: int | None = None,
+) -> list[int]:
+    """Validate a batch as `schedule` does and return every sample's needed CP size
+    (cp_size_for); raises CPConfigError listing every violation."""
+    lens = tuple(_as_int(L) for L in seq_lens)
+    return _validate(lens, dp_cp_size, max_seq_len_per_rank, min_cp_size, microbatch_group_size,
+                     DEFAULT_BALANCE_TOLERANCE)
+
+
 def _validate(lens, dp_cp_size, max_seq_len_per_rank, min_cp_size, group_size, tolerance):
     """Every sample's needed CP size; raises CPConfigError listing all configuration violations
     at once (per-sample ones capped at _MAX_LISTED)."""
@@ -178,7 +199,8 @@ def _validate(lens, dp_cp_size, max_seq_len_per_rank, min_cp_size, group_size, t
 class _Distributor:
     """Per-batch constants; spreads samples over micro-batches and packs each one."""
 
-    def __init__(self, lens, works, needs, dp_cp_size, max_len, min_cp_size, tolerance):
+    def __init__(self, lens, works, needs, dp_cp_size, max_len, min_cp_size, tolerance,
+                 widest=None):
         self.lens, self.works, self.needs = lens, works, needs
         self.n_ranks, self.max_len = dp_cp_size, max_len
         self.roots = aligned_roots(dp_cp_size)
@@ -186,7 +208,11 @@ class _Distributor:
                               base=min_cp_size, max_len=max_len, tolerance=tolerance)
         largest = self.roots[0][1]
         # span: the largest group that keeps all its ranks busy (>= 1 real token each), or the need.
-        self.pack_args["spans"] = [max(c, _pow2_floor(min(L, largest))) for L, c in zip(lens, needs)]
+        spans = [max(c, _pow2_floor(min(L, largest))) for L, c in zip(lens, needs)]
+        if widest is not None:  # never wider than the cost model's fastest size
+            spans = [max(c, min(s, w)) for s, w, c in zip(spans, widest, needs)]
+        self.pack_args["spans"] = spans
+        self.pack_args["cover_idle"] = widest is None
         # Exclusive samples fill more than half a rank at their need: two never share a group
         # of that size, so their need-blocks must fit side by side.
         self.blocks = [c if -(-L // c) * 2 > max_len else 0 for L, c in zip(lens, needs)]
@@ -290,45 +316,39 @@ def _workloads(workload: Callable[[int], float], lens: Sequence[int]) -> list[fl
     return works
 
 
-def schedule(
-    seq_lens: Iterable[int],
+def fastest_cp_size(model: CostModel, seq_len: int, need: int, largest: int) -> int:
+    """The power of two in [need, largest] with the least modeled time per rank for `seq_len`
+    alone (the smallest on ties): a wider group than this is slower, not just costlier."""
+    best, best_time, k = need, model.estimate_sample_time(seq_len, need), need * 2
+    while k <= largest and k <= seq_len:
+        t = model.estimate_sample_time(seq_len, k)
+        if t >= best_time:  # past the fastest size: wider groups only add ring steps
+            break
+        best, best_time = k, t
+        k *= 2
+    return best
+
+
+def balanced_plan(
+    lens: Sequence[int],
+    needs: Sequence[int],
+    works: Sequence[float],
     *,
     dp_cp_size: int,
     max_seq_len_per_rank: int,
-    min_cp_size: int = 1,
-    microbatch_group_size: int | None = None,
-    workload: Callable[[int], float] | None = None,
-    balance_tolerance: float = DEFAULT_BALANCE_TOLERANCE,
+    min_cp_size: int,
+    microbatch_group_size: int | None,
+    balance_tolerance: float,
+    widest: Sequence[int] | None = None,
 ) -> Plan:
-    """Plan one global batch of packed samples over the DPxCP ranks (algorithm: module docstring).
-
-    seq_lens: length in tokens of each sample; sample ids in the plan index this sequence.
-    dp_cp_size: N, the size of the DPxCP group (need not be a power of two).
-    max_seq_len_per_rank: M, the most tokens any rank may hold in one micro-batch.
-    min_cp_size: smallest CP group size (power of two dividing N).
-    microbatch_group_size: if set (e.g. virtual pipeline stages), the number of micro-batches is
-        a multiple of it; micro-batches are left empty only when there are fewer samples.
-    workload: cost of one sample from its length (default cpkit.dynamic.workload.default_workload).
-    balance_tolerance: how far above its micro-batch's mean load per rank a group may cost
-        before the scheduler gives it more ranks (a larger CP group). Lower: better balance,
-        more samples on more ranks than they need; higher: the reverse.
-
-    Guarantees: every sample in exactly one group of one micro-batch; groups are aligned
-    power-of-two blocks, disjoint within a micro-batch, of size >= the samples' needs; no rank
-    holds more than M tokens; every rank has a group unless the micro-batch's samples are too
-    few or too short; the same inputs give the same plan. Raises CPConfigError for invalid
-    input (a sample longer than the largest group can hold included).
-    """
-    lens = tuple(_as_int(L) for L in seq_lens)
-    needs = _validate(lens, dp_cp_size, max_seq_len_per_rank, min_cp_size, microbatch_group_size,
-                      balance_tolerance)
+    """The balancing candidate (algorithm: module docstring) of a validated batch: `works[i]` is
+    sample i's cost, spread as works[i] / k over a group of k ranks; `widest[i]` (optional) caps
+    the group size sample i may be spread over."""
     group_size = microbatch_group_size or 1
-    works = _workloads(workload or default_workload, lens)
     planner = _Distributor(lens, works, needs, dp_cp_size, max_seq_len_per_rank, min_cp_size,
-                           balance_tolerance)
+                           balance_tolerance, widest)
     # Largest need first (so need-blocks pack like first-fit-decreasing), then heaviest (LPT).
     order = sorted(range(len(lens)), key=lambda i: (-needs[i], -works[i], -lens[i], i))
-
     count = _round_up(_initial_count(works, lens, planner.blocks, dp_cp_size,
                                      max_seq_len_per_rank, balance_tolerance), group_size)
     last = _round_up(len(lens), group_size)  # one sample per micro-batch: always packable
@@ -343,9 +363,70 @@ def schedule(
             count = min(last, _round_up(count + max(1, count // 8), group_size))
     return Plan(
         microbatches=microbatches,
-        seq_lens=lens,
+        seq_lens=tuple(lens),
         dp_cp_size=dp_cp_size,
         max_seq_len_per_rank=max_seq_len_per_rank,
         workloads=tuple(works),
         needed_cp_sizes=tuple(needs),
     )
+
+
+def schedule(
+    seq_lens: Iterable[int],
+    *,
+    dp_cp_size: int,
+    max_seq_len_per_rank: int,
+    min_cp_size: int = 1,
+    microbatch_group_size: int | None = None,
+    workload: Callable[[int], float] | None = None,
+    balance_tolerance: float = DEFAULT_BALANCE_TOLERANCE,
+    cost_model: CostModel | None = None,
+) -> Plan:
+    """Plan one global batch of packed samples over the DPxCP ranks with the least modeled step
+    time (algorithm: module docstring).
+
+    seq_lens: length in tokens of each sample; sample ids in the plan index this sequence.
+    dp_cp_size: N, the size of the DPxCP group (need not be a power of two).
+    max_seq_len_per_rank: M, the most tokens any rank may hold in one micro-batch.
+    min_cp_size: smallest CP group size (power of two dividing N).
+    microbatch_group_size: if set (e.g. virtual pipeline stages), the number of micro-batches is
+        a multiple of it; micro-batches are left empty only when there are fewer samples.
+    workload: cost of one sample from its length that the balancing candidate spreads over its
+        group (default: the cost model's time of the sample at its needed CP size, times that
+        size: the rank-seconds it takes).
+    balance_tolerance: how far above its micro-batch's mean load per rank a group may cost
+        before the balancing candidate gives it more ranks.
+    cost_model: cpkit.dynamic.cost.CostModel that times the candidates (default
+        cpkit.dynamic.cost.default_cost_model(): the shipped calibration, a 4096-wide model).
+
+    The plan is the faster, by the model, of the balancing candidate and static CP
+    (cpkit.dynamic.static.static_cp_plan), static winning ties, so it is never modeled slower
+    than static CP; plan.step_time_s and plan.static_step_time_s hold both figures.
+
+    Guarantees: every sample in exactly one group of one micro-batch; groups are aligned
+    power-of-two blocks, disjoint within a micro-batch, of size >= the samples' needs; no rank
+    holds more than M tokens; the same inputs give the same plan. Raises CPConfigError for
+    invalid input (a sample longer than the largest group can hold included).
+    """
+    lens = tuple(_as_int(L) for L in seq_lens)
+    needs = _validate(lens, dp_cp_size, max_seq_len_per_rank, min_cp_size, microbatch_group_size,
+                      balance_tolerance)
+    model = cost_model or default_cost_model()
+    largest = _pow2_floor(dp_cp_size)
+    args = dict(dp_cp_size=dp_cp_size, max_seq_len_per_rank=max_seq_len_per_rank,
+                microbatch_group_size=microbatch_group_size)
+    works = None if workload is None else _workloads(workload, lens)
+    finish = earliest_finish_plan(lens, needs, lambda L, c: fastest_cp_size(model, L, c, largest),
+                                  roots=aligned_roots(dp_cp_size),
+                                  cost_model=model, workloads=works, **args)
+    static = static_cp_plan(lens, needs, cost_model=model, min_cp_size=min_cp_size,
+                            workloads=works or finish.workloads, **args)
+    candidates = [("static", static), ("earliest-finish", finish)]
+    if works is not None:  # the caller's compute-only workload: balance by it as well
+        candidates.append(("balanced", balanced_plan(
+            lens, needs, works, min_cp_size=min_cp_size, balance_tolerance=balance_tolerance,
+            **args)))
+    timed = [(model.step_time(p), rank, name, p) for rank, (name, p) in enumerate(candidates)]
+    step_time, _, name, chosen = min(timed, key=lambda t: (t[0], t[1]))
+    return dataclasses.replace(chosen, step_time_s=step_time, static_step_time_s=timed[0][0],
+                               candidate=name)

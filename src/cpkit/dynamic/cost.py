@@ -1,0 +1,369 @@
+"""Step-time cost model of dynamic CP: seconds per rank from measured kernel and link speeds.
+
+One CP group of c ranks runs a packed micro-batch of samples; each sample of length L is cut into
+c chunks of l = ceil(L / c) tokens. Per rank and per layer, forward + backward:
+
+- linear layers (QKV, output projection, MLP): their FLOPs on the rank's T = sum(l) tokens at the
+  GEMM rate measured for T tokens (`gemm`): short micro-batches run the GEMMs slowly;
+- attention, per sample: p2p and all_gather run c kernel calls on chunks of l tokens, together
+  the time of c single-GPU causal calls of length l (`attention`, measured on one GPU:
+  c * t_attn(l)); a2a runs one call of length L with heads / c (t_attn(L) / c);
+- exposed CP communication (`link`: latency + bytes / bandwidth per transfer):
+  p2p: c - 1 ring steps; each step sends the group's KV chunks forward (K and V) and KV + dKV
+  backward; a step hides behind that step's attention (forward 1/3.5 of the kernel time,
+  backward 2.5/3.5), so only max(0, transfer - attention) is paid;
+  all_gather: the same bytes as c - 1 ring steps, none hidden (the gather precedes attention);
+  a2a: Q, K, V and the output, (c - 1) / c of each, forward and backward, none hidden.
+- c = 1: no communication.
+
+The step time of a plan is when its slowest rank finishes: a rank runs its micro-batches in
+order and a group starts when all its ranks are free (`CostModel.step_time`; MCore's schedule adds
+a barrier after every micro-batch: the sum over micro-batches of the slowest rank).
+
+Calibration (`Calibration`, JSON): attention TFLOP/s vs sequence length (FLOPs 3.5 * 2 * h * L^2
+* d, causal fwd+bwd, the convention of cpkit.bench.attention), GEMM TFLOP/s vs tokens, and link
+seconds vs bytes (from which latency and bandwidth are fitted). Rates are interpolated linearly in
+log-log between points and held constant above the largest; below the smallest, the time of the
+smallest is kept (short calls are launch-bound: a shorter one is no faster). The shipped file
+(`cpkit/dynamic/calibration_h200.json`) says where each number comes from; `python -m cpkit.bench
+calibrate` writes a new one; `CPKIT_CALIBRATION=FILE` or `load_calibration(FILE)` picks it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from cpkit.errors import CPConfigError, Violation
+
+__all__ = [
+    "CALIBRATION_ENV",
+    "COMM_TYPES",
+    "Calibration",
+    "CostModel",
+    "ModelDims",
+    "default_cost_model",
+    "load_calibration",
+    "shipped_calibration_path",
+]
+
+CALIBRATION_ENV = "CPKIT_CALIBRATION"
+COMM_TYPES = ("p2p", "all_gather", "a2a")
+_SHIPPED = "calibration_h200.json"
+_FWD_SHARE = 1.0 / 3.5  # forward share of causal fwd+bwd attention time (backward = 2.5 x forward)
+
+
+def _attention_flops(tokens: float, heads: int, head_dim: int) -> float:
+    """Causal forward + backward attention FLOPs of one sequence (cpkit.bench.attention's
+    convention)."""
+    return 3.5 * 2.0 * heads * tokens * tokens * head_dim
+
+
+class _LogLogCurve:
+    """Rate (FLOP/s) vs size, linear in log-log between measured points, constant beyond them."""
+
+    def __init__(self, points: Sequence[tuple[float, float]], what: str):
+        pts = sorted((float(x), float(y)) for x, y in points)
+        bad = [p for p in pts if not (p[0] > 0 and p[1] > 0 and math.isfinite(p[1]))]
+        if len(pts) < 1 or bad or len({x for x, _ in pts}) != len(pts):
+            raise CPConfigError.single(
+                what, points, "must be a non-empty list of [size, rate] pairs, sizes distinct, "
+                "both > 0", "re-run python -m cpkit.bench calibrate")
+        self.xs = [math.log(x) for x, _ in pts]
+        self.ys = [math.log(y) for _, y in pts]
+
+    @property
+    def smallest(self) -> float:
+        """The smallest measured size."""
+        return math.exp(self.xs[0])
+
+    def __call__(self, x: float) -> float:
+        lx = math.log(max(x, 1e-9))
+        xs, ys = self.xs, self.ys
+        if lx <= xs[0]:
+            return math.exp(ys[0])
+        if lx >= xs[-1]:
+            return math.exp(ys[-1])
+        j = bisect.bisect_right(xs, lx)
+        t = (lx - xs[j - 1]) / (xs[j] - xs[j - 1])
+        return math.exp(ys[j - 1] + t * (ys[j] - ys[j - 1]))
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured speeds the model reads (see the module docstring for the units).
+
+    attention: [[seq_len, TFLOP/s]] of single-GPU causal fwd+bwd attention with
+        `attention_heads` query heads of `attention_head_dim`.
+    gemm: [[tokens, TFLOP/s]] of a layer's linear layers (fwd+bwd) on that many tokens.
+    link: [[bytes, seconds]] of one CP transfer (a ring step's send and receive) between two
+        GPUs of the group; latency and bandwidth are fitted by least squares (one point: the
+        `link_latency_s` given, bandwidth from the point).
+    """
+
+    attention: tuple[tuple[float, float], ...]
+    gemm: tuple[tuple[float, float], ...]
+    link: tuple[tuple[float, float], ...]
+    attention_heads: int = 32
+    attention_head_dim: int = 128
+    link_latency_s: float = 20e-6
+    source: dict = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def from_dict(cls, data: dict, origin: str = "calibration") -> "Calibration":
+        """Build from the JSON form; raises CPConfigError naming a missing or malformed key."""
+        bad = []
+        for key in ("attention", "gemm", "link"):
+            v = data.get(key)
+            ok = isinstance(v, dict) and isinstance(v.get("points"), list) and v["points"]
+            if not ok:
+                bad.append(Violation(f"{origin}.{key}.points", v, "must be a non-empty list",
+                                     "re-run python -m cpkit.bench calibrate"))
+        if bad:
+            raise CPConfigError(bad)
+        att, link = data["attention"], data["link"]
+        return cls(
+            attention=tuple(tuple(p) for p in att["points"]),
+            gemm=tuple(tuple(p) for p in data["gemm"]["points"]),
+            link=tuple(tuple(p) for p in link["points"]),
+            attention_heads=int(att.get("heads", 32)),
+            attention_head_dim=int(att.get("head_dim", 128)),
+            link_latency_s=float(link.get("latency_s", 20e-6)),
+            source={k: v for k, v in data.items() if k not in ("attention", "gemm", "link")},
+        )
+
+    def link_fit(self) -> tuple[float, float]:
+        """(latency in s, bandwidth in bytes/s) of the link points: a least-squares line of
+        seconds vs bytes with two or more sizes, else the given latency and the point's slope."""
+        pts = [(float(b), float(s)) for b, s in self.link]
+        if len({b for b, _ in pts}) >= 2:
+            n = len(pts)
+            mb = sum(b for b, _ in pts) / n
+            ms = sum(s for _, s in pts) / n
+            slope = sum((b - mb) * (s - ms) for b, s in pts) / sum((b - mb) ** 2 for b, _ in pts)
+            latency = max(0.0, ms - slope * mb)
+            return latency, 1.0 / slope if slope > 0 else math.inf
+        b, s = pts[0]
+        latency = min(self.link_latency_s, s)
+        return latency, b / (s - latency) if s > latency else math.inf
+
+
+def shipped_calibration_path() -> Path:
+    """Path of the calibration file shipped in the package (H200 measurements)."""
+    return Path(str(resources.files("cpkit.dynamic").joinpath(_SHIPPED)))
+
+
+def load_calibration(path: str | os.PathLike | None = None) -> Calibration:
+    """The calibration at `path`, else at $CPKIT_CALIBRATION, else the shipped one.
+
+    Raises CPConfigError naming the file when it cannot be read or is malformed.
+    """
+    chosen = path or os.environ.get(CALIBRATION_ENV) or shipped_calibration_path()
+    field_name = "calibration" if path else (CALIBRATION_ENV if os.environ.get(CALIBRATION_ENV)
+                                             else "calibration")
+    try:
+        with open(chosen, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as err:
+        raise CPConfigError.single(field_name, str(chosen), f"cannot be read ({err.strerror})",
+                                   "pass a file written by python -m cpkit.bench calibrate") from None
+    except json.JSONDecodeError as err:
+        raise CPConfigError.single(field_name, str(chosen), f"is not JSON ({err.msg})",
+                                   "pass a file written by python -m cpkit.bench calibrate") from None
+    if not isinstance(data, dict):
+        raise CPConfigError.single(field_name, str(chosen), "must hold a JSON object",
+                                   "pass a file written by python -m cpkit.bench calibrate")
+    return Calibration.from_dict(data, origin=str(chosen))
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The transformer a plan trains: sizes that set FLOPs and bytes per token.
+
+    Defaults: a 4096-wide GPT layer with 32 query / 8 KV heads of 128 (the calibration's
+    shapes), a 4 x hidden MLP, 32 layers, bf16 activations.
+    """
+
+    hidden_size: int = 4096
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    num_layers: int = 32
+    ffn_hidden_size: int | None = None
+    bytes_per_element: int = 2
+
+    def __post_init__(self):
+        bad = [Violation(name, getattr(self, name), "must be an int >= 1", "pass e.g. 4096")
+               for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "num_layers",
+                            "bytes_per_element")
+               if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1)]
+        if self.ffn_hidden_size is not None and not (
+                isinstance(self.ffn_hidden_size, int) and self.ffn_hidden_size >= 1):
+            bad.append(Violation("ffn_hidden_size", self.ffn_hidden_size,
+                                 "must be None or an int >= 1", "pass e.g. 16384"))
+        if bad:
+            raise CPConfigError(bad)
+
+    @property
+    def linear_flops_per_token(self) -> float:
+        """Forward + backward FLOPs of one layer's linear layers per token (3 x 2 x params)."""
+        h, d = self.hidden_size, self.head_dim
+        ffn = self.ffn_hidden_size or 4 * h
+        params = h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h + 2 * h * ffn
+        return 6.0 * params
+
+
+class CostModel:
+    """Modeled seconds per rank of CP groups and plans (definitions: module docstring).
+
+    dims: the model (ModelDims). calibration: Calibration (default: load_calibration()).
+    comm_type: "p2p" (default), "all_gather" or "a2a".
+    """
+
+    def __init__(self, dims: ModelDims | None = None, calibration: Calibration | None = None,
+                 comm_type: str = "p2p"):
+        if comm_type not in COMM_TYPES:
+            raise CPConfigError.single("comm_type", comm_type, f"must be one of {COMM_TYPES}",
+                                       "pass p2p, all_gather or a2a")
+        self.dims = dims or ModelDims()
+        self.calibration = calibration or load_calibration()
+        self.comm_type = comm_type
+        cal = self.calibration
+        self._attention_rate = _LogLogCurve(cal.attention, "attention.points")
+        self._gemm_rate = _LogLogCurve(cal.gemm, "gemm.points")
+        _LogLogCurve([(b, s) for b, s in cal.link], "link.points")  # validates
+        self.link_latency_s, self.link_bandwidth = cal.link_fit()
+        d = self.dims
+        self._kv_bytes_per_token = 2 * d.num_kv_heads * d.head_dim * d.bytes_per_element
+        self._qkvo_bytes_per_token = (2 * d.num_heads + 2 * d.num_kv_heads) * d.head_dim * d.bytes_per_element
+        self._linear_flops_per_token = d.linear_flops_per_token
+        # Plans repeat lengths and chunk sizes: cache the calibrated primitives per token count.
+        self._attention_time = lru_cache(maxsize=1 << 17)(self._attention_time_uncached)
+        self._gemm_time = lru_cache(maxsize=1 << 17)(self._gemm_time_uncached)
+        self._sample_time = lru_cache(maxsize=1 << 17)(self._sample_time_uncached)
+        self._estimates: dict[tuple[int, int, int], float] = {}
+
+    # ---------------------------------------------------------------- calibrated primitives
+
+    def _attention_time_uncached(self, tokens: int) -> float:
+        d = self.dims
+        tokens = max(tokens, self._attention_rate.smallest)  # launch-bound below the smallest
+        flops = _attention_flops(tokens, d.num_heads, d.head_dim)
+        return flops / (self._attention_rate(tokens) * 1e12)
+
+    def attention_time(self, tokens: int) -> float:
+        """Seconds of one causal fwd+bwd attention call over `tokens` on one GPU (one layer)."""
+        return self._attention_time(int(tokens))
+
+    def _gemm_time_uncached(self, tokens: int) -> float:
+        if tokens <= 0:
+            return 0.0
+        tokens = max(tokens, self._gemm_rate.smallest)  # launch-bound below the smallest
+        return tokens * self._linear_flops_per_token / (self._gemm_rate(tokens) * 1e12)
+
+    def gemm_time(self, tokens: int) -> float:
+        """Seconds of one layer's linear layers (fwd+bwd) over `tokens` tokens on one GPU."""
+        return self._gemm_time(int(tokens))
+
+    def link_time(self, nbytes: float) -> float:
+        """Seconds of one transfer of `nbytes` between two GPUs of a CP group (0 for none)."""
+        if nbytes <= 0:
+            return 0.0
+        return self.link_latency_s + nbytes / self.link_bandwidth
+
+    # ---------------------------------------------------------------- groups and plans
+
+    def group_time(self, seq_lens: Iterable[int], cp_size: int) -> float:
+        """Seconds per rank (all layers, fwd+bwd) of one CP group of `cp_size` ranks running the
+        packed samples `seq_lens` (each sharded over all its ranks)."""
+        c = cp_size
+        tokens = 0
+        attention = 0.0
+        step_attention = 0.0
+        if self.comm_type == "a2a" and c > 1:
+            for L in seq_lens:
+                tokens += -(-L // c)
+                attention += self._attention_time(L) / c
+            comm = 2 * self.link_time((c - 1) / c * tokens * self._qkvo_bytes_per_token)
+            return self.dims.num_layers * (self._gemm_time(tokens) + attention + comm)
+        for L in seq_lens:
+            chunk = -(-L // c)
+            tokens += chunk
+            t = self._attention_time(chunk)
+            attention += c * t
+            step_attention += t
+        total = self._gemm_time(tokens) + attention
+        if c > 1:
+            fwd_bytes = tokens * self._kv_bytes_per_token
+            fwd, bwd = self.link_time(fwd_bytes), self.link_time(2 * fwd_bytes)
+            if self.comm_type == "p2p":
+                hidden_fwd = step_attention * _FWD_SHARE
+                hidden_bwd = step_attention - hidden_fwd
+                total += (c - 1) * (max(0.0, fwd - hidden_fwd) + max(0.0, bwd - hidden_bwd))
+            else:  # all_gather: KV gathered, dKV reduce-scattered, before/after the kernel
+                total += (c - 1) * (fwd + bwd)
+        return self.dims.num_layers * total
+
+    def _sample_time_uncached(self, seq_len: int, cp_size: int) -> float:
+        return self.group_time((seq_len,), cp_size)
+
+    def sample_time(self, seq_len: int, cp_size: int) -> float:
+        """Seconds per rank of one sample alone in a group of `cp_size` ranks."""
+        return self._sample_time(int(seq_len), int(cp_size))
+
+    def estimate_sample_time(self, seq_len: int, cp_size: int) -> float:
+        """sample_time with seq_len rounded down to its 7 leading bits (within 1.6%): for
+        heuristics that time thousands of distinct lengths; plans are timed exactly."""
+        key = (seq_len >> max(0, seq_len.bit_length() - 7), seq_len.bit_length(), cp_size)
+        t = self._estimates.get(key)
+        if t is None:
+            shift = max(0, seq_len.bit_length() - 7)
+            t = self._estimates[key] = self._sample_time((seq_len >> shift) << shift, cp_size)
+        return t
+
+    def _group_times(self, plan, microbatch) -> list[float]:
+        lens = plan.seq_lens
+        if plan.packed:
+            return [self.group_time([lens[s] for s in g.samples], g.cp_size)
+                    for g in microbatch.groups]
+        return [sum(self.sample_time(lens[s], g.cp_size) for s in g.samples)
+                for g in microbatch.groups]
+
+    def microbatch_times(self, plan) -> list[float]:
+        """Modeled seconds of each micro-batch of `plan` (a cpkit.dynamic.plan.Plan): its
+        slowest group (an empty micro-batch: 0). A group of a plan with packed=False runs its
+        samples one after another, each alone."""
+        return [max(self._group_times(plan, mb), default=0.0) for mb in plan.microbatches]
+
+    def step_time(self, plan) -> float:
+        """Modeled seconds of one training step of `plan`: when its slowest rank finishes.
+
+        A rank runs its micro-batches in order, and a group starts when all its ranks have
+        finished their previous micro-batch (its CP communication waits for them); cpkit's
+        runtime has no other barrier, so static CP costs its slowest DP replica. A plan with
+        packed=False (MCore's hybrid CP schedule) also waits at a DPxCP barrier after every
+        micro-batch, as MCore's schedule does: the sum over micro-batches of the slowest rank.
+        """
+        if not plan.packed:
+            return sum(self.microbatch_times(plan))
+        ready = [0.0] * plan.dp_cp_size
+        for mb in plan.microbatches:
+            for g, t in zip(mb.groups, self._group_times(plan, mb)):
+                end = max(ready[r] for r in g.ranks) + t
+                for r in g.ranks:
+                    ready[r] = end
+        return max(ready, default=0.0)
+
+
+@lru_cache(maxsize=1)
+def default_cost_model() -> CostModel:
+    """The model `schedule` uses when given none: ModelDims() (4096 wide, 32 layers), p2p, and
+    load_calibration() ($CPKIT_CALIBRATION, read once, else the shipped H200 file)."""
+    return CostModel()

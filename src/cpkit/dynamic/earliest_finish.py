@@ -1,0 +1,186 @@
+"""The step-time candidate of the dynamic-CP scheduler: list scheduling by earliest finish time.
+
+Works on modeled seconds (cpkit.dynamic.cost), not on a compute-only workload. Every rank has a
+ready time. Samples are placed one by one, widest need first, then slowest first:
+
+1. Sizes tried: the sample's need (smallest power of two that fits max_seq_len_per_rank); wider
+   sizes, up to the fastest one (cpkit.dynamic.scheduler.fastest_cp_size), only for a sample
+   that would take longer at its need than a rank's mean load: short samples stay on few ranks
+   (no CP communication, full kernels), only the long ones are spread.
+2. For each size, the aligned block with the earliest start (the latest ready time of its ranks);
+   the size and block that finish first win (lowest rank on ties).
+3. If that block's last group is the same block and the sample fits its tokens, the sample is
+   packed into it (THD: one kernel call for both, better GEMM efficiency); otherwise it opens a
+   new group, in the first micro-batch after every previous one of its ranks.
+
+A rank runs its groups in order and waits for the ranks it shares a group with; cpkit's runtime
+has no other barrier, so the plan's modeled step time (CostModel.step_time) is the latest finish.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Callable, Sequence
+
+from cpkit.dynamic.cost import CostModel
+from cpkit.dynamic.plan import CPGroupAssignment, Microbatch, Plan
+
+__all__ = ["earliest_finish_plan"]
+
+
+class _Group:
+    __slots__ = ("first", "size", "samples", "tokens", "time", "index")
+
+    def __init__(self, first, size, index):
+        self.first, self.size, self.index = first, size, index
+        self.samples: list[int] = []
+        self.tokens, self.time = 0, 0.0
+
+
+class _ReadyTimes:
+    """Ready time per rank, and per aligned block of every power-of-two size the latest ready
+    time of its ranks (inf for a block that crosses a root of N, which no group may use)."""
+
+    def __init__(self, roots: Sequence[tuple[int, int]], n: int):
+        self.n = n
+        self.rank = [0.0] * n
+        self.levels: dict[int, list[float]] = {}
+        size = 1
+        while size <= n:
+            blocks = [float("inf")] * (-(-n // size))
+            for first, root in roots:
+                if root >= size:
+                    for f in range(first, first + root, size):
+                        blocks[f // size] = 0.0
+            self.levels[size] = blocks
+            size *= 2
+
+    def earliest(self, size: int) -> tuple[float, int]:
+        """(start, first rank) of the block of `size` whose ranks are all free first."""
+        blocks = self.levels[size]
+        start = min(blocks)
+        return start, blocks.index(start) * size
+
+    def set(self, first: int, size: int, end: float) -> None:
+        """Ranks [first, first + size) are busy until `end` (>= their ready times)."""
+        self.rank[first:first + size] = [end] * size
+        for s, blocks in self.levels.items():
+            if s <= size:
+                lo, hi = first // s, (first + size) // s
+                blocks[lo:hi] = [end if b != float("inf") else b for b in blocks[lo:hi]]
+            else:
+                j = first // s
+                if blocks[j] < end:
+                    blocks[j] = end
+
+
+def earliest_finish_plan(
+    seq_lens: Sequence[int],
+    needs: Sequence[int],
+    widest: Callable[[int, int], int],
+    *,
+    roots: Sequence[tuple[int, int]],
+    dp_cp_size: int,
+    max_seq_len_per_rank: int,
+    cost_model: CostModel,
+    microbatch_group_size: int | None = None,
+    workloads: Sequence[float] | None = None,
+) -> Plan:
+    """Plan a validated batch by earliest finish time (algorithm: module docstring).
+
+    needs[i]: sample i's smallest CP size; widest(L, need): the largest size a sample may get
+    (its fastest), asked only for the long samples.
+    roots: the root blocks of N (cpkit.dynamic.scheduler.aligned_roots).
+    """
+    lens, M, model = seq_lens, max_seq_len_per_rank, cost_model
+    n = dp_cp_size
+    at_need = [model.estimate_sample_time(L, c) for L, c in zip(lens, needs)]
+    mean_load = sum(t * c for t, c in zip(at_need, needs)) / n
+    order = sorted(range(len(lens)), key=lambda i: (-needs[i], -at_need[i], -lens[i], i))
+    times = _ReadyTimes(roots, n)
+    ready = times.rank
+    last: list[_Group | None] = [None] * n  # the last group of each rank
+    next_index = [0] * n  # the first micro-batch a new group of this rank may use
+    groups: list[_Group] = []
+
+    def place(i: int, first: int, size: int) -> None:
+        g = last[first]
+        chunk = -(-lens[i] // size)
+        if g is not None and g.first == first and g.size == size and g.tokens + chunk <= M \
+                and all(last[r] is g for r in range(first, first + size)):
+            old = g.time
+            g.samples.append(i)
+            g.tokens += chunk
+            g.time = model.group_time([lens[s] for s in g.samples], size)
+            end = ready[first] + g.time - old
+        else:
+            index = max(next_index[first:first + size])
+            g = _Group(first, size, index)
+            g.samples.append(i)
+            g.tokens = chunk
+            g.time = model.group_time([lens[i]], size)
+            groups.append(g)
+            end = max(ready[first:first + size]) + g.time
+        times.set(first, size, end)
+        last[first:first + size] = [g] * size
+        next_index[first:first + size] = [g.index + 1] * size
+
+    # Sorted widest need first, then slowest: the single-rank samples that stay on one rank
+    # form the tail of `order`; they need only the per-rank ready times (a heap).
+    tail = len(order)
+    while tail and needs[order[tail - 1]] == 1 and at_need[order[tail - 1]] <= mean_load:
+        tail -= 1
+    for i in order[:tail]:
+        need, sizes = needs[i], [needs[i]]
+        if at_need[i] > mean_load:
+            k, wide = need * 2, widest(lens[i], need)
+            while k <= wide:
+                sizes.append(k)
+                k *= 2
+        best = None
+        for size in sizes:
+            start, first = times.earliest(size)
+            finish = start + model.sample_time(lens[i], size)
+            if best is None or finish < best[0]:
+                best = (finish, first, size)
+        place(i, best[1], best[2])
+
+    heap = [(ready[r], r) for r in range(n)]
+    heapq.heapify(heap)
+    group_time = model.group_time
+    for i in order[tail:]:
+        start, r = heapq.heappop(heap)
+        L, g = lens[i], last[r]
+        if g is not None and g.size == 1 and g.tokens + L <= M:
+            g.samples.append(i)
+            g.tokens += L
+            t = group_time([lens[s] for s in g.samples], 1)
+            end = start + t - g.time
+            g.time = t
+        else:
+            g = _Group(r, 1, next_index[r])
+            g.samples.append(i)
+            g.tokens, g.time = L, group_time((L,), 1)
+            groups.append(g)
+            end = start + g.time
+            last[r], next_index[r] = g, g.index + 1
+        ready[r] = end
+        heapq.heappush(heap, (end, r))
+
+    count = max((g.index + 1 for g in groups), default=1)
+    step = microbatch_group_size or 1
+    count = -(-count // step) * step
+    per_mb: list[list[CPGroupAssignment]] = [[] for _ in range(count)]
+    for g in groups:
+        per_mb[g.index].append(CPGroupAssignment(
+            ranks=tuple(range(g.first, g.first + g.size)), samples=tuple(sorted(g.samples)),
+            cp_size=g.size))
+    return Plan(
+        microbatches=tuple(Microbatch(groups=tuple(sorted(mb, key=lambda g: g.first_rank)))
+                           for mb in per_mb),
+        seq_lens=tuple(lens),
+        dp_cp_size=n,
+        max_seq_len_per_rank=M,
+        workloads=tuple(workloads) if workloads is not None else tuple(at_need),
+        needed_cp_sizes=tuple(needs),
+    )
