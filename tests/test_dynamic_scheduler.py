@@ -25,7 +25,10 @@ from cpkit.dynamic import (
     schedule,
     workload_for_model,
 )
+from cpkit.dynamic.cost import default_cost_model
 from cpkit.dynamic.plan import assign_slots
+from cpkit.dynamic.scheduler import balanced_plan, needed_cp_sizes
+from cpkit.dynamic.static import static_cp_plan
 from cpkit.errors import CPConfigError
 
 PROPERTY = settings(
@@ -89,8 +92,10 @@ def _can_cover(lens, roots, M, min_cp) -> bool:
     return True
 
 
-def check_invariants(plan: Plan, lens, n, M, min_cp=1, group_size=None) -> None:
-    """Every invariant of issue 6, asserted on one plan."""
+def check_invariants(plan: Plan, lens, n, M, min_cp=1, group_size=None, require_cover=False) -> None:
+    """Every invariant of a plan, asserted on one plan. `require_cover`: the compute-only
+    balancer also keeps every rank busy where the samples allow it (the step-time scheduler may
+    leave a rank idle when that is faster)."""
     roots = _roots(n)
     largest = roots[0][1]
     seen = []
@@ -115,7 +120,7 @@ def check_invariants(plan: Plan, lens, n, M, min_cp=1, group_size=None) -> None:
             seen.extend(g.samples)
         assert max(covered) <= 1, f"micro-batch {m}: a rank is in two groups"
         # Every rank has work where the samples allow it (see _can_cover).
-        if _can_cover([lens[s] for s in mb.samples], roots, M, min_cp):
+        if require_cover and _can_cover([lens[s] for s in mb.samples], roots, M, min_cp):
             assert min(covered) == 1, f"micro-batch {m}: idle ranks although the samples allow work"
     assert sorted(seen) == list(range(len(lens))), "each sample exactly once"
     empty = sum(1 for mb in plan.microbatches if not mb.groups)
@@ -180,11 +185,32 @@ def test_aligned_roots_is_the_binary_decomposition():
 
 # ---------------------------------------------------------------- schedule: examples
 
-def test_brief_example_is_valid_and_balanced():
+def _static_time(lens, n, M, min_cp=1, group_size=None, model=None) -> float:
+    """Modeled step time of static CP on the same batch, planned independently of schedule()."""
+    model = model or default_cost_model()
+    needs = needed_cp_sizes(lens, dp_cp_size=n, max_seq_len_per_rank=M, min_cp_size=min_cp)
+    return model.step_time(static_cp_plan(lens, needs, dp_cp_size=n, max_seq_len_per_rank=M,
+                                          cost_model=model, min_cp_size=min_cp,
+                                          microbatch_group_size=group_size))
+
+
+def test_brief_example_is_valid_and_not_slower_than_static_cp():
     lens = [4000, 100, 200, 3000, 800, 50, 1024, 1025]
     plan = schedule(lens, dp_cp_size=8, max_seq_len_per_rank=1024)
     check_invariants(plan, lens, 8, 1024)
-    assert plan.stats.critical_path_efficiency >= 0.95
+    assert plan.step_time_s == pytest.approx(default_cost_model().step_time(plan))
+    assert plan.step_time_s <= _static_time(lens, 8, 1024)
+
+
+def test_mixed_batch_keeps_short_samples_on_one_rank_and_spreads_the_long_ones():
+    # Static CP would run all eight at cp 8 (the longest needs 8 ranks of 4096 tokens).
+    lens = [30000, 9000, 500, 500, 2000, 16000, 3000, 1200]
+    plan = schedule(lens, dp_cp_size=8, max_seq_len_per_rank=4096)
+    check_invariants(plan, lens, 8, 4096)
+    got = {s: g.cp_size for mb in plan.microbatches for g in mb.groups for s in g.samples}
+    assert all(got[s] == 1 for s, L in enumerate(lens) if L <= 4096), got
+    assert got[0] == 8
+    assert plan.static_step_time_s / plan.step_time_s > 1.15
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -270,21 +296,38 @@ def test_microbatch_group_size_gives_a_multiple_and_spreads_samples():
     assert [bool(mb.groups) for mb in plan.microbatches].count(False) == 1  # must pad one
 
 
-def test_balance_on_a_lognormal_batch_meets_the_targets():
+def _balanced(lens, n, M, min_cp=1, group_size=None, tolerance=0.03):
+    needs = needed_cp_sizes(lens, dp_cp_size=n, max_seq_len_per_rank=M, min_cp_size=min_cp)
+    return balanced_plan(lens, needs, [default_workload(L) for L in lens], dp_cp_size=n,
+                         max_seq_len_per_rank=M, min_cp_size=min_cp,
+                         microbatch_group_size=group_size, balance_tolerance=tolerance)
+
+
+def test_compute_only_balancer_meets_its_balance_targets_on_a_lognormal_batch():
+    rng = random.Random(0)
+    lens = [max(1, min(int(rng.lognormvariate(math.log(2000), 1.0)), 64 * 8192))
+            for _ in range(512)]
+    plan = _balanced(lens, 64, 8192)
+    check_invariants(plan, lens, 64, 8192, require_cover=True)
+    assert plan.stats.median_imbalance <= 1.05
+    assert plan.stats.critical_path_efficiency >= 0.95
+
+
+def test_a_lognormal_batch_is_modeled_faster_than_static_cp():
     rng = random.Random(0)
     lens = [max(1, min(int(rng.lognormvariate(math.log(2000), 1.0)), 64 * 8192))
             for _ in range(512)]
     plan = schedule(lens, dp_cp_size=64, max_seq_len_per_rank=8192)
     check_invariants(plan, lens, 64, 8192)
-    assert plan.stats.median_imbalance <= 1.05
-    assert plan.stats.critical_path_efficiency >= 0.95
+    assert plan.static_step_time_s / plan.step_time_s >= 1.15
 
 
-def test_short_samples_stay_at_their_needed_cp_size_when_memory_allows():
-    # 64 equal short samples on 8 ranks: 8 per rank at cp 1, perfectly balanced, no expansion.
+def test_short_samples_stay_at_cp1_when_packing_allows():
+    # 64 equal short samples on 8 ranks: 8 per rank at cp 1, packed, no expansion.
     plan = schedule([500] * 64, dp_cp_size=8, max_seq_len_per_rank=8192)
     assert plan.stats.expanded_samples == 0
-    assert plan.stats.imbalance == (1.0,)
+    assert {g.cp_size for mb in plan.microbatches for g in mb.groups} == {1}
+    assert len(plan.microbatches) == 1
 
 
 def test_to_dict_has_exactly_the_documented_shape():
@@ -417,6 +460,7 @@ def test_every_invariant_holds_or_input_is_rejected(case):
     plan = schedule(lens, **kwargs)
     check_invariants(plan, lens, n, M, min_cp, group_size)
     assert schedule(lens, **kwargs).to_dict() == plan.to_dict()  # deterministic
+    assert plan.step_time_s <= _static_time(lens, n, M, min_cp, group_size) * (1 + 1e-12)
     for m in range(len(plan.microbatches)):
         for r in range(n):
             g = plan.assignment_for_rank(r, m)
@@ -425,9 +469,9 @@ def test_every_invariant_holds_or_input_is_rejected(case):
 
 @PROPERTY
 @given(st.lists(st.integers(1, 3000), min_size=1, max_size=200), st.integers(1, 64))
-def test_realistic_lengths_balance_within_tolerance_or_use_every_rank(lens, n):
-    plan = schedule(lens, dp_cp_size=n, max_seq_len_per_rank=4096)
-    check_invariants(plan, lens, n, 4096)
+def test_compute_only_balancer_keeps_invariants_and_uses_every_rank(lens, n):
+    plan = _balanced(lens, n, 4096)
+    check_invariants(plan, lens, n, 4096, require_cover=True)
     stats = plan.stats
     assert stats.max_tokens_per_rank <= 4096
     assert stats.actual_critical_path >= stats.ideal_critical_path * (1 - 1e-9)

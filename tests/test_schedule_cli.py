@@ -21,26 +21,37 @@ def _grid(out: str) -> dict[str, list[str]]:
     return rows
 
 
-def test_text_report_has_grid_and_balance_figures(capsys):
+def test_text_report_has_grid_sample_table_and_step_times(capsys):
     assert main(BRIEF) == 0
     out, err = capsys.readouterr()
     assert err == ""
-    assert out.startswith("dynamic CP plan: 8 samples over dp_cp_size=8, max_seq_len_per_rank=1024")
+    assert out.startswith("dynamic CP plan (cpkit): 8 samples over dp_cp_size=8, "
+                          "max_seq_len_per_rank=1024")
     grid = _grid(out)
     assert sorted(grid, key=int) == [str(r) for r in range(8)]
     n_mb = len(grid["0"])
     assert all(len(cells) == n_mb for cells in grid.values())
     assert all(c == "-" or ("/cp" in c and c.startswith("s")) for cells in grid.values() for c in cells)
-    assert "max/mean" in out and "ideal/actual" in out
+    assert "modeled step time" in out and "static CP" in out and "MCore" in out
+    table = [line.split() for line in out.splitlines() if line.startswith("s") and
+             line.split()[0][1:].isdigit()]
+    assert [row[0] for row in table] == [f"s{i}" for i in range(8)]  # every sample, none cut
+    for row, L in zip(table, [4000, 100, 200, 3000, 800, 50, 1024, 1025]):
+        assert int(row[1]) == L and int(row[3]) >= int(row[2])  # got >= needs
     shown = {int(s[1:]) for cells in grid.values() for c in cells if c != "-"
              for s in c.split("/")[0].split(",") if s.startswith("s")}
     assert shown <= set(range(8))
 
 
-def test_json_is_the_plan_to_dict(capsys):
+def test_json_has_impl_microbatches_stats_and_violations(capsys):
     assert main(BRIEF + ["--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert set(plan) == {"microbatches", "stats"}
+    assert set(plan) == {"impl", "microbatches", "stats", "violations"}
+    assert plan["impl"] == "cpkit" and plan["violations"] == []
+    stats = plan["stats"]
+    assert stats["modeled_step_time_s"] <= stats["static_step_time_s"]
+    assert stats["speedup_vs_static"] == stats["static_step_time_s"] / stats["modeled_step_time_s"]
+    assert stats["speedup_vs_mcore"] == stats["mcore_step_time_s"] / stats["modeled_step_time_s"]
     samples = sorted(s for mb in plan["microbatches"] for g in mb["groups"] for s in g["samples"])
     assert samples == list(range(8))
     for mb in plan["microbatches"]:
@@ -90,6 +101,68 @@ def test_invalid_input_exits_2_with_one_clear_line(capsys, argv, message):
     out, err = capsys.readouterr()
     assert out == ""
     assert err.splitlines() == [message]
+
+
+def test_mcore_impl_on_a_valid_plan_exits_0(capsys):
+    assert main(["schedule", "--impl", "mcore", "--dp-cp", "8", "--max-seq-len-per-rank", "4096",
+                 "--seq-lens", "30000,9000,500,500,2000,16000,3000,1200", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["impl"] == "mcore" and out["violations"] == []
+    assert out["stats"]["mcore_step_time_s"] == out["stats"]["modeled_step_time_s"]
+
+
+def test_mcore_impl_breaking_an_invariant_exits_1_naming_it(capsys):
+    # One sample on 3 ranks: MCore spreads it over all 3 (no such aligned group).
+    argv = ["schedule", "--impl", "mcore", "--dp-cp", "3", "--max-seq-len-per-rank", "1",
+            "--seq-lens", "1"]
+    assert main(argv + ["--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["violations"] == [{"property": "aligned-groups",
+                                  "detail": "micro-batch 0: group [0..2] has 3 ranks, not a "
+                                            "power of two"}]
+    assert main(argv) == 1
+    assert "aligned-groups: micro-batch 0: group [0..2]" in capsys.readouterr().out
+
+
+def test_mcore_crash_is_the_no_crash_violation_with_its_last_line(capsys):
+    argv = ["schedule", "--impl", "mcore", "--dp-cp", "5", "--max-seq-len-per-rank", "1",
+            "--seq-lens", "1,1"]
+    assert main(argv + ["--json"]) == 1
+    out, err = capsys.readouterr()
+    result = json.loads(out)
+    assert result["microbatches"] == [] and err == ""
+    assert result["violations"] == [{"property": "no-crash",
+                                     "detail": "IndexError: list assignment index out of range"}]
+    assert main(argv) == 1
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err and "no-crash: IndexError" in out
+    # cpkit on the same input: a valid plan, and MCore's crash in its stats
+    assert main(argv[:2] + ["cpkit"] + argv[3:] + ["--json"]) == 0
+    assert "IndexError" in json.loads(capsys.readouterr().out)["stats"]["mcore_error"]
+
+
+@pytest.mark.parametrize("impl", ["cpkit", "mcore"])
+@pytest.mark.parametrize("lens, message", [
+    ("0,5", "error: seq_lens[0]=0: must be an int >= 1; fix: drop empty samples before scheduling"),
+    ("-3", "error: seq_lens[0]=-3: must be an int >= 1; fix: drop empty samples before scheduling"),
+    ("2.5", "error: --seq-lens: item 0 ('2.5') is not an integer"),
+    ("40000", "error: seq_lens[0]=40000: needs cp_size 16 (ceil(40000 / 16) <= "
+              "max_seq_len_per_rank=4096) but the largest aligned CP group of dp_cp_size=8 has 8 "
+              "ranks; fix: raise max_seq_len_per_rank to >= 5000, raise dp_cp_size to >= 16, or "
+              "split the sequence"),
+])
+def test_bad_lengths_exit_2_with_one_line_for_both_impls(capsys, impl, lens, message):
+    argv = ["schedule", "--impl", impl, "--dp-cp", "8", "--max-seq-len-per-rank", "4096",
+            "--seq-lens", lens]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [message]
+
+
+def test_mcore_impl_rejects_options_it_does_not_have(capsys):
+    assert main(["schedule", "--impl", "mcore", "--dp-cp", "8", "--max-seq-len-per-rank", "64",
+                 "--min-cp", "2", "--seq-lens", "10"]) == 2
+    assert capsys.readouterr().err.startswith("error: --impl mcore: MCore's BalancedCPScheduler")
 
 
 def test_missing_file_exits_2(tmp_path, capsys):

@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 
 from cpkit.dynamic.cost import CostModel
 from cpkit.dynamic.plan import CPGroupAssignment, Microbatch, Plan
+from cpkit.dynamic.static import fill_padding
 
 __all__ = ["earliest_finish_plan"]
 
@@ -170,14 +171,16 @@ def earliest_finish_plan(
     count = max((g.index + 1 for g in groups), default=1)
     step = microbatch_group_size or 1
     count = -(-count // step) * step
-    per_mb: list[list[CPGroupAssignment]] = [[] for _ in range(count)]
+    slots: list[list[tuple[int, int, list[int]]]] = [[] for _ in range(count)]
     for g in groups:
-        per_mb[g.index].append(CPGroupAssignment(
-            ranks=tuple(range(g.first, g.first + g.size)), samples=tuple(sorted(g.samples)),
-            cp_size=g.size))
+        slots[g.index].append((g.first, g.size, g.samples))
+    fill_padding(slots)
     return Plan(
-        microbatches=tuple(Microbatch(groups=tuple(sorted(mb, key=lambda g: g.first_rank)))
-                           for mb in per_mb),
+        microbatches=tuple(
+            Microbatch(groups=tuple(
+                CPGroupAssignment(ranks=tuple(range(f, f + k)), samples=tuple(sorted(s)), cp_size=k)
+                for f, k, s in sorted(mb)))
+            for mb in slots),
         seq_lens=tuple(lens),
         dp_cp_size=n,
         max_seq_len_per_rank=M,

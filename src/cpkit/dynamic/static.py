@@ -17,7 +17,7 @@ from typing import Sequence
 from cpkit.dynamic.cost import CostModel
 from cpkit.dynamic.plan import CPGroupAssignment, Microbatch, Plan
 
-__all__ = ["static_cp_plan", "static_cp_size"]
+__all__ = ["fill_padding", "static_cp_plan", "static_cp_size"]
 
 
 def static_cp_size(needs: Sequence[int], min_cp_size: int = 1) -> int:
@@ -37,18 +37,19 @@ def _blocks(dp_cp_size: int, size: int) -> list[int]:
     return firsts
 
 
-def _fill_padding(slots: list[list[tuple[int, list[int]]]]) -> None:
+def fill_padding(slots: list[list[tuple[int, int, list[int]]]]) -> None:
     """Give every empty micro-batch (padding to microbatch_group_size) a sample while samples
-    allow: split the fullest group, or move a lone group from a micro-batch that has several."""
+    allow: split one sample off the fullest group into the same block, or move a lone group
+    from a micro-batch that has several. `slots[m]` holds (first rank, size, samples) groups."""
     for m, groups in enumerate(slots):
         if groups:
             continue
-        donors = [(len(s), -k, j) for k, mb in enumerate(slots) for j, (_, s) in enumerate(mb)
-                  if len(s) >= 2]
+        donors = [(len(g[2]), -k, -j) for k, mb in enumerate(slots) for j, g in enumerate(mb)
+                  if len(g[2]) >= 2]
         if donors:
-            _, neg_k, j = max(donors)
-            first, samples = slots[-neg_k][j]
-            groups.append((first, [samples.pop()]))
+            _, neg_k, neg_j = max(donors)
+            first, size, samples = slots[-neg_k][-neg_j]
+            groups.append((first, size, [samples.pop()]))
             continue
         crowded = [k for k, mb in enumerate(slots) if len(mb) >= 2]
         if crowded:
@@ -100,13 +101,13 @@ def static_cp_plan(
     count = max(len(b) for b in replica_bins)
     group = microbatch_group_size or 1
     count = -(-count // group) * group
-    slots = [[(f, bins[m]) for f, bins in zip(firsts, replica_bins) if m < len(bins)]
+    slots = [[(f, cp, bins[m]) for f, bins in zip(firsts, replica_bins) if m < len(bins)]
              for m in range(count)]
-    _fill_padding(slots)
+    fill_padding(slots)
     microbatches = tuple(
         Microbatch(groups=tuple(
-            CPGroupAssignment(ranks=tuple(range(f, f + cp)), samples=tuple(sorted(s)), cp_size=cp)
-            for f, s in sorted(groups)))
+            CPGroupAssignment(ranks=tuple(range(f, f + k)), samples=tuple(sorted(s)), cp_size=k)
+            for f, k, s in sorted(groups)))
         for groups in slots)
     return Plan(
         microbatches=tuple(microbatches),

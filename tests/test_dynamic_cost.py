@@ -1,0 +1,141 @@
+"""Unit tests of the step-time cost model (cpkit.dynamic.cost) and its calibration files."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from cpkit.dynamic.cost import (
+    CALIBRATION_ENV,
+    COMM_TYPES,
+    Calibration,
+    CostModel,
+    ModelDims,
+    load_calibration,
+    shipped_calibration_path,
+)
+from cpkit.errors import CPConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _shipped() -> dict:
+    return json.loads(shipped_calibration_path().read_text())
+
+
+def _calibration_dims(cal: Calibration) -> ModelDims:
+    """A model with the calibration's own shapes: its attention heads and a 4096-wide layer."""
+    return ModelDims(hidden_size=4096, num_heads=cal.attention_heads, num_kv_heads=8,
+                     head_dim=cal.attention_head_dim, num_layers=1)
+
+
+def test_the_shipped_calibration_is_package_data_and_says_where_numbers_come_from():
+    data = _shipped()
+    for key in ("attention", "gemm", "link"):
+        assert data[key]["points"], key
+        assert data[key]["source"], key  # every number has its origin
+    assert '"cpkit.dynamic" = ["*.json"]' in (REPO / "pyproject.toml").read_text()
+
+
+@pytest.mark.parametrize("kind", ["attention", "gemm", "link"])
+def test_the_model_reproduces_every_calibration_point_within_5_percent(kind):
+    cal = load_calibration(shipped_calibration_path())
+    model = CostModel(_calibration_dims(cal), cal)
+    for size, measured in getattr(cal, kind):
+        if kind == "attention":
+            flops = 3.5 * 2 * cal.attention_heads * size * size * cal.attention_head_dim
+            expected, got = flops / (measured * 1e12), model.attention_time(size)
+        elif kind == "gemm":
+            flops = size * model.dims.linear_flops_per_token
+            expected, got = flops / (measured * 1e12), model.gemm_time(size)
+        else:
+            expected, got = measured, model.link_time(size)
+        assert got == pytest.approx(expected, rel=0.05), (kind, size)
+
+
+def test_a_link_fit_over_several_sizes_reproduces_them_within_5_percent():
+    latency, bandwidth = 15e-6, 300e9
+    points = [(b, latency + b / bandwidth) for b in (1 << 16, 1 << 20, 1 << 24, 1 << 27)]
+    cal = Calibration(attention=((1024, 100.0),), gemm=((1024, 500.0),), link=tuple(points))
+    model = CostModel(ModelDims(), cal)
+    assert model.link_latency_s == pytest.approx(latency, rel=1e-6)
+    for b, s in points:
+        assert model.link_time(b) == pytest.approx(s, rel=0.05)
+
+
+@pytest.mark.parametrize("comm_type", COMM_TYPES)
+def test_time_per_rank_is_monotone_in_the_sample_length(comm_type):
+    model = CostModel(comm_type=comm_type)
+    lengths = sorted({int(1.07 ** k) for k in range(0, 190)} | {128, 255, 256, 257, 131072})
+    for cp in (1, 2, 4, 8, 16, 64):
+        times = [model.sample_time(L, cp) for L in lengths]
+        assert all(b >= a for a, b in zip(times, times[1:])), (comm_type, cp)
+
+
+def test_a_short_sample_is_fastest_on_one_rank_and_a_long_one_on_many():
+    model = CostModel()
+    assert model.sample_time(512, 1) < model.sample_time(512, 8)  # 8 tiny kernels + 7 ring steps
+    assert model.sample_time(131072, 8) < model.sample_time(131072, 1) / 4
+
+
+def test_ring_communication_hides_behind_long_attention_only():
+    model = CostModel()
+    # A long sample's ring steps hide behind its attention: cp 2 costs about half of cp 1.
+    long_ratio = model.sample_time(65536, 2) / model.sample_time(65536, 1)
+    short_ratio = model.sample_time(2048, 2) / model.sample_time(2048, 1)
+    assert long_ratio < 0.55 and short_ratio > long_ratio
+
+
+def test_calibration_file_comes_from_the_argument_then_the_environment(tmp_path, monkeypatch):
+    data = _shipped()
+    data["attention"]["points"] = [[1024, 1.0]]  # a very slow GPU
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(data))
+    monkeypatch.setenv(CALIBRATION_ENV, str(path))
+    assert load_calibration().attention == ((1024, 1.0),)
+    assert load_calibration(shipped_calibration_path()).attention != ((1024, 1.0),)
+    monkeypatch.delenv(CALIBRATION_ENV)
+    assert load_calibration() == load_calibration(shipped_calibration_path())
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", "is not JSON"),
+    ('{"attention": {"points": []}}', "attention.points"),
+    ("[1, 2]", "must hold a JSON object"),
+])
+def test_a_bad_calibration_file_is_named_in_the_error(tmp_path, text, message):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(CPConfigError, match=message):
+        load_calibration(path)
+    with pytest.raises(CPConfigError, match="cannot be read"):
+        load_calibration(tmp_path / "missing.json")
+
+
+def test_bad_model_dims_and_comm_type_name_the_field():
+    with pytest.raises(CPConfigError) as info:
+        ModelDims(hidden_size=0)
+    assert info.value.field == "hidden_size"
+    with pytest.raises(CPConfigError) as info:
+        CostModel(comm_type="ring")
+    assert info.value.field == "comm_type"
+
+
+def test_step_time_waits_for_group_members_only_without_mcore_barrier():
+    from cpkit.dynamic.plan import CPGroupAssignment, Microbatch, Plan
+
+    model = CostModel()
+    # Rank 0 runs a long sample then a short one; rank 1 two short ones. No barrier: the step
+    # takes the longer rank's sum. MCore's schedule (packed=False) waits after each micro-batch.
+    mbs = (Microbatch((CPGroupAssignment((0,), (0,), 1), CPGroupAssignment((1,), (1,), 1))),
+           Microbatch((CPGroupAssignment((0,), (2,), 1), CPGroupAssignment((1,), (3,), 1))))
+    lens = (8192, 512, 512, 8192)
+    plan = Plan(mbs, lens, 2, 8192, (1.0,) * 4, (1,) * 4)
+    t = {L: model.sample_time(L, 1) for L in set(lens)}
+    assert model.step_time(plan) == pytest.approx(t[8192] + t[512])
+    barrier = Plan(mbs, lens, 2, 8192, (1.0,) * 4, (1,) * 4, packed=False)
+    assert model.step_time(barrier) == pytest.approx(2 * t[8192])
+    assert math.isclose(sum(model.microbatch_times(plan)), 2 * t[8192])
