@@ -3,7 +3,7 @@
 import importlib
 import sys
 
-BENCHMARKS = ["attention", "scheduler", "eval_cp"]
+BENCHMARKS = ["attention", "scheduler", "eval_cp", "calibrate"]
 
 
 def main(argv=None) -> int:

@@ -356,9 +356,13 @@ class CostModel:
         ready = [0.0] * plan.dp_cp_size
         for mb in plan.microbatches:
             for g, t in zip(mb.groups, self._group_times(plan, mb)):
-                end = max(ready[r] for r in g.ranks) + t
-                for r in g.ranks:
-                    ready[r] = end
+                first, k = g.ranks[0], len(g.ranks)
+                if g.ranks[-1] - first + 1 == k:  # a block: slices
+                    ready[first:first + k] = [max(ready[first:first + k]) + t] * k
+                else:
+                    end = max(ready[r] for r in g.ranks) + t
+                    for r in g.ranks:
+                        ready[r] = end
         return max(ready, default=0.0)
 
 

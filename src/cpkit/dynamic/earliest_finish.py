@@ -30,11 +30,12 @@ __all__ = ["earliest_finish_plan"]
 
 
 class _Group:
-    __slots__ = ("first", "size", "samples", "tokens", "time", "index")
+    __slots__ = ("first", "size", "samples", "lens", "tokens", "time", "index")
 
     def __init__(self, first, size, index):
         self.first, self.size, self.index = first, size, index
         self.samples: list[int] = []
+        self.lens: list[int] = []
         self.tokens, self.time = 0, 0.0
 
 
@@ -97,7 +98,8 @@ def earliest_finish_plan(
     n = dp_cp_size
     at_need = [model.estimate_sample_time(L, c) for L, c in zip(lens, needs)]
     mean_load = sum(t * c for t, c in zip(at_need, needs)) / n
-    order = sorted(range(len(lens)), key=lambda i: (-needs[i], -at_need[i], -lens[i], i))
+    order = [i for *_, i in sorted(zip([-c for c in needs], [-t for t in at_need],
+                                       [-L for L in lens], range(len(lens))))]
     times = _ReadyTimes(roots, n)
     ready = times.rank
     last: list[_Group | None] = [None] * n  # the last group of each rank
@@ -111,13 +113,15 @@ def earliest_finish_plan(
                 and all(last[r] is g for r in range(first, first + size)):
             old = g.time
             g.samples.append(i)
+            g.lens.append(lens[i])
             g.tokens += chunk
-            g.time = model.group_time([lens[s] for s in g.samples], size)
+            g.time = model.group_time(g.lens, size)
             end = ready[first] + g.time - old
         else:
             index = max(next_index[first:first + size])
             g = _Group(first, size, index)
             g.samples.append(i)
+            g.lens.append(lens[i])
             g.tokens = chunk
             g.time = model.group_time([lens[i]], size)
             groups.append(g)
@@ -154,14 +158,16 @@ def earliest_finish_plan(
         L, g = lens[i], last[r]
         if g is not None and g.size == 1 and g.tokens + L <= M:
             g.samples.append(i)
+            g.lens.append(L)
             g.tokens += L
-            t = group_time([lens[s] for s in g.samples], 1)
+            t = group_time(g.lens, 1)
             end = start + t - g.time
             g.time = t
         else:
             g = _Group(r, 1, next_index[r])
             g.samples.append(i)
-            g.tokens, g.time = L, group_time((L,), 1)
+            g.lens.append(L)
+            g.tokens, g.time = L, group_time(g.lens, 1)
             groups.append(g)
             end = start + g.time
             last[r], next_index[r] = g, g.index + 1
