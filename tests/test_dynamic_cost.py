@@ -139,3 +139,19 @@ def test_step_time_waits_for_group_members_only_without_mcore_barrier():
     barrier = Plan(mbs, lens, 2, 8192, (1.0,) * 4, (1,) * 4, packed=False)
     assert model.step_time(barrier) == pytest.approx(2 * t[8192])
     assert math.isclose(sum(model.microbatch_times(plan)), 2 * t[8192])
+
+
+def test_calibrate_writes_a_file_the_model_reads(tmp_path, capsys):
+    from cpkit.bench.calibrate import main
+
+    out = tmp_path / "cal.json"
+    assert main(["--device", "cpu", "--quick", "--ring-ranks", "1", "--warmup", "0", "--hidden",
+                 "256", "--heads", "4", "--kv-heads", "2", "--head-dim", "64",
+                 "--iters", "1", "--out", str(out)]) == 0
+    cal = load_calibration(out)
+    assert [L for L, _ in cal.attention] == [128, 256, 512]
+    assert cal.link == load_calibration(shipped_calibration_path()).link  # kept: no ring
+    data = json.loads(out.read_text())
+    assert "calibrate" in data["attention"]["source"] and "kept from" in data["link"]["source"]
+    assert CostModel(calibration=cal).sample_time(1000, 2) > 0
+    assert f"calibration: {out}" in capsys.readouterr().out
