@@ -1,7 +1,8 @@
 """Dynamic context parallelism: a per-global-batch plan that gives each packed sample the CP size
-it needs and balances the DPxCP ranks (scheduler, pure Python), and the registry of aligned CP
-groups the plan refers to."""
+it needs and minimizes the modeled step time (scheduler and cost model, pure Python), and the
+registry of aligned CP groups the plan refers to."""
 
+from cpkit.dynamic.cost import CostModel, ModelDims, default_cost_model, load_calibration
 from cpkit.dynamic.plan import CPGroupAssignment, Microbatch, Plan, PlanStats
 from cpkit.dynamic.registry import GroupRegistry, aligned_blocks, build_group_registry
 from cpkit.dynamic.scheduler import (
@@ -15,6 +16,10 @@ from cpkit.dynamic.workload import QuadraticWorkload, default_workload, workload
 
 __all__ = [
     "CPGroupAssignment",
+    "CostModel",
+    "ModelDims",
+    "default_cost_model",
+    "load_calibration",
     "DEFAULT_BALANCE_TOLERANCE",
     "GroupRegistry",
     "Microbatch",

@@ -4,7 +4,8 @@ Ranks are positions 0..N-1 in the DPxCP group (N = dp_cp_size), not global ranks
 registry (cpkit.dynamic.registry) maps a block of positions to its process group. Sample ids are
 indices into the scheduled `seq_lens`.
 
-Cost model (cpkit.dynamic.workload): sample i has total workload w_i; a group of size k running
+Balance figures count compute only (the modeled step time is cpkit.dynamic.cost's, in
+plan.step_time_s): sample i has total workload w_i; a group of size k running
 samples S costs sum(w_i for i in S) / k on each of its k ranks, and holds
 sum(ceil(L_i / k) for i in S) tokens on each rank. Balance figures:
 

@@ -1,4 +1,4 @@
-"""Dynamic-CP scheduler: give each packed sample the CP size it needs, balance the DPxCP ranks.
+"""Dynamic-CP scheduler: the plan of a global batch with the least modeled step time.
 
 Pure Python (no torch): every rank runs it on the same global batch and gets the same plan.
 
@@ -7,22 +7,24 @@ of ranks [f, f + k) with k a power of two and f % k == 0 (so it matches a group 
 created up front). If N is not a power of two, the blocks form a forest whose roots are N's
 binary decomposition (6 = 4 + 2: [0, 4) and [4, 6)); no group crosses a root. Samples in one
 group are packed together (THD) and each is sharded over all k ranks, so a rank of the group
-holds sum(ceil(L / k)) tokens and costs sum(w(L)) / k (cpkit.dynamic.workload).
+holds sum(ceil(L / k)) tokens.
 
-Algorithm, per global batch (w = workload, W = a micro-batch's mean load per rank):
+`schedule`, per global batch:
 1. need(L) = cp_size_for(L, M, min_cp_size): the smallest CP size that fits the memory limit.
-2. Number of micro-batches B (`_initial_count`): the fewest for which a balanced plan fits in
-   memory, rounded up to a multiple of microbatch_group_size. If a micro-batch still cannot be
-   packed, B grows by ~1/8 and the batch is re-planned; at B >= #samples every sample has its
-   own micro-batch, which always fits, so scheduling terminates.
-3. Samples (largest need first, then heaviest) go to the micro-batch with the least work that
-   still has room (LPT): tokens <= N * M, and blocks of exclusive samples (those filling more
-   than M / 2 tokens per rank at their need) add up to <= N.
-4. Each micro-batch is packed by cpkit.dynamic.packing: a sample heavier than one rank's share
-   gets a group sized to its work, light samples share single ranks (LPT), and a group is
-   merged with its buddy block only when it would otherwise cost more than
-   (1 + balance_tolerance) * W per rank. A sample runs on more ranks than it needs only to share
-   a heavy load or to keep ranks busy (`stats.expanded_samples` counts them).
+2. Candidates, each timed by the step-time model (cpkit.dynamic.cost.CostModel.step_time):
+   - earliest finish (cpkit.dynamic.earliest_finish): samples keep their need unless the model
+     says a wider group finishes sooner (`fastest_cp_size`), and go, widest need first, then
+     slowest, to the aligned block that finishes them first, packed into its last group when
+     the tokens fit;
+   - static CP (cpkit.dynamic.static): every sample at the batch's largest need;
+   - with a caller's `workload` only: the compute-only balancer (`balanced_plan`, below).
+3. The fastest wins, static CP on ties: no plan is modeled slower than static CP.
+
+The compute-only balancer (`balanced_plan`; w = workload, W = a micro-batch's mean load per
+rank): the fewest micro-batches B for which a balanced plan fits in memory (`_initial_count`,
+rounded up to a multiple of microbatch_group_size, grown by ~1/8 until it packs); samples,
+largest need first, then heaviest, to the micro-batch with the least work that still has room
+(LPT); each micro-batch packed by cpkit.dynamic.packing.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Workload model for the dynamic-CP scheduler: the relative cost of one packed sample.
+"""Compute-only workload of one packed sample, for the scheduler's optional balancing candidate.
+
+The scheduler itself times plans with the step-time model (cpkit.dynamic.cost); a workload
+function passed to `schedule(workload=...)` only drives its compute-only balancer.
 
 A workload function takes exactly one argument, the sample's length in tokens, and returns its
 total cost (any unit, finite and >= 0). The scheduler calls it once per sample and spreads the cost
