@@ -248,6 +248,8 @@ class CostModel:
         self._attention_time = lru_cache(maxsize=1 << 17)(self._attention_time_uncached)
         self._gemm_time = lru_cache(maxsize=1 << 17)(self._gemm_time_uncached)
         self._sample_time = lru_cache(maxsize=1 << 17)(self._sample_time_uncached)
+        # a scheduler times a group while building it and again when timing the plan
+        self._group_time = lru_cache(maxsize=1 << 16)(self._group_time_uncached)
         self._estimates: dict[tuple[int, int, int], float] = {}
 
     # ---------------------------------------------------------------- calibrated primitives
@@ -283,6 +285,9 @@ class CostModel:
     def group_time(self, seq_lens: Iterable[int], cp_size: int) -> float:
         """Seconds per rank (all layers, fwd+bwd) of one CP group of `cp_size` ranks running the
         packed samples `seq_lens` (each sharded over all its ranks)."""
+        return self._group_time(tuple(seq_lens), int(cp_size))
+
+    def _group_time_uncached(self, seq_lens: tuple[int, ...], cp_size: int) -> float:
         c = cp_size
         tokens = 0
         attention = 0.0
