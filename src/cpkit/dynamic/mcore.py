@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 import traceback
 from contextlib import contextmanager
 from typing import Sequence
@@ -54,7 +55,9 @@ class _Timeout(BaseException):
 
 
 @contextmanager
-def _time_limit(seconds: float):
+def _time_limit(seconds: float | None):
+    """Raise _Timeout in the main thread after `seconds`; an alarm already set (pytest-timeout's,
+    say) is restored afterwards with the time it had left."""
     if seconds is None or threading.current_thread() is not threading.main_thread() \
             or not hasattr(signal, "setitimer"):
         yield
@@ -64,12 +67,18 @@ def _time_limit(seconds: float):
         raise _Timeout
 
     previous = signal.signal(signal.SIGALRM, _raise)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    start = time.monotonic()
+    outer_delay, outer_interval = signal.setitimer(signal.ITIMER_REAL, seconds)
+    if 0 < outer_delay < seconds:  # the outer alarm is due first: keep its deadline
+        signal.setitimer(signal.ITIMER_REAL, outer_delay)
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        if outer_delay > 0:
+            left = max(outer_delay - (time.monotonic() - start), 1e-3)
+            signal.setitimer(signal.ITIMER_REAL, left, outer_interval)
 
 
 def _last_line(err: BaseException) -> str:
