@@ -137,3 +137,15 @@ def test_the_recorded_counterexamples_still_fail_as_recorded():
         "no-crash": "IndexError: list assignment index out of range"}
     assert _violations("mcore", ([1], 3, 1)) == {
         "aligned-groups": "micro-batch 0: group [0..2] has 3 ranks, not a power of two"}
+
+
+def test_a_call_that_does_not_return_is_a_crash_not_a_hang(monkeypatch):
+    from megatron.core.pipeline_parallel import hybrid_cp_schedule
+
+    def forever(self, sample_id_seqlens, config):
+        while True:
+            pass
+
+    monkeypatch.setattr(hybrid_cp_schedule.BalancedCPScheduler, "get_groups_and_subsamples", forever)
+    with pytest.raises(SchedulerCrash, match=r"did not return within 0.2 s"):
+        mcore_schedule([4, 4], dp_cp_size=2, max_seq_len_per_rank=8, timeout_s=0.2)

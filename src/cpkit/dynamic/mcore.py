@@ -10,9 +10,9 @@ packed=False: memory holds one sample at a time and the cost model times them in
 (cpkit.dynamic.invariants); nothing here repairs it.
 
 A crash inside MCore becomes `SchedulerCrash` carrying the exception's last line; a call that
-does not return within `timeout_s` (MCore loops forever when a sample needs more ranks than N
-holds) becomes `SchedulerCrash` too, on the main thread of a POSIX process (elsewhere the
-call is not timed).
+does not return within `timeout_s` (hangs were reported at non-power-of-two DPxCP sizes; its
+outer loop never ends when no sample fits N) becomes `SchedulerCrash` too, on the main thread
+of a POSIX process (elsewhere the call is not timed).
 """
 
 from __future__ import annotations
