@@ -5,7 +5,8 @@ to 128K tokens, and a layer's linear layers (QKV, output projection, MLP; forwar
 tokens. With two or more GPUs (NCCL): the ring step of cpkit's p2p attention, one exchange with
 the next and previous rank, vs bytes, at cp=2 and cp=4 (as many as there are GPUs), batched
 (one batch_isend_irecv) and unbatched (separate isend/irecv); the link points the model fits are
-the batched ones at the largest cp (cpkit's default), the others are kept in the file. With one
+those of the largest cp in the mode cpkit's ring uses there by default (batched for a ring of 2,
+separate calls for more: src/cpkit/attention/comm.py), the others are kept in the file. With one
 GPU the link points of the calibration given by --base (default: the shipped one) are kept, and
 the file says so.
 
@@ -173,7 +174,7 @@ def main(argv=None) -> int:
         cps = [c for c in (2, 4) if c <= ranks]
         rings = launch(measure_ring, ranks, backend="nccl" if args.device == "cuda" else "gloo",
                        timeout=900, args=(nbytes, cps, args.warmup, args.iters))[0]
-        key = f"cp{max(cps)}_batched"
+        key = f"cp{max(cps)}_{'batched' if max(cps) == 2 else 'unbatched'}"  # cpkit's default
         link = {"what": "seconds of one ring exchange (send to next, receive from previous) vs "
                         "bytes", "points": rings[key], "measurements": rings,
                 "source": f"{origin}: {key} ({ranks} x {device_name})"}

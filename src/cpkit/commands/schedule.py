@@ -15,6 +15,7 @@ violation `no-crash`), 2 with one "error: ..." line per problem on stderr for in
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import sys
@@ -45,7 +46,7 @@ def add_parser(sub) -> None:
     p.add_argument("--microbatch-group-size", type=int, default=None,
                    help="make the number of micro-batches a multiple of this (e.g. VPP stages)")
     p.add_argument("--balance-tolerance", type=float, default=DEFAULT_BALANCE_TOLERANCE,
-                   help=argparse_suppress())
+                   help=argparse.SUPPRESS)  # knob of the compute-only candidate, kept for old scripts
     model = p.add_argument_group("step-time model (cpkit.dynamic.cost)")
     model.add_argument("--hidden-size", type=int, default=4096)
     model.add_argument("--num-heads", type=int, default=32)
@@ -64,12 +65,6 @@ def add_parser(sub) -> None:
                           "spaces or newlines")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
-
-
-def argparse_suppress():
-    import argparse
-
-    return argparse.SUPPRESS  # a knob of the compute-only balancing kept for compatibility
 
 
 def parse_seq_lens(text: str, source: str) -> list[int]:
