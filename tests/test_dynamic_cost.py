@@ -56,6 +56,34 @@ def test_the_model_reproduces_every_calibration_point_within_5_percent(kind):
         assert got == pytest.approx(expected, rel=0.05), (kind, size)
 
 
+def test_a_packed_call_reproduces_the_packed_calibration_points_within_5_percent():
+    cal = load_calibration(shipped_calibration_path())
+    assert cal.attention_packed, "the shipped calibration measures packed calls"
+    model = CostModel(_calibration_dims(cal), cal)
+    per_call = cal.attention_tokens_per_call
+    for size, measured in cal.attention_packed:
+        n = per_call // int(size)
+        flops = n * 3.5 * 2 * cal.attention_heads * size * size * cal.attention_head_dim
+        got = model.call_time([int(size)] * n)
+        assert got == pytest.approx(max(flops / (measured * 1e12), model.call_time([1])), rel=0.05), size
+
+
+def test_short_samples_share_a_call_and_a_lone_sample_runs_at_the_single_rate():
+    single = ((256, 8.0), (32768, 500.0))
+    cal = Calibration(attention=single, gemm=((1024, 500.0),), link=((1 << 20, 1e-4),),
+                      attention_packed=((256, 200.0),), attention_tokens_per_call=32768)
+    model = CostModel(ModelDims(num_layers=1), cal)
+    flops256 = 3.5 * 2 * 32 * 256 * 256 * 128
+    assert model.call_time([256]) == pytest.approx(flops256 / 8e12)  # alone: launch-bound rate
+    assert model.call_time([256] * 128) == pytest.approx(128 * flops256 / 200e12)  # packed rate
+    # Packing more short sequences into a call never makes each of them slower.
+    per_seq = [model.call_time([256] * n) / n for n in (1, 2, 8, 32, 128)]
+    assert per_seq == sorted(per_seq, reverse=True)
+    # Without packed points the model falls back to one call at single rates (no speed-up).
+    plain = CostModel(ModelDims(num_layers=1), Calibration(attention=single, gemm=cal.gemm, link=cal.link))
+    assert plain.call_time([256] * 128) == pytest.approx(128 * flops256 / 8e12)
+
+
 def test_a_link_fit_over_several_sizes_reproduces_them_within_5_percent():
     latency, bandwidth = 15e-6, 300e9
     points = [(b, latency + b / bandwidth) for b in (1 << 16, 1 << 20, 1 << 24, 1 << 27)]
@@ -150,6 +178,7 @@ def test_calibrate_writes_a_file_the_model_reads(tmp_path, capsys):
                  "--iters", "1", "--out", str(out)]) == 0
     cal = load_calibration(out)
     assert [L for L, _ in cal.attention] == [128, 256, 512]
+    assert [L for L, _ in cal.attention_packed] == [128, 256, 512] and cal.attention_tokens_per_call == 1024
     assert cal.link == load_calibration(shipped_calibration_path()).link  # kept: no ring
     data = json.loads(out.read_text())
     assert "calibrate" in data["attention"]["source"] and "kept from" in data["link"]["source"]

@@ -1,7 +1,7 @@
 """`python -m cpkit.bench calibrate`: measure the speeds the step-time model reads; write its JSON.
 
-On one GPU: causal attention (cuDNN/flash SDPA, forward + backward, b=1) vs sequence length, 128
-to 128K tokens, and a layer's linear layers (QKV, output projection, MLP; forward + backward) vs
+On one GPU: causal attention (cuDNN/flash SDPA, forward + backward) vs sequence length, 128 to
+128K tokens, one sequence per call and packed (32K tokens of equal sequences per call), and a layer's linear layers (QKV, output projection, MLP; forward + backward) vs
 tokens. With two or more GPUs (NCCL): the ring step of cpkit's p2p attention, one exchange with
 the next and previous rank, vs bytes, at cp=2 and cp=4 (as many as there are GPUs), batched
 (one batch_isend_irecv) and unbatched (separate isend/irecv); the link points the model fits are
@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from cpkit.bench.common import DEFAULT_RESULTS_DIR, machine_info, median, time_fn
 
-__all__ = ["main", "measure_attention", "measure_gemm", "measure_ring"]
+__all__ = ["main", "measure_attention", "measure_gemm", "measure_packed_attention", "measure_ring"]
 
 NAME = "calibration"
 LENGTHS = [128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
@@ -57,6 +57,33 @@ def measure_attention(lengths, heads, kv_heads, head_dim, device, warmup, iters)
 
         ms = median(time_fn(step, warmup=warmup, iters=iters, device=device))
         points.append([L, 3.5 * 2 * heads * L * L * head_dim / (ms * 1e-3) / 1e12])
+        del q, k, v, grad
+    return points
+
+
+def measure_packed_attention(lengths, tokens_per_call, heads, kv_heads, head_dim, device, warmup,
+                             iters) -> list[list[float]]:
+    """[[L, TFLOP/s]] of causal SDPA fwd+bwd over tokens_per_call // L sequences of L in one call
+    (a batch of equal lengths: what a varlen call over a packed micro-batch of them runs)."""
+    import torch.nn.functional as F
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    points = []
+    for L in lengths:
+        if L >= tokens_per_call:
+            continue  # one sequence fills the call: the single-sequence rate
+        b = tokens_per_call // L
+        q = torch.randn(b, heads, L, head_dim, device=device, dtype=dtype, requires_grad=True)
+        k = torch.randn(b, kv_heads, L, head_dim, device=device, dtype=dtype, requires_grad=True)
+        v = torch.randn(b, kv_heads, L, head_dim, device=device, dtype=dtype, requires_grad=True)
+        grad = torch.randn(b, heads, L, head_dim, device=device, dtype=dtype)
+
+        def step():
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            out.backward(grad)
+
+        ms = median(time_fn(step, warmup=warmup, iters=iters, device=device))
+        points.append([L, b * 3.5 * 2 * heads * L * L * head_dim / (ms * 1e-3) / 1e12])
         del q, k, v, grad
     return points
 
@@ -162,6 +189,9 @@ def main(argv=None) -> int:
     nbytes = QUICK["nbytes"] if args.quick else BYTES
     att = measure_attention(lengths, args.heads, args.kv_heads, args.head_dim, dev,
                             args.warmup, args.iters)
+    per_call = 1024 if args.quick else 32768
+    packed = measure_packed_attention(lengths, per_call, args.heads, args.kv_heads, args.head_dim,
+                                      dev, args.warmup, args.iters)
     gemm = measure_gemm(tokens, args.hidden, args.heads, args.kv_heads, args.head_dim, dev,
                         args.warmup, args.iters)
     gpus = torch.cuda.device_count() if args.device == "cuda" else 2
@@ -192,6 +222,9 @@ def main(argv=None) -> int:
                               "FLOPs = 3.5 * 2 * heads * L^2 * head_dim",
                       "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
                       "points": att, "source": origin},
+        "attention_packed": {"what": f"the same kernel over {per_call} // L sequences of L tokens in "
+                                     "one call (a packed micro-batch's varlen call), TFLOP/s",
+                             "tokens_per_call": per_call, "points": packed, "source": origin},
         "gemm": {"what": f"a {args.hidden}-wide layer's linear layers (QKV, output projection, "
                          f"4x MLP), forward + backward, TFLOP/s vs tokens",
                  "hidden_size": args.hidden, "points": gemm, "source": origin},
@@ -202,6 +235,7 @@ def main(argv=None) -> int:
     out.write_text(json.dumps(data, indent=2) + "\n")
     load_calibration(out)  # the model can read what was written
     print("attention TFLOP/s: " + ", ".join(f"{int(L)}: {r:.4g}" for L, r in att))
+    print("packed attention TFLOP/s: " + ", ".join(f"{int(L)}: {r:.4g}" for L, r in packed))
     print("GEMM TFLOP/s: " + ", ".join(f"{int(T)}: {r:.4g}" for T, r in gemm))
     print("link: " + ", ".join(f"{int(b)} B: {s * 1e6:.1f} us" for b, s in link["points"]))
     print(f"calibration: {out}")

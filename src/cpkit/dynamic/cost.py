@@ -5,9 +5,14 @@ c chunks of l = ceil(L / c) tokens. Per rank and per layer, forward + backward:
 
 - linear layers (QKV, output projection, MLP): their FLOPs on the rank's T = sum(l) tokens at the
   GEMM rate measured for T tokens (`gemm`): short micro-batches run the GEMMs slowly;
-- attention, per sample: p2p and all_gather run c kernel calls on chunks of l tokens, together
-  the time of c single-GPU causal calls of length l (`attention`, measured on one GPU:
-  c * t_attn(l)); a2a runs one call of length L with heads / c (t_attn(L) / c);
+- attention: a packed micro-batch is one varlen kernel call per ring step over the chunks of all
+  its samples (cpkit's THD path), so short samples share a call instead of each paying a launch.
+  A call over T tokens in sequences (chunks) of l tokens runs at `rate(l, T)`: the single-sequence
+  rate (`attention`, b=1) when T = l, the packed rate (`attention_packed`, many sequences of l
+  filling `tokens_per_call` tokens) from T = tokens_per_call on, log-linear in T between; a call
+  takes at least one launch (the single call at the smallest measured length). p2p and
+  all_gather run c such calls (one per ring step) on chunks of l = ceil(L / c); a2a runs one
+  call on whole samples with heads / c. Without `attention_packed` the single rate is used;
 - exposed CP communication (`link`: latency + bytes / bandwidth per transfer):
   p2p: c - 1 ring steps; each step sends the group's KV chunks forward (K and V) and KV + dKV
   backward; a step hides behind that step's attention (forward 1/3.5 of the kernel time,
@@ -101,7 +106,9 @@ class Calibration:
     """Measured speeds the model reads (see the module docstring for the units).
 
     attention: [[seq_len, TFLOP/s]] of single-GPU causal fwd+bwd attention with
-        `attention_heads` query heads of `attention_head_dim`.
+        `attention_heads` query heads of `attention_head_dim`, one sequence per call.
+    attention_packed: [[seq_len, TFLOP/s]] of the same kernel over many sequences of seq_len in
+        one call of `attention_tokens_per_call` tokens (empty: not measured, single rates used).
     gemm: [[tokens, TFLOP/s]] of a layer's linear layers (fwd+bwd) on that many tokens.
     link: [[bytes, seconds]] of one CP transfer (a ring step's send and receive) between two
         GPUs of the group; latency and bandwidth are fitted by least squares (one point: the
@@ -114,6 +121,8 @@ class Calibration:
     attention_heads: int = 32
     attention_head_dim: int = 128
     link_latency_s: float = 20e-6
+    attention_packed: tuple[tuple[float, float], ...] = ()
+    attention_tokens_per_call: int = 32768
     source: dict = field(default_factory=dict, compare=False)
 
     @classmethod
@@ -129,14 +138,17 @@ class Calibration:
         if bad:
             raise CPConfigError(bad)
         att, link = data["attention"], data["link"]
+        packed = data.get("attention_packed") or {}
         return cls(
+            attention_packed=tuple(tuple(p) for p in packed.get("points", ())),
+            attention_tokens_per_call=int(packed.get("tokens_per_call", 32768)),
             attention=tuple(tuple(p) for p in att["points"]),
             gemm=tuple(tuple(p) for p in data["gemm"]["points"]),
             link=tuple(tuple(p) for p in link["points"]),
             attention_heads=int(att.get("heads", 32)),
             attention_head_dim=int(att.get("head_dim", 128)),
             link_latency_s=float(link.get("latency_s", 20e-6)),
-            source={k: v for k, v in data.items() if k not in ("attention", "gemm", "link")},
+            source={k: v for k, v in data.items() if k not in ("attention", "attention_packed", "gemm", "link")},
         )
 
     def link_fit(self) -> tuple[float, float]:
@@ -237,6 +249,9 @@ class CostModel:
         self.comm_type = comm_type
         cal = self.calibration
         self._attention_rate = _LogLogCurve(cal.attention, "attention.points")
+        self._packed_rate = (_LogLogCurve(cal.attention_packed, "attention_packed.points")
+                             if cal.attention_packed else None)
+        self._launch_s = self._attention_time_uncached(int(self._attention_rate.smallest))
         self._gemm_rate = _LogLogCurve(cal.gemm, "gemm.points")
         _LogLogCurve([(b, s) for b, s in cal.link], "link.points")  # validates
         self.link_latency_s, self.link_bandwidth = cal.link_fit()
@@ -264,6 +279,25 @@ class CostModel:
         """Seconds of one causal fwd+bwd attention call over `tokens` on one GPU (one layer)."""
         return self._attention_time(int(tokens))
 
+    def _rate(self, length: int, call_tokens: int) -> float:
+        """TFLOP/s of sequences of `length` in a call of `call_tokens` tokens (module docstring)."""
+        single = self._attention_rate(length)
+        full = self.calibration.attention_tokens_per_call
+        if self._packed_rate is None or call_tokens <= length or length >= full:
+            return single
+        packed = self._packed_rate(length)
+        share = min(1.0, math.log(call_tokens / length) / math.log(full / length))
+        return math.exp(math.log(single) + share * (math.log(packed) - math.log(single)))
+
+    def call_time(self, lengths: Sequence[int], heads_share: float = 1.0) -> float:
+        """Seconds of one varlen causal fwd+bwd attention call over sequences of `lengths`
+        (one layer), with `heads_share` of the model's heads (a2a: 1 / c); at least one launch."""
+        d = self.dims
+        total = sum(lengths)
+        flops = sum(_attention_flops(L, d.num_heads, d.head_dim) / (self._rate(L, total) * 1e12)
+                    for L in lengths if L > 0)
+        return max(self._launch_s, heads_share * flops)
+
     def _gemm_time_uncached(self, tokens: int) -> float:
         if tokens <= 0:
             return 0.0
@@ -289,22 +323,14 @@ class CostModel:
 
     def _group_time_uncached(self, seq_lens: tuple[int, ...], cp_size: int) -> float:
         c = cp_size
-        tokens = 0
-        attention = 0.0
-        step_attention = 0.0
+        chunks = [-(-L // c) for L in seq_lens]
+        tokens = sum(chunks)
         if self.comm_type == "a2a" and c > 1:
-            for L in seq_lens:
-                tokens += -(-L // c)
-                attention += self._attention_time(L) / c
+            attention = self.call_time(seq_lens, heads_share=1.0 / c)
             comm = 2 * self.link_time((c - 1) / c * tokens * self._qkvo_bytes_per_token)
             return self.dims.num_layers * (self._gemm_time(tokens) + attention + comm)
-        for L in seq_lens:
-            chunk = -(-L // c)
-            tokens += chunk
-            t = self._attention_time(chunk)
-            attention += c * t
-            step_attention += t
-        total = self._gemm_time(tokens) + attention
+        step_attention = self.call_time(chunks)  # one ring step: one call over every chunk
+        total = self._gemm_time(tokens) + c * step_attention
         if c > 1:
             fwd_bytes = tokens * self._kv_bytes_per_token
             fwd, bwd = self.link_time(fwd_bytes), self.link_time(2 * fwd_bytes)
