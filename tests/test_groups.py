@@ -255,3 +255,12 @@ def test_gate_fails_when_the_a2a_group_is_strided(world1):
     a2a, p2p = fake_group([0, 2]), fake_group([0, 1])
     with pytest.raises(CPConfigError, match="a2a group \\(level 0\\) must be CP positions 0..1"):
         require_hierarchical_groups(pgc(cp=group_of(4), hcp=[a2a, p2p]), "a2a+p2p")
+
+
+def test_the_layout_validates_and_hands_out_its_groups(world1):
+    pgc = CPLayout(world_size=1).build_pg_collection()
+    assert (pgc.tp.size(), pgc.cp.size(), pgc.dp.size(), pgc.pp.size()) == (1, 1, 1, 1)
+    with pytest.raises(CPConfigError, match="world_size"):
+        CPLayout(world_size=2, cp=2).build_pg_collection()  # a layout for another world
+    with pytest.raises(CPConfigError, match="hierarchical_context_parallel_sizes"):
+        CPLayout(world_size=1, cp_comm_type="a2a+p2p").build_pg_collection()

@@ -239,6 +239,14 @@ class CPLayout:
             eval_context_parallel_size=eval_context_parallel_size,
         )
 
+    def build_pg_collection(self, **kwargs: Any) -> Any:
+        """Validate this layout, then build every group and return this rank's
+        ProcessGroupCollection (cpkit.groups.build_pg_collection, same keyword arguments): one
+        object checks the sizes and hands out the groups, so callers never re-derive rank lists."""
+        from cpkit.groups import build_pg_collection
+
+        return build_pg_collection(self, **kwargs)
+
     def to_dict(self) -> dict:
         """Fields plus the derived dp, JSON-ready."""
         out = dataclasses.asdict(self)
