@@ -242,7 +242,7 @@ def test_a2a_head_chunks_match_full_attention(backend, world_size, chunks, monke
 
 
 # ---------------------------------------------------------------------------------------------
-# Each CUDA kernel on its own (one GPU): forced through CPKIT_ATTN_KERNEL, so none falls back.
+# Each CUDA kernel on its own (one GPU): forced through the kernel argument, so none falls back.
 # bf16 vs the float32 math kernel of the same inputs; tolerance as bf16 above.
 
 
@@ -250,20 +250,18 @@ def test_a2a_head_chunks_match_full_attention(backend, world_size, chunks, monke
 @pytest.mark.parametrize("kernel", ["cudnn", "flash", "efficient"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("kv_heads", [8, 2])
-def test_cuda_kernel_matches_math(kernel, causal, kv_heads, monkeypatch):
-    from cpkit.attention.kernels import KERNEL_ENV, attn_bwd, attn_fwd
+def test_cuda_kernel_matches_math(kernel, causal, kv_heads):
+    from cpkit.attention.kernels import attn_bwd, attn_fwd
 
     dev = torch.device("cuda", 0)
     gen = torch.Generator().manual_seed(7)
     q, dout = (torch.randn(1024, 2, 8, 64, generator=gen).to(dev, torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(1024, 2, kv_heads, 64, generator=gen).to(dev, torch.bfloat16) for _ in range(2))
     scale = 0.125
-    monkeypatch.setenv(KERNEL_ENV, "math")
-    want_out, want_lse = attn_fwd(*(x.float() for x in (q, k, v)), causal, scale)
-    want = attn_bwd(*(x.float() for x in (dout, q, k, v)), want_out, want_lse, causal, scale)
-    monkeypatch.setenv(KERNEL_ENV, kernel)
-    out, lse = attn_fwd(q, k, v, causal, scale)
-    grads = attn_bwd(dout, q, k, v, out, lse, causal, scale)
+    want_out, want_lse = attn_fwd(*(x.float() for x in (q, k, v)), causal, scale, kernel="math")
+    want = attn_bwd(*(x.float() for x in (dout, q, k, v)), want_out, want_lse, causal, scale, kernel="math")
+    out, lse = attn_fwd(q, k, v, causal, scale, kernel=kernel)
+    grads = attn_bwd(dout, q, k, v, out, lse, causal, scale, kernel=kernel)
     torch.testing.assert_close(lse, want_lse, rtol=2e-2, atol=2e-2)
     for name, got, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), (want_out, *want)):
         assert got.dtype == torch.bfloat16 and got.shape == ref.shape, name

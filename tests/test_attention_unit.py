@@ -8,6 +8,7 @@ communication. fp32 tolerance: atol = rtol = 1e-5 (exact-math kernels, measured 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -16,7 +17,8 @@ import torch
 from cpkit.attention import attn_bwd, attn_fwd, context_parallel_attention, reference_attention
 from cpkit.attention.chunks import a2a_reorder, gathered_to_natural, local_seq
 from cpkit.attention.functional import check_a2a_heads, check_comm_type
-from cpkit.attention.kernels import KERNEL_ENV, kernel_candidates
+from cpkit.attention.kernels import kernel_candidates
+from cpkit.attention.options import CPAttentionOptions
 from cpkit.attention.merge import merge, merge_
 from cpkit.errors import CPConfigError
 from cpkit.sharding import pad_cu_seqlens, shard_seq, thd_partition, zigzag_indices
@@ -91,16 +93,15 @@ def test_low_precision_merge_rounds_once_like_the_fp32_merge(dtype):
 @pytest.mark.parametrize("kernel", ["cpu", "math"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
-def test_kernels_match_autograd_of_naive_attention(kernel, causal, kv_heads, monkeypatch):
-    if kernel == "math":
-        monkeypatch.setenv(KERNEL_ENV, "math")
-    assert kernel_candidates(torch.device("cpu"), torch.float32)[0] == kernel
+def test_kernels_match_autograd_of_naive_attention(kernel, causal, kv_heads):
+    forced = "math" if kernel == "math" else None
+    assert kernel_candidates(torch.device("cpu"), torch.float32, forced)[0] == kernel
     q, k, v = _qkv(kv_heads=kv_heads)
     dout = torch.randn_like(q)
     scale = 1 / math.sqrt(8)
-    out, lse = attn_fwd(q, k, v, causal, scale)
+    out, lse = attn_fwd(q, k, v, causal, scale, kernel=forced)
     assert lse.dtype == torch.float32 and lse.shape == (2, 4, 16)
-    grads = attn_bwd(dout, q, k, v, out, lse, causal, scale)
+    grads = attn_bwd(dout, q, k, v, out, lse, causal, scale, kernel=forced)
     for got, want in zip([out, *grads], _ref_with_grads(q, k, v, dout, causal)):
         torch.testing.assert_close(got, want, **FP32)
 
@@ -139,13 +140,14 @@ def test_varlen_kernel_matches_per_sequence_attention(causal):
             torch.testing.assert_close(g[a:b], leaf.grad.squeeze(1), **FP32)
 
 
-def test_kernel_rejects_non_square_causal_and_bad_env(monkeypatch):
+def test_kernel_rejects_non_square_causal_and_unknown_kernels():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="square"):
         attn_fwd(q, k[:8], v[:8], True, 0.3)
-    monkeypatch.setenv(KERNEL_ENV, "triton")
     with pytest.raises(ValueError, match="cudnn, flash, efficient, math"):
-        kernel_candidates(torch.device("cuda"), torch.bfloat16)
+        kernel_candidates(torch.device("cuda"), torch.bfloat16, "triton")
+    with pytest.raises(CPConfigError, match="kernel.*'triton'"):
+        CPAttentionOptions(kernel="triton")
 
 
 # --------------------------------------------------------------------------------------------
@@ -271,37 +273,64 @@ def test_bad_shapes_and_thd_offsets():
         context_parallel_attention(q, k.double(), v, cp_group=None, cp_comm_type="p2p", causal=True)
 
 
-def test_p2p_batched_default_reads_the_environment(monkeypatch):
-    from cpkit.attention.comm import P2P_BATCHED_ENV, p2p_batched_default
+def test_options_read_the_environment_once_as_their_default(monkeypatch):
+    from cpkit.attention import options as opts
 
-    monkeypatch.delenv(P2P_BATCHED_ENV, raising=False)
+    env = {}
+    assert CPAttentionOptions.from_env(env) == CPAttentionOptions(p2p_batched=None, a2a_chunks=2, kernel=None)
     # auto: batched for a ring of 2, separate calls for longer rings (TE's choice, measured faster)
-    assert p2p_batched_default(2) is True
-    assert p2p_batched_default(4) is False
-    monkeypatch.setenv(P2P_BATCHED_ENV, "auto")
-    assert (p2p_batched_default(2), p2p_batched_default(8)) == (True, False)
-    monkeypatch.setenv(P2P_BATCHED_ENV, "0")
-    assert (p2p_batched_default(2), p2p_batched_default(4)) == (False, False)
-    monkeypatch.setenv(P2P_BATCHED_ENV, "1")
-    assert (p2p_batched_default(2), p2p_batched_default(4)) == (True, True)
-    monkeypatch.setenv(P2P_BATCHED_ENV, "yes")
+    auto = CPAttentionOptions.from_env({"CPKIT_P2P_BATCHED": "auto"})
+    assert (auto.ring_batched(2), auto.ring_batched(4), auto.ring_batched(8)) == (True, False, False)
+    off = CPAttentionOptions.from_env({"CPKIT_P2P_BATCHED": "0"})
+    assert (off.ring_batched(2), off.ring_batched(4)) == (False, False)
+    on = CPAttentionOptions.from_env({"CPKIT_P2P_BATCHED": "1"})
+    assert (on.ring_batched(2), on.ring_batched(4)) == (True, True)
     with pytest.raises(ValueError, match="CPKIT_P2P_BATCHED='yes': must be auto .*, 1 .* or 0"):
-        p2p_batched_default(4)
+        CPAttentionOptions.from_env({"CPKIT_P2P_BATCHED": "yes"})
+    assert CPAttentionOptions.from_env({"CPKIT_ATTN_KERNEL": " Flash "}).kernel == "flash"
+    with pytest.raises(ValueError, match="CPKIT_ATTN_KERNEL='triton'"):
+        CPAttentionOptions.from_env({"CPKIT_ATTN_KERNEL": "triton"})
+    # read once: a later change of the environment does not reach the cached default
+    opts.default_options.cache_clear()
+    monkeypatch.setenv("CPKIT_A2A_CHUNKS", "3")
+    assert opts.default_options().a2a_chunks == 3
+    monkeypatch.setenv("CPKIT_A2A_CHUNKS", "5")
+    assert opts.default_options().a2a_chunks == 3
+    opts.default_options.cache_clear()
+    monkeypatch.delenv("CPKIT_A2A_CHUNKS")
+    assert opts.default_options().a2a_chunks == 2
 
 
-def test_a2a_chunk_count_reads_the_environment(monkeypatch):
-    from cpkit.attention.a2a import A2A_CHUNKS_ENV, a2a_chunk_count
-
-    monkeypatch.delenv(A2A_CHUNKS_ENV, raising=False)
-    assert [a2a_chunk_count(n) for n in (1, 2, 3, 4, 16)] == [1, 2, 1, 2, 2]  # default 2, if it divides
-    monkeypatch.setenv(A2A_CHUNKS_ENV, "4")
-    assert [a2a_chunk_count(n) for n in (1, 2, 6, 8)] == [1, 2, 3, 4]  # the largest divisor <= 4
-    monkeypatch.setenv(A2A_CHUNKS_ENV, "1")
-    assert a2a_chunk_count(8) == 1
+def test_options_a2a_chunk_count():
+    default = CPAttentionOptions()
+    assert [default.chunk_count(n) for n in (1, 2, 3, 4, 16)] == [1, 2, 1, 2, 2]  # 2, if it divides
+    four = CPAttentionOptions.from_env({"CPKIT_A2A_CHUNKS": "4"})
+    assert [four.chunk_count(n) for n in (1, 2, 6, 8)] == [1, 2, 3, 4]  # the largest divisor <= 4
+    assert CPAttentionOptions(a2a_chunks=1).chunk_count(8) == 1
     for bad in ("0", "two", "-1"):
-        monkeypatch.setenv(A2A_CHUNKS_ENV, bad)
         with pytest.raises(ValueError, match=f"CPKIT_A2A_CHUNKS='{bad}': must be a positive integer"):
-            a2a_chunk_count(4)
+            CPAttentionOptions.from_env({"CPKIT_A2A_CHUNKS": bad})
+    for field, bad in (("a2a_chunks", 0), ("a2a_chunks", True), ("p2p_batched", "yes")):
+        with pytest.raises(CPConfigError, match=field):
+            CPAttentionOptions(**{field: bad})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        default.a2a_chunks = 4
+
+
+def test_options_reach_the_module_and_the_functional_entry(monkeypatch):
+    """The options an entry point is given are the ones the comm types see: a forced kernel
+    outside CUDA_KERNELS cannot be built, and a non-options object is refused."""
+    q, k, v = _qkv()
+    with pytest.raises(CPConfigError, match="options"):
+        context_parallel_attention(q, k, v, cp_group=None, cp_comm_type="p2p", causal=True, options={"kernel": "math"})
+    seen = []
+    from cpkit.attention import kernels
+
+    real = kernels.kernel_candidates
+    monkeypatch.setattr(kernels, "kernel_candidates", lambda d, t, forced=None: seen.append(forced) or real(d, t, forced))
+    context_parallel_attention(q, k, v, cp_group=None, cp_comm_type="p2p", causal=True,
+                               options=CPAttentionOptions(kernel="math"))
+    assert seen and set(seen) == {"math"}
 
 
 def test_ring_forward_rejects_k_and_v_of_different_shapes():

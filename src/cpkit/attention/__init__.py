@@ -9,6 +9,7 @@ log-sum-exp merge), `chunks.py` (this rank's two chunks, token permutations) and
 
 from cpkit.attention.functional import CP_COMM_TYPES, check_comm_type, context_parallel_attention
 from cpkit.attention.kernels import attn_bwd, attn_fwd, reference_attention
+from cpkit.attention.options import CPAttentionOptions, default_options
 
 
 # The MCore-facing names import megatron-core: load them on first use, so the functional core
@@ -32,6 +33,7 @@ def __getattr__(name):
 
 __all__ = [
     "CP_COMM_TYPES",
+    "CPAttentionOptions",
     "ContextParallelAttention",
     "bind_te_attention_groups",
     "get_gpt_layer_spec_te",
@@ -42,5 +44,6 @@ __all__ = [
     "attn_fwd",
     "check_comm_type",
     "context_parallel_attention",
+    "default_options",
     "reference_attention",
 ]

@@ -7,7 +7,7 @@ natural order (or, under `a2a+p2p`, in the zigzag layout of the p2p level), so t
 is the plain one. Attention then runs over h/A heads (locally, or as a ring over the p2p group),
 and an all-to-all returns the output to the sequence split. Backward is the same in reverse.
 
-The heads are cut into chunks (`a2a_chunk_count`, default 2) and every chunk's all-to-all is
+The heads are cut into chunks (`CPAttentionOptions.a2a_chunks`, default 2) and every chunk's all-to-all is
 posted up front, so a chunk's attention runs while the next chunk and the previous chunk's
 output are in flight: only the first chunk in and the last chunk out stay exposed. Needs
 h % A == 0 and h_kv % A == 0 (checked by the caller).
@@ -17,7 +17,6 @@ Tensors are sequence-first: q [s, b, h, d] / [t, h, d], k/v with h_kv heads.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -25,25 +24,10 @@ import torch.distributed as dist
 
 from cpkit.attention.chunks import a2a_reorder, local_seq
 from cpkit.attention.comm import RingComm, all_to_all_async, group_size
+from cpkit.attention.options import CPAttentionOptions
 from cpkit.attention.p2p import kv_from_saved, kv_to_save, ring_attention, ring_backward, ring_forward
 
-__all__ = ["a2a_attention", "A2A_CHUNKS_ENV", "a2a_chunk_count"]
-
-A2A_CHUNKS_ENV = "CPKIT_A2A_CHUNKS"
-
-
-def a2a_chunk_count(local_kv_heads: int) -> int:
-    """How many head chunks are pipelined through the all-to-alls: CPKIT_A2A_CHUNKS (default
-    2; 1 turns the overlap off), lowered to the largest count that divides this rank's KV heads
-    after the all-to-all (`local_kv_heads`, i.e. h_kv / A). Raises ValueError for a bad value."""
-    value = os.environ.get(A2A_CHUNKS_ENV, "2").strip()
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(
-            f"{A2A_CHUNKS_ENV}={value!r}: must be a positive integer (head chunks pipelined "
-            "through the all-to-alls; 1 turns the overlap off); unset it for the default 2"
-        )
-    return max(c for c in range(1, min(int(value), local_kv_heads) + 1) if local_kv_heads % c == 0)
-
+__all__ = ["a2a_attention"]
 
 def _chunk_view(x: torch.Tensor, a: int, chunks: int, c: int) -> torch.Tensor:
     """Head chunk c of every a2a rank's head group of a sequence-split [t, ..., h, d] tensor, as
@@ -98,16 +82,17 @@ class _UlyssesAttention(torch.autograd.Function):
     attention runs while the later chunks (and the earlier outputs) are in flight."""
 
     @staticmethod
-    def forward(ctx, q, k, v, a2a_group, p2p_group, causal, scale, rows, seq, chunks):
-        a = group_size(a2a_group)
-        comm = RingComm(p2p_group) if group_size(p2p_group) > 1 else None
+    def forward(ctx, q, k, v, a2a_group, p2p_group, causal, scale, rows, seq, options):
+        a, p = group_size(a2a_group), group_size(p2p_group)
+        comm = RingComm(p2p_group, options.ring_batched(p)) if p > 1 else None
+        chunks = options.chunk_count(k.shape[-2] // a)
         widths = [x.shape[-2] // (a * chunks) for x in (q, k, v)]
         inbound = [_to_heads((q, k, v), a, chunks, c, a2a_group) for c in range(chunks)]
         out = torch.empty_like(q)
         outbound, saved = [], []
         for c in range(chunks):
             qc, kc, vc = _arrived_heads(inbound[c], rows, widths)
-            oc, lse, kv = ring_forward(qc, kc, vc, comm, causal, scale, seq)
+            oc, lse, kv = ring_forward(qc, kc, vc, comm, causal, scale, seq, options.kernel)
             outbound.append(_to_seq([oc], rows, a, a2a_group))
             kv_tensors, kv_packed = kv_to_save(kv)  # the same kind for every chunk
             saved += [qc, oc, lse, *kv_tensors]
@@ -115,13 +100,13 @@ class _UlyssesAttention(torch.autograd.Function):
             _arrived_seq(exchange, [out], a, chunks, c)
         ctx.save_for_backward(*saved)
         ctx.kv_packed = kv_packed
-        ctx.setup = (a2a_group, comm, causal, scale, rows, seq, chunks, widths)
+        ctx.setup = (a2a_group, comm, causal, scale, rows, seq, chunks, widths, options.kernel)
         ctx.shapes = [x.shape for x in (q, k, v)]
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        a2a_group, comm, causal, scale, rows, seq, chunks, widths = ctx.setup
+        a2a_group, comm, causal, scale, rows, seq, chunks, widths, kernel = ctx.setup
         a = group_size(a2a_group)
         saved = ctx.saved_tensors
         inbound = [_to_heads((dout,), a, chunks, c, a2a_group) for c in range(chunks)]
@@ -132,7 +117,7 @@ class _UlyssesAttention(torch.autograd.Function):
             qc, oc, lse, *kv_tensors = saved[per * c:per * (c + 1)]
             (dc,) = _arrived_heads(inbound[c], rows, [widths[0]])
             kv = kv_from_saved(kv_tensors, ctx.kv_packed)
-            dq, dk, dv = ring_backward(dc, qc, kv, oc, lse, comm, causal, scale, seq)
+            dq, dk, dv = ring_backward(dc, qc, kv, oc, lse, comm, causal, scale, seq, kernel)
             outbound.append(_to_seq([dq, dk, dv], rows, a, a2a_group))
         for c, exchange in enumerate(outbound):
             _arrived_seq(exchange, grads, a, chunks, c)
@@ -141,20 +126,20 @@ class _UlyssesAttention(torch.autograd.Function):
 
 def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   a2a_group: Optional[dist.ProcessGroup], p2p_group: Optional[dist.ProcessGroup],
-                  causal: bool, scale: float, cu_seqlens: Optional[torch.Tensor] = None,
-                  max_seqlen: Optional[int] = None) -> torch.Tensor:
+                  causal: bool, scale: float, options: CPAttentionOptions,
+                  cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None) -> torch.Tensor:
     """Ulysses attention over `a2a_group`, with a ring over `p2p_group` in between (or local
     attention when p2p_group is None / of size 1); differentiable.
 
     q [s, b, h, d] or [t, h, d] (THD: `cu_seqlens` global padded offsets, `max_seqlen` their
     largest length, divisible by 2*cp), k/v with h_kv heads; this rank's shard of the whole CP
-    group, whose position is p2p_rank * A + a2a_rank. Returns the output like q.
+    group, whose position is p2p_rank * A + a2a_rank. `options`: ring batching, head chunks,
+    kernel. Returns the output like q.
     """
     a, p = group_size(a2a_group), group_size(p2p_group)
     if a == 1:
         seq = local_seq(q.shape[0], p, cu_seqlens, max_seqlen)
-        return ring_attention(q, k, v, p2p_group, causal, scale, seq)
+        return ring_attention(q, k, v, p2p_group, causal, scale, seq, options)
     rows = a2a_reorder(q.shape[0], a, a * p, cu_seqlens, device=q.device)
     seq = local_seq(a * q.shape[0], p, cu_seqlens, max_seqlen)
-    chunks = a2a_chunk_count(k.shape[-2] // a)
-    return _UlyssesAttention.apply(q, k, v, a2a_group, p2p_group, causal, scale, rows, seq, chunks)
+    return _UlyssesAttention.apply(q, k, v, a2a_group, p2p_group, causal, scale, rows, seq, options)

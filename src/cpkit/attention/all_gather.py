@@ -19,6 +19,7 @@ from cpkit.attention.chunks import LocalSeq, gathered_to_natural
 from cpkit.attention.comm import all_gather_seq, group_rank, reduce_scatter_seq
 from cpkit.attention.kernels import attn_bwd, attn_fwd
 from cpkit.attention.merge import merge_
+from cpkit.attention.options import CPAttentionOptions
 from cpkit.sharding import segments_to_index
 
 __all__ = ["all_gather_attention"]
@@ -79,13 +80,13 @@ def _gather_kv(k, v, group, natural_rows):
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, seq):
+    def forward(ctx, q, k, v, group, causal, scale, seq, kernel):
         natural_rows = gathered_to_natural(seq, device=q.device)
         _, K, V = _gather_kv(k, v, group, natural_rows)
         blocks = _Blocks(seq, group_rank(group), K.shape[0])
         out = torch.empty_like(q, dtype=torch.float32)
         if not causal:
-            o, lse = attn_fwd(q, K, V, False, scale, **blocks.full_kw())
+            o, lse = attn_fwd(q, K, V, False, scale, kernel=kernel, **blocks.full_kw())
             out.copy_(o)
             lse = lse.float().contiguous()
         else:
@@ -95,7 +96,8 @@ class _AllGatherAttention(torch.autograd.Function):
                 qj = seq.take(q, j)
                 o_j = l_j = None
                 for rows, block_causal, kw in blocks.parts(j):
-                    o, l = attn_fwd(qj, blocks.take(K, rows), blocks.take(V, rows), block_causal, scale, **kw)
+                    o, l = attn_fwd(qj, blocks.take(K, rows), blocks.take(V, rows), block_causal, scale,
+                                    kernel=kernel, **kw)
                     if o_j is None:
                         o_j, l_j = o.float(), l.float().contiguous()
                     else:
@@ -103,13 +105,13 @@ class _AllGatherAttention(torch.autograd.Function):
                 _put(seq, out, lse, j, o_j, l_j)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, natural_rows)
-        ctx.group, ctx.causal, ctx.scale, ctx.seq = group, causal, scale, seq
+        ctx.group, ctx.causal, ctx.scale, ctx.seq, ctx.kernel = group, causal, scale, seq, kernel
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, natural_rows = ctx.saved_tensors
-        seq, causal, scale, group = ctx.seq, ctx.causal, ctx.scale, ctx.group
+        seq, causal, scale, group, kernel = ctx.seq, ctx.causal, ctx.scale, ctx.group, ctx.kernel
         # cuDNN wants dout and out in one layout; both sequence-first contiguous here.
         dout, out = dout.contiguous(), out.contiguous()
         kv, K, V = _gather_kv(k, v, group, natural_rows)
@@ -119,7 +121,7 @@ class _AllGatherAttention(torch.autograd.Function):
         dkv = torch.zeros_like(kv)
         dK, dV = dkv[:, 0], dkv[:, 1]
         if not causal:
-            dq, dk_b, dv_b = attn_bwd(dout, q, K, V, out, lse, False, scale, **blocks.full_kw())
+            dq, dk_b, dv_b = attn_bwd(dout, q, K, V, out, lse, False, scale, kernel=kernel, **blocks.full_kw())
             dK.add_(dk_b)
             dV.add_(dv_b)
             dq = dq.float()
@@ -130,13 +132,13 @@ class _AllGatherAttention(torch.autograd.Function):
                 oj, lj = seq.take(out, j), seq.take(lse, j, dim=-1)
                 for rows, block_causal, kw in blocks.parts(j):
                     dq_b, dk_b, dv_b = attn_bwd(*args, blocks.take(K, rows), blocks.take(V, rows), oj, lj,
-                                                block_causal, scale, **kw)
+                                                block_causal, scale, kernel=kernel, **kw)
                     seq.add_(dq, j, dq_b)
                     blocks.add_(dK, rows, dk_b)
                     blocks.add_(dV, rows, dv_b)
         # Back to the gathered (rank) order, then each rank keeps the sum of its own rows.
         dkv_local = reduce_scatter_seq(dkv.index_select(0, natural_rows), group)
-        return dq.to(q.dtype), dkv_local[:, 0], dkv_local[:, 1], None, None, None, None
+        return dq.to(q.dtype), dkv_local[:, 0], dkv_local[:, 1], None, None, None, None, None
 
 
 def _put(seq: LocalSeq, out, lse, j, o_j, l_j) -> None:
@@ -151,11 +153,13 @@ def _put(seq: LocalSeq, out, lse, j, o_j, l_j) -> None:
 
 
 def all_gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
-                         causal: bool, scale: float, seq: LocalSeq) -> torch.Tensor:
+                         causal: bool, scale: float, seq: LocalSeq,
+                         options: CPAttentionOptions) -> torch.Tensor:
     """All-gather CP attention of this rank's shard; differentiable.
 
     q [s, b, h, d] or [t, h, d] (THD: `seq` carries the global cu_seqlens), k/v with h_kv heads,
     in the 2-chunk layout of `group`. Collectives: one all-gather of KV in forward, one
-    all-gather and one reduce-scatter (dKV, input dtype) in backward. Returns the output like q.
+    all-gather and one reduce-scatter (dKV, input dtype) in backward. `options.kernel` picks the
+    kernel. Returns the output like q.
     """
-    return _AllGatherAttention.apply(q, k, v, group, causal, scale, seq)
+    return _AllGatherAttention.apply(q, k, v, group, causal, scale, seq, options.kernel)

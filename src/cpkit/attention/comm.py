@@ -6,7 +6,6 @@ All helpers take the group as an argument; nothing here keeps a group at module 
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -15,7 +14,6 @@ import torch.distributed as dist
 from cpkit.group_info import group_size  # noqa: F401 - part of this module's API
 
 __all__ = [
-    "P2P_BATCHED_ENV",
     "RingComm",
     "group_size",
     "group_rank",
@@ -29,27 +27,6 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-P2P_BATCHED_ENV = "CPKIT_P2P_BATCHED"
-
-
-def p2p_batched_default(ring_size: int) -> bool:
-    """Whether a ring of `ring_size` ranks posts each exchange as one batch_isend_irecv call or
-    as separate isend/irecv calls (even ranks sending first).
-
-    CPKIT_P2P_BATCHED unset or "auto": batched for a ring of 2, separate calls for more, as TE
-    does (NVTE_BATCH_MHA_P2P_COMM): with NCCL each peer pair then gets its own communicator,
-    which measured 7% faster at cp=4, kv32, 32K on 4x H200 (README "Measured on GPUs").
-    "1" or "0" forces one mode. Raises ValueError for other values."""
-    value = os.environ.get(P2P_BATCHED_ENV, "auto").strip().lower()
-    if value not in ("auto", "0", "1"):
-        raise ValueError(
-            f"{P2P_BATCHED_ENV}={value!r}: must be auto (the default: batched for a ring of 2 "
-            "ranks, separate calls for more), 1 (always one batched call per ring step) or 0 "
-            "(always separate isend/irecv calls); unset it for the default"
-        )
-    return ring_size <= 2 if value == "auto" else value == "1"
-
-
 def group_rank(group: Optional[dist.ProcessGroup]) -> int:
     """This process's rank in `group`; 0 for None (no CP)."""
     return 0 if group is None else dist.get_rank(group)
@@ -61,15 +38,15 @@ class RingComm:
     `exchange(send, recv)` posts an isend/irecv pair and returns a handle whose `wait()`
     completes both; the caller computes in between, so the transfer overlaps compute (NCCL runs
     P2P on its own stream; gloo in background threads).
-    `batched` (default: p2p_batched_default(size)) posts them as one batch_isend_irecv call or
-    as separate calls. Every rank of the ring must post the same sequence of exchanges. Peers are
+    `batched` posts them as one batch_isend_irecv call or as separate calls (default None:
+    batched for a ring of 2, separate for more; `CPAttentionOptions.ring_batched`). Every rank of the ring must post the same sequence of exchanges. Peers are
     passed as global ranks, which both torch 2.11 and 2.13 accept for subgroups.
     """
 
     def __init__(self, group: dist.ProcessGroup, batched: Optional[bool] = None):
         self.group = group
         self.size = dist.get_world_size(group)
-        self.batched = p2p_batched_default(self.size) if batched is None else batched
+        self.batched = self.size <= 2 if batched is None else batched
         self.rank = dist.get_rank(group)
         self.next_peer = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev_peer = dist.get_global_rank(group, (self.rank - 1) % self.size)

@@ -7,7 +7,6 @@ value, the rule and the fix), then runs `p2p`, `all_gather`, `a2a` or `a2a+p2p`.
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Optional, Sequence, Union
 
 import torch
@@ -18,6 +17,7 @@ from cpkit.attention.all_gather import all_gather_attention
 from cpkit.attention.chunks import local_seq
 from cpkit.attention.comm import group_size
 from cpkit.attention.hierarchical import hierarchical_attention
+from cpkit.attention.options import CPAttentionOptions, default_options
 from cpkit.attention.p2p import ring_attention
 from cpkit.errors import CPConfigError
 from cpkit.group_info import check_hierarchical_groups
@@ -104,17 +104,17 @@ def _check_tensors(q, k, v, cu_seqlens) -> bool:
     return thd
 
 
-# id(cu_seqlens) -> (weakref to it, its version, cp, t_local, longest length): the host check
-# (one device sync) runs once per offsets tensor, not once per layer.
-_CU_CHECKED: dict = {}
+# The host check of an offsets tensor (one device sync) runs once per tensor, not once per
+# layer: its result is kept on the tensor itself, so it lives and dies with it (no process-wide
+# cache), and an in-place change (a new _version) or other sizes check it again.
+_CHECKED_ATTR = "_cpkit_cu_checked"
 
 
 def _longest_sequence(cu_seqlens: torch.Tensor, t_local: int, cp: int) -> int:
-    """Check the global padded offsets on the host (cached per tensor); return the longest length."""
-    key = id(cu_seqlens)
-    hit = _CU_CHECKED.get(key)
-    if hit is not None and hit[0]() is cu_seqlens and hit[1:4] == (cu_seqlens._version, cp, t_local):
-        return hit[4]
+    """Check the global padded offsets on the host (once per tensor); return the longest length."""
+    hit = getattr(cu_seqlens, _CHECKED_ATTR, None)
+    if hit is not None and hit[:3] == (cu_seqlens._version, cp, t_local):
+        return hit[3]
     cu = check_cu_seqlens(cu_seqlens, cp)
     if cu[-1] != t_local * cp:
         raise CPConfigError.single(
@@ -123,9 +123,7 @@ def _longest_sequence(cu_seqlens: torch.Tensor, t_local: int, cp: int) -> int:
             "shard (cpkit.sharding.shard_thd)",
         )
     longest = max(b - a for a, b in zip(cu[:-1], cu[1:]))
-    if len(_CU_CHECKED) > 64:
-        _CU_CHECKED.clear()
-    _CU_CHECKED[key] = (weakref.ref(cu_seqlens), cu_seqlens._version, cp, t_local, longest)
+    setattr(cu_seqlens, _CHECKED_ATTR, (cu_seqlens._version, cp, t_local, longest))
     return longest
 
 
@@ -157,6 +155,7 @@ def context_parallel_attention(
     softmax_scale: Optional[float] = None,
     cu_seqlens: Optional[torch.Tensor] = None,
     max_seqlen: Optional[int] = None,
+    options: Optional[CPAttentionOptions] = None,
 ) -> torch.Tensor:
     """Context-parallel attention of this rank's shard; differentiable; output shaped like q.
 
@@ -176,6 +175,8 @@ def context_parallel_attention(
     cp_comm_type: "p2p" (ring), "all_gather", "a2a" (Ulysses) or "a2a+p2p".
     causal: causal (top-left) mask over the full sequence, or no mask.
     softmax_scale: defaults to 1/sqrt(dim).
+    options: ring batching, a2a head chunks and kernel choice (`CPAttentionOptions`; default
+    `default_options()`, the environment read once). Every rank must pass equal options.
 
     Memory: inputs are used through views (sbhd -> the kernels' layouts); p2p and all_gather
     keep one float32 output accumulator (merged by LSE) and a float32 dq accumulator in
@@ -189,6 +190,11 @@ def context_parallel_attention(
     kv heads not divisible by the a2a size, or THD offsets that are not padded to 2*cp.
     """
     comm = check_comm_type(cp_comm_type)
+    if options is None:
+        options = default_options()
+    elif not isinstance(options, CPAttentionOptions):
+        raise CPConfigError.single("options", type(options).__name__, "must be a CPAttentionOptions or None",
+                                   "pass cpkit.attention.CPAttentionOptions(...)")
     groups = _groups(cp_group, comm)
     thd = _check_tensors(q, k, v, cu_seqlens)
     cp = group_size(groups)  # the product over both levels; 1 without CP
@@ -208,11 +214,12 @@ def context_parallel_attention(
         cu, max_seqlen = _check_thd(cu_seqlens, max_seqlen, q.shape[0], cp, q.device)
 
     if cp == 1:
-        return ring_attention(q, k, v, None, causal, scale, local_seq(q.shape[0], 1, cu, max_seqlen))
+        return ring_attention(q, k, v, None, causal, scale, local_seq(q.shape[0], 1, cu, max_seqlen), options)
     if comm == P2P:
-        return ring_attention(q, k, v, groups[0], causal, scale, local_seq(q.shape[0], cp, cu, max_seqlen))
+        return ring_attention(q, k, v, groups[0], causal, scale, local_seq(q.shape[0], cp, cu, max_seqlen), options)
     if comm == ALL_GATHER:
-        return all_gather_attention(q, k, v, groups[0], causal, scale, local_seq(q.shape[0], cp, cu, max_seqlen))
+        return all_gather_attention(q, k, v, groups[0], causal, scale, local_seq(q.shape[0], cp, cu, max_seqlen),
+                                    options)
     if comm == A2A:
-        return a2a_attention(q, k, v, groups[0], None, causal, scale, cu, max_seqlen)
-    return hierarchical_attention(q, k, v, groups[0], groups[1], causal, scale, cu, max_seqlen)
+        return a2a_attention(q, k, v, groups[0], None, causal, scale, options, cu, max_seqlen)
+    return hierarchical_attention(q, k, v, groups[0], groups[1], causal, scale, options, cu, max_seqlen)

@@ -24,8 +24,9 @@ Kernels (no O(s^2) tensor except `math`):
   is skipped for that shape/dtype from then on (with one warning). fp32 starts at `efficient`.
   cuDNN gets un-expanded GQA KV only if a one-off probe shows it gives the expanded result.
 - CUDA varlen: `flash` varlen (cu_seqlens); otherwise a loop over sequences of the dense kernels.
-- `CPKIT_ATTN_KERNEL=cudnn|flash|efficient|math` forces one CUDA kernel (no fallback), for
-  benchmarking; on CPU only `math` is honoured.
+- `kernel="cudnn"|"flash"|"efficient"|"math"` (`CPAttentionOptions.kernel`, default from
+  CPKIT_ATTN_KERNEL) forces one CUDA kernel (no fallback), for benchmarking; on CPU only `math`
+  is honoured.
 
 Memory: sbhd <-> bshd/bhsd conversions are views (transpose/permute); flash's and efficient's
 backward make dout/out contiguous internally (one copy each), GQA expansion for efficient (and
@@ -36,11 +37,12 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import warnings
 from typing import Callable, Optional
 
 import torch
+
+from cpkit.attention.options import CUDA_KERNELS, KERNEL_ENV
 
 __all__ = [
     "KERNEL_ENV",
@@ -51,8 +53,6 @@ __all__ = [
     "reference_attention",
 ]
 
-KERNEL_ENV = "CPKIT_ATTN_KERNEL"
-CUDA_KERNELS = ("cudnn", "flash", "efficient", "math")
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FAILED: set = set()  # (kernel, shape/dtype key) pairs that raised: not tried again
 _aten = torch.ops.aten
@@ -248,14 +248,12 @@ def _cudnn_native_gqa(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-def kernel_candidates(device: torch.device, dtype: torch.dtype) -> list[str]:
-    """The dense kernels tried, in order, for `device` and `dtype` (see the module docstring)."""
-    forced = os.environ.get(KERNEL_ENV, "").strip().lower()
+def kernel_candidates(device: torch.device, dtype: torch.dtype, forced: Optional[str] = None) -> list[str]:
+    """The dense kernels tried, in order, for `device` and `dtype` (see the module docstring);
+    `forced` (one of CUDA_KERNELS) is the only one on CUDA. Raises ValueError for another name."""
     if forced and forced not in CUDA_KERNELS:
-        raise ValueError(
-            f"{KERNEL_ENV}={forced!r}: must be one of {', '.join(CUDA_KERNELS)}; unset it to "
-            "let cpkit choose"
-        )
+        raise ValueError(f"attention kernel {forced!r}: must be one of {', '.join(CUDA_KERNELS)}, or None "
+                         "to let cpkit choose")
     if device.type != "cuda":
         return ["math"] if forced == "math" else ["cpu", "math"]
     if forced:
@@ -284,11 +282,10 @@ def _run(direction: int, names: list[str], key: tuple, args: tuple, forced: bool
     raise RuntimeError("cpkit attention: no kernel ran for " + repr(key) + ":\n" + "\n".join(errors))
 
 
-def _dense(direction: int, q, k, args: tuple, causal: bool):
-    names = kernel_candidates(q.device, q.dtype)
+def _dense(direction: int, q, k, args: tuple, causal: bool, kernel: Optional[str]):
+    names = kernel_candidates(q.device, q.dtype, kernel)
     key = (q.device.type, q.dtype, q.shape[-1], causal, q.shape[-2] != k.shape[-2])
-    forced = bool(os.environ.get(KERNEL_ENV, "").strip()) and q.device.type == "cuda"
-    return _run(direction, names, key, args, forced)
+    return _run(direction, names, key, args, bool(kernel) and q.device.type == "cuda")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,22 +308,21 @@ def _flash_varlen_bwd(dout, q, k, v, out, lse, causal, scale, cu_q, cu_k, max_q,
     )
 
 
-def _use_flash_varlen(q) -> bool:
-    forced = os.environ.get(KERNEL_ENV, "").strip().lower()
+def _use_flash_varlen(q, kernel: Optional[str]) -> bool:
     return (
         q.device.type == "cuda"
         and q.dtype != torch.float32
-        and forced in ("", "flash", "cudnn", "efficient")
+        and kernel in (None, "flash", "cudnn", "efficient")
         and ("flash_varlen", q.dtype, q.shape[-1]) not in _FAILED
     )
 
 
-def _varlen(direction: int, q, args: tuple, max_seqlens: tuple):
+def _varlen(direction: int, q, args: tuple, max_seqlens: tuple, kernel: Optional[str]):
     """Varlen forward (direction 0) or backward (1) of `args` (as _loop_fwd / _loop_bwd take them):
     flash varlen where usable, given `max_seqlens` (q, k); after a RuntimeError it is marked failed
     for this dtype and head dim (with a warning) and not tried again. Otherwise one dense kernel call
     per sequence."""
-    if _use_flash_varlen(q):
+    if _use_flash_varlen(q, kernel):
         try:
             return (_flash_varlen_fwd, _flash_varlen_bwd)[direction](*args, *max_seqlens)
         except torch.OutOfMemoryError:
@@ -335,27 +331,29 @@ def _varlen(direction: int, q, args: tuple, max_seqlens: tuple):
             _FAILED.add(("flash_varlen", q.dtype, q.shape[-1]))
             warnings.warn(f"cpkit attention: flash varlen {('forward', 'backward')[direction]} failed, "
                           f"looping over sequences: {exc}")
-    return (_loop_fwd, _loop_bwd)[direction](*args)
+    return (_loop_fwd, _loop_bwd)[direction](*args, kernel=kernel)
 
 
-def _loop_fwd(q, k, v, causal, scale, cu_q, cu_k):
+def _loop_fwd(q, k, v, causal, scale, cu_q, cu_k, kernel=None):
     out = torch.zeros_like(q)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
     for (qs, qe), (ks, ke) in zip(_ranges(cu_q), _ranges(cu_k)):
         if qe > qs and ke > ks:
-            o, l = attn_fwd(q[qs:qe].unsqueeze(1), k[ks:ke].unsqueeze(1), v[ks:ke].unsqueeze(1), causal, scale)
+            o, l = attn_fwd(q[qs:qe].unsqueeze(1), k[ks:ke].unsqueeze(1), v[ks:ke].unsqueeze(1), causal, scale,
+                            kernel=kernel)
             out[qs:qe] = o.squeeze(1)
             lse[:, qs:qe] = l.squeeze(0)
     return out, lse
 
 
-def _loop_bwd(dout, q, k, v, out, lse, causal, scale, cu_q, cu_k):
+def _loop_bwd(dout, q, k, v, out, lse, causal, scale, cu_q, cu_k, kernel=None):
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for (qs, qe), (ks, ke) in zip(_ranges(cu_q), _ranges(cu_k)):
         if qe > qs and ke > ks:
             g = attn_bwd(
                 dout[qs:qe].unsqueeze(1), q[qs:qe].unsqueeze(1), k[ks:ke].unsqueeze(1),
                 v[ks:ke].unsqueeze(1), out[qs:qe].unsqueeze(1), lse[:, qs:qe].unsqueeze(0), causal, scale,
+                kernel=kernel,
             )
             dq[qs:qe], dk[ks:ke], dv[ks:ke] = (x.squeeze(1) for x in g)
     return dq, dk, dv
@@ -401,22 +399,24 @@ def attn_fwd(
     cu_seqlens_k: Optional[torch.Tensor] = None,
     max_seqlen_q: Optional[int] = None,
     max_seqlen_k: Optional[int] = None,
+    kernel: Optional[str] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q over k/v; returns (out like q, float32 LSE [b, h, s] or [h, t]).
 
     Dense: q [s, b, h, d], k/v [s_k, b, h_kv, d]. Varlen (cu_seqlens_q given): q [t, h, d],
     k/v [t_k, h_kv, d], `cu_seqlens_q/k` int32 offsets (same count of sequences), `max_seqlen_q/k`
-    upper bounds of the sequence lengths. Raises ValueError for inconsistent shapes.
+    upper bounds of the sequence lengths. `kernel`: force one CUDA kernel (CUDA_KERNELS; None
+    lets cpkit choose). Raises ValueError for inconsistent shapes or an unknown kernel.
     """
     varlen = cu_seqlens_q is not None
     _check(q, k, v, causal, varlen)
     if varlen:
         return _varlen(0, q, (q, k, v, causal, scale, cu_seqlens_q, cu_seqlens_k),
-                       (max_seqlen_q, max_seqlen_k))
+                       (max_seqlen_q, max_seqlen_k), kernel)
     if q.shape[0] == 0 or k.shape[0] == 0:
         lse = torch.full((q.shape[1], q.shape[2], q.shape[0]), float("-inf"), device=q.device)
         return torch.zeros_like(q), lse
-    return _dense(0, q, k, (q, k, v, causal, scale), causal)
+    return _dense(0, q, k, (q, k, v, causal, scale), causal, kernel)
 
 
 def attn_bwd(
@@ -433,19 +433,20 @@ def attn_bwd(
     cu_seqlens_k: Optional[torch.Tensor] = None,
     max_seqlen_q: Optional[int] = None,
     max_seqlen_k: Optional[int] = None,
+    kernel: Optional[str] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv; dtypes of q, k, v) of this block, given the final `out` and `lse`.
 
-    Shapes as in `attn_fwd`; `dout` and `out` like q, `lse` float32 like attn_fwd's.
+    Shapes and `kernel` as in `attn_fwd`; `dout` and `out` like q, `lse` float32 like attn_fwd's.
     """
     varlen = cu_seqlens_q is not None
     _check(q, k, v, causal, varlen)
     if varlen:
         return _varlen(1, q, (dout, q, k, v, out, lse, causal, scale, cu_seqlens_q, cu_seqlens_k),
-                       (max_seqlen_q, max_seqlen_k))
+                       (max_seqlen_q, max_seqlen_k), kernel)
     if q.shape[0] == 0 or k.shape[0] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    return _dense(1, q, k, (dout, q, k, v, out, lse, causal, scale), causal)
+    return _dense(1, q, k, (dout, q, k, v, out, lse, causal, scale), causal, kernel)
 
 
 def reference_attention(q, k, v, causal: bool, scale: Optional[float] = None) -> torch.Tensor:

@@ -24,6 +24,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from cpkit.attention.functional import check_comm_type, context_parallel_attention
+from cpkit.attention.options import CPAttentionOptions, default_options
 from cpkit.compat import get_pg
 from cpkit.errors import CPConfigError, Violation
 from cpkit.group_info import check_hierarchical_groups, group_size, require_hierarchical_groups
@@ -128,6 +129,10 @@ class ContextParallelAttention(MegatronModule):
     [t_local, heads, dim] and the output [t_local, heads * dim], like TE's. Each rank holds its
     CP shard in the load-balanced 2*cp-chunk layout (`cpkit.sharding`, MCore's `get_batch_on_this_cp_rank`).
 
+    Options: `options` (a `CPAttentionOptions`, e.g. from the layer spec's params) sets ring
+    batching, a2a head chunks and the kernel; default `default_options()` (the environment, read
+    once per process).
+
     Groups: pg_collection.cp (pg_collection.hcp = [a2a, p2p] for `a2a+p2p`). With
     config.context_parallel_size == 1 or no group it runs plain local attention through the
     same kernels.
@@ -150,6 +155,7 @@ class ContextParallelAttention(MegatronModule):
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = P2P,
         pg_collection=None,
+        options: Optional[CPAttentionOptions] = None,
         **unused: Any,
     ):
         super().__init__(config=config)
@@ -158,6 +164,9 @@ class ContextParallelAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
         self.pg_collection = pg_collection
+        # Speed settings (ring batching, a2a head chunks, kernel); a layer spec passes them as
+        # ModuleSpec params. Read from the environment once per process when not given.
+        self.options = default_options() if options is None else options
         self._check_config(attention_dropout, layer_number)
         _is_causal(attn_mask_type, thd=None)  # a bad mask fails at build, not at the first step
 
@@ -398,6 +407,7 @@ class ContextParallelAttention(MegatronModule):
             softmax_scale=self.softmax_scale,
             cu_seqlens=cu_seqlens,
             max_seqlen=max_seqlen,
+            options=self.options,
         )
 
     def extra_repr(self) -> str:

@@ -34,6 +34,7 @@ from cpkit.attention.chunks import LocalSeq
 from cpkit.attention.comm import RingComm, group_size
 from cpkit.attention.kernels import attn_bwd, attn_fwd
 from cpkit.attention.merge import merge_
+from cpkit.attention.options import CPAttentionOptions
 
 __all__ = ["ring_attention", "ring_forward", "ring_backward", "kv_to_save", "kv_from_saved"]
 
@@ -48,22 +49,24 @@ def _block_case(src: int, rank: int, causal: bool) -> str:
     return "kv_first" if src < rank else "q_second"
 
 
-def _attend_fwd(q, kv, case: str, scale: float, seq: LocalSeq):
+def _attend_fwd(q, kv, case: str, scale: float, seq: LocalSeq, kernel):
     if case in ("diag", "full"):
-        return attn_fwd(q, kv[0], kv[1], case == "diag", scale, **seq.kw("full", "full"))
+        return attn_fwd(q, kv[0], kv[1], case == "diag", scale, kernel=kernel, **seq.kw("full", "full"))
     if case == "kv_first":
-        return attn_fwd(q, seq.take(kv[0], 0), seq.take(kv[1], 0), False, scale, **seq.kw("full", "half"))
-    return attn_fwd(seq.take(q, 1), kv[0], kv[1], False, scale, **seq.kw("half", "full"))
+        return attn_fwd(q, seq.take(kv[0], 0), seq.take(kv[1], 0), False, scale, kernel=kernel,
+                        **seq.kw("full", "half"))
+    return attn_fwd(seq.take(q, 1), kv[0], kv[1], False, scale, kernel=kernel, **seq.kw("half", "full"))
 
 
-def _attend_bwd(dout, q, kv, out, lse, case: str, scale: float, seq: LocalSeq):
+def _attend_bwd(dout, q, kv, out, lse, case: str, scale: float, seq: LocalSeq, kernel):
     if case in ("diag", "full"):
-        return attn_bwd(dout, q, kv[0], kv[1], out, lse, case == "diag", scale, **seq.kw("full", "full"))
+        return attn_bwd(dout, q, kv[0], kv[1], out, lse, case == "diag", scale, kernel=kernel,
+                        **seq.kw("full", "full"))
     if case == "kv_first":
         return attn_bwd(dout, q, seq.take(kv[0], 0), seq.take(kv[1], 0), out, lse, False, scale,
-                        **seq.kw("full", "half"))
+                        kernel=kernel, **seq.kw("full", "half"))
     return attn_bwd(seq.take(dout, 1), seq.take(q, 1), kv[0], kv[1], seq.take(out, 1),
-                    seq.take(lse, 1, dim=-1), False, scale, **seq.kw("half", "full"))
+                    seq.take(lse, 1, dim=-1), False, scale, kernel=kernel, **seq.kw("half", "full"))
 
 
 def _merge_block(out, lse, case: str, o, l, seq: LocalSeq) -> None:
@@ -85,13 +88,15 @@ def _add_block(acc, case: str, grad, seq: LocalSeq, part_of: str) -> None:
         acc.add_(grad)
 
 
-def ring_forward(q, k, v, comm: Optional[RingComm], causal: bool, scale: float, seq: LocalSeq):
+def ring_forward(q, k, v, comm: Optional[RingComm], causal: bool, scale: float, seq: LocalSeq,
+                 kernel: Optional[str] = None):
     """The ring's forward (no autograd): (output like q, fp32 LSE, what `ring_backward` needs
     of k and v: the packed [2, ...] KV the forward ended with (the next rank's), or (k, v)
-    without a ring). `comm` None: local attention. Also the per-chunk step of `a2a.a2a_attention`."""
+    without a ring). `comm` None: local attention. `kernel`: `CPAttentionOptions.kernel`. Also the
+    per-chunk step of `a2a.a2a_attention`."""
     n, rank = (comm.size, comm.rank) if comm is not None else (1, 0)
     if n == 1:  # one block: nothing to merge, no fp32 copy of the output
-        out, lse = attn_fwd(q, k, v, causal, scale, **seq.kw("full", "full"))
+        out, lse = attn_fwd(q, k, v, causal, scale, kernel=kernel, **seq.kw("full", "full"))
         return out, lse.float().contiguous(), (k, v)
     if k.shape != v.shape:  # one packed buffer per exchange holds k and v alike
         raise ValueError(f"ring_forward: k.shape {tuple(k.shape)} and v.shape {tuple(v.shape)} must "
@@ -108,7 +113,7 @@ def ring_forward(q, k, v, comm: Optional[RingComm], causal: bool, scale: float, 
                 out = out.float()
             _merge_block(out, lse, *block, seq)
         case = _block_case((rank - step) % n, rank, causal)
-        o, l = _attend_fwd(q, kv, case, scale, seq)
+        o, l = _attend_fwd(q, kv, case, scale, seq, kernel)
         if step == 0:
             # The first block's own output is the running one: a ring of 2 merges once, into
             # it (merge_ computes in fp32 and rounds once), with no fp32 copy of the output.
@@ -123,7 +128,7 @@ def ring_forward(q, k, v, comm: Optional[RingComm], causal: bool, scale: float, 
 
 
 def ring_backward(dout, q, kv, out, lse, comm: Optional[RingComm], causal: bool, scale: float,
-                  seq: LocalSeq):
+                  seq: LocalSeq, kernel: Optional[str] = None):
     """The ring's backward from `ring_forward`'s output, LSE and `kv` (its third result):
     (dq, dk, dv) in q's dtype.
 
@@ -136,7 +141,7 @@ def ring_backward(dout, q, kv, out, lse, comm: Optional[RingComm], causal: bool,
     dout, out = dout.contiguous(), out.contiguous()
     n, rank = (comm.size, comm.rank) if comm is not None else (1, 0)
     if n == 1:  # one block: the kernel's grads are the grads
-        return attn_bwd(dout, q, kv[0], kv[1], out, lse, causal, scale, **seq.kw("full", "full"))
+        return attn_bwd(dout, q, kv[0], kv[1], out, lse, causal, scale, kernel=kernel, **seq.kw("full", "full"))
     buf = kv  # [k, v] now; [k, v, dk, dv] from the first exchange on
     dq = dq_block = None  # dq float32: local, so accumulating it exactly costs no communication
     for step in range(n):
@@ -147,7 +152,7 @@ def ring_backward(dout, q, kv, out, lse, comm: Optional[RingComm], causal: bool,
         if dq_block is not None:  # after the post: the exchange starts while this add runs
             _add_block(dq, *dq_block, seq, "q")
         case = _block_case((rank + step + 1) % n, rank, causal)
-        dq_b, dk_b, dv_b = _attend_bwd(dout, q, buf, out, lse, case, scale, seq)
+        dq_b, dk_b, dv_b = _attend_bwd(dout, q, buf, out, lse, case, scale, seq, kernel)
         if step == 0 and case != "q_second":
             dq = dq_b.float()
         elif step == 0:  # the first block covers only the second query chunk
@@ -186,29 +191,30 @@ def kv_from_saved(tensors, packed: bool):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, seq):
-        comm = RingComm(group) if group_size(group) > 1 else None
-        out, lse, kv = ring_forward(q, k, v, comm, causal, scale, seq)
+    def forward(ctx, q, k, v, group, causal, scale, seq, options):
+        size = group_size(group)
+        comm = RingComm(group, options.ring_batched(size)) if size > 1 else None
+        out, lse, kv = ring_forward(q, k, v, comm, causal, scale, seq, options.kernel)
         kv_tensors, ctx.kv_packed = kv_to_save(kv)
         ctx.save_for_backward(q, out, lse, *kv_tensors)
-        ctx.comm, ctx.causal, ctx.scale, ctx.seq = comm, causal, scale, seq
+        ctx.comm, ctx.causal, ctx.scale, ctx.seq, ctx.kernel = comm, causal, scale, seq, options.kernel
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, out, lse, *kv_tensors = ctx.saved_tensors
         kv = kv_from_saved(kv_tensors, ctx.kv_packed)
-        dq, dk, dv = ring_backward(dout, q, kv, out, lse, ctx.comm, ctx.causal, ctx.scale, ctx.seq)
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv = ring_backward(dout, q, kv, out, lse, ctx.comm, ctx.causal, ctx.scale, ctx.seq, ctx.kernel)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    group: Optional[dist.ProcessGroup], causal: bool, scale: float,
-                   seq: LocalSeq) -> torch.Tensor:
+                   seq: LocalSeq, options: CPAttentionOptions) -> torch.Tensor:
     """Ring (p2p) CP attention of this rank's shard; differentiable.
 
     q [s, b, h, d] or [t, h, d] (THD, `seq` carries the cu_seqlens), k/v with h_kv heads, all
     in the 2-chunk layout of `group` (None or size 1: plain local attention). Returns the
-    output like q. Every rank of `group` must call it with the same shapes and flags.
+    output like q. Every rank of `group` must call it with the same shapes, flags and options.
     """
-    return _RingAttention.apply(q, k, v, group, causal, scale, seq)
+    return _RingAttention.apply(q, k, v, group, causal, scale, seq, options)

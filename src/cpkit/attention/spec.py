@@ -16,6 +16,7 @@ from typing import Any, Callable
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from cpkit.attention.module import ContextParallelAttention
+from cpkit.attention.options import CPAttentionOptions
 from cpkit.attention.te import te_available, te_unavailable_reason
 
 __all__ = [
@@ -74,6 +75,7 @@ def get_gpt_layer_spec_with_cp_attention(
     normalization: str | None = None,
     num_experts: int | None = None,
     moe_grouped_gemm: bool = False,
+    options: CPAttentionOptions | None = None,
     **mcore_kwargs: Any,
 ) -> ModuleSpec:
     """MCore's local GPT layer spec with `ContextParallelAttention` as core attention.
@@ -81,7 +83,8 @@ def get_gpt_layer_spec_with_cp_attention(
     The arguments are those of MCore's `get_gpt_layer_local_spec` (`normalization="RMSNorm"`
     for RMSNorm; `mcore_kwargs` for others the installed version has, e.g. `qk_l2_norm`).
     Multi-latent attention is not supported (q/k and v head dims differ). The per-layer
-    `cp_comm_type` and the groups come from the TransformerConfig and pg_collection at build.
+    `cp_comm_type` and the groups come from the TransformerConfig and pg_collection at build;
+    `options` (a `CPAttentionOptions`) reaches every core attention as a ModuleSpec param.
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -94,7 +97,10 @@ def get_gpt_layer_spec_with_cp_attention(
         moe_grouped_gemm=moe_grouped_gemm,
         **mcore_kwargs,
     )
-    return replace_core_attention(_call_with_supported(get_gpt_layer_local_spec, kwargs))
+    core = ContextParallelAttention
+    if options is not None:
+        core = ModuleSpec(module=ContextParallelAttention, params={"options": options})
+    return replace_core_attention(_call_with_supported(get_gpt_layer_local_spec, kwargs), core)
 
 
 def get_gpt_layer_spec_te(*, qk_layernorm: bool = False, **mcore_kwargs: Any) -> ModuleSpec:
