@@ -22,10 +22,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from cpkit.attention.band import Band
 from cpkit.attention.chunks import a2a_reorder, local_seq
-from cpkit.attention.comm import RingComm, all_to_all_async, group_size
+from cpkit.attention.comm import RingComm, all_to_all_async, group_rank, group_size
 from cpkit.attention.options import CPAttentionOptions
 from cpkit.attention.p2p import kv_from_saved, kv_to_save, ring_attention, ring_backward, ring_forward
+from cpkit.attention.sink import sink_grad
 
 __all__ = ["a2a_attention"]
 
@@ -82,33 +84,39 @@ class _UlyssesAttention(torch.autograd.Function):
     attention runs while the later chunks (and the earlier outputs) are in flight."""
 
     @staticmethod
-    def forward(ctx, q, k, v, a2a_group, p2p_group, causal, scale, rows, seq, options):
+    def forward(ctx, q, k, v, sink, a2a_group, p2p_group, causal, scale, rows, seq, options, window):
         a, p = group_size(a2a_group), group_size(p2p_group)
         comm = RingComm(p2p_group, options.ring_batched(p)) if p > 1 else None
+        band = None if window is None else Band(window, causal, seq, comm.rank if comm else 0, q.device)
         chunks = options.chunk_count(k.shape[-2] // a)
         widths = [x.shape[-2] // (a * chunks) for x in (q, k, v)]
+        # This rank's heads after the all-to-all: head chunk c is heads first + c*w .. + (c+1)*w.
+        first = group_rank(a2a_group) * (q.shape[-2] // a)
         inbound = [_to_heads((q, k, v), a, chunks, c, a2a_group) for c in range(chunks)]
         out = torch.empty_like(q)
         outbound, saved = [], []
         for c in range(chunks):
             qc, kc, vc = _arrived_heads(inbound[c], rows, widths)
-            oc, lse, kv = ring_forward(qc, kc, vc, comm, causal, scale, seq, options.kernel)
+            sink_c = None if sink is None else sink[first + c * widths[0]:first + (c + 1) * widths[0]]
+            oc, lse, kv = ring_forward(qc, kc, vc, comm, causal, scale, seq, options.kernel, band, sink_c)
             outbound.append(_to_seq([oc], rows, a, a2a_group))
             kv_tensors, kv_packed = kv_to_save(kv)  # the same kind for every chunk
             saved += [qc, oc, lse, *kv_tensors]
         for c, exchange in enumerate(outbound):
             _arrived_seq(exchange, [out], a, chunks, c)
-        ctx.save_for_backward(*saved)
+        ctx.save_for_backward(sink, *saved)
         ctx.kv_packed = kv_packed
-        ctx.setup = (a2a_group, comm, causal, scale, rows, seq, chunks, widths, options.kernel)
+        ctx.setup = (a2a_group, comm, causal, scale, rows, seq, chunks, widths, options.kernel, band, first)
         ctx.shapes = [x.shape for x in (q, k, v)]
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        a2a_group, comm, causal, scale, rows, seq, chunks, widths, kernel = ctx.setup
+        a2a_group, comm, causal, scale, rows, seq, chunks, widths, kernel, band, first = ctx.setup
         a = group_size(a2a_group)
-        saved = ctx.saved_tensors
+        sink, *saved = ctx.saved_tensors
+        want_dsink = sink is not None and ctx.needs_input_grad[3]
+        dsink = torch.zeros_like(sink, dtype=torch.float32) if want_dsink else None
         inbound = [_to_heads((dout,), a, chunks, c, a2a_group) for c in range(chunks)]
         grads = [dout.new_empty(shape) for shape in ctx.shapes]
         outbound = []
@@ -117,29 +125,35 @@ class _UlyssesAttention(torch.autograd.Function):
             qc, oc, lse, *kv_tensors = saved[per * c:per * (c + 1)]
             (dc,) = _arrived_heads(inbound[c], rows, [widths[0]])
             kv = kv_from_saved(kv_tensors, ctx.kv_packed)
-            dq, dk, dv = ring_backward(dc, qc, kv, oc, lse, comm, causal, scale, seq, kernel)
+            dq, dk, dv = ring_backward(dc, qc, kv, oc, lse, comm, causal, scale, seq, kernel, band)
+            if want_dsink:
+                heads = slice(first + c * widths[0], first + (c + 1) * widths[0])
+                dsink[heads] = sink_grad(dc, oc, lse, sink[heads])
             outbound.append(_to_seq([dq, dk, dv], rows, a, a2a_group))
         for c, exchange in enumerate(outbound):
             _arrived_seq(exchange, grads, a, chunks, c)
-        return (*grads, None, None, None, None, None, None, None)
+        dsink = None if dsink is None else dsink.to(sink.dtype)
+        return (*grads, dsink, None, None, None, None, None, None, None, None)
 
 
 def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   a2a_group: Optional[dist.ProcessGroup], p2p_group: Optional[dist.ProcessGroup],
                   causal: bool, scale: float, options: CPAttentionOptions,
-                  cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None) -> torch.Tensor:
+                  cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
+                  window=None, sink: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Ulysses attention over `a2a_group`, with a ring over `p2p_group` in between (or local
     attention when p2p_group is None / of size 1); differentiable.
 
     q [s, b, h, d] or [t, h, d] (THD: `cu_seqlens` global padded offsets, `max_seqlen` their
     largest length, divisible by 2*cp), k/v with h_kv heads; this rank's shard of the whole CP
     group, whose position is p2p_rank * A + a2a_rank. `options`: ring batching, head chunks,
-    kernel. Returns the output like q.
+    kernel. `window`: sliding window (`band.Window`); `sink` [h]: sink logits of all heads (each
+    rank applies its heads' share and returns the gradient of those). Returns the output like q.
     """
     a, p = group_size(a2a_group), group_size(p2p_group)
     if a == 1:
         seq = local_seq(q.shape[0], p, cu_seqlens, max_seqlen)
-        return ring_attention(q, k, v, p2p_group, causal, scale, seq, options)
+        return ring_attention(q, k, v, p2p_group, causal, scale, seq, options, window, sink)
     rows = a2a_reorder(q.shape[0], a, a * p, cu_seqlens, device=q.device)
     seq = local_seq(a * q.shape[0], p, cu_seqlens, max_seqlen)
-    return _UlyssesAttention.apply(q, k, v, a2a_group, p2p_group, causal, scale, rows, seq, options)
+    return _UlyssesAttention.apply(q, k, v, sink, a2a_group, p2p_group, causal, scale, rows, seq, options, window)

@@ -12,14 +12,18 @@ Tensors are sequence-first: q [s, b, h, d] / [t, h, d], k/v with h_kv heads.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
+from cpkit.attention.band import Band, band_bwd, band_fwd
 from cpkit.attention.chunks import LocalSeq, gathered_to_natural
 from cpkit.attention.comm import all_gather_seq, group_rank, reduce_scatter_seq
 from cpkit.attention.kernels import attn_bwd, attn_fwd
 from cpkit.attention.merge import merge_
 from cpkit.attention.options import CPAttentionOptions
+from cpkit.attention.sink import apply_sink, sink_grad
 from cpkit.sharding import segments_to_index
 
 __all__ = ["all_gather_attention"]
@@ -80,12 +84,16 @@ def _gather_kv(k, v, group, natural_rows):
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, seq, kernel):
+    def forward(ctx, q, k, v, sink, group, causal, scale, seq, kernel, window):
         natural_rows = gathered_to_natural(seq, device=q.device)
         _, K, V = _gather_kv(k, v, group, natural_rows)
         blocks = _Blocks(seq, group_rank(group), K.shape[0])
         out = torch.empty_like(q, dtype=torch.float32)
-        if not causal:
+        band = None if window is None else Band(window, causal, seq, group_rank(group), q.device)
+        if band is not None:  # sliding window: the local queries against all keys, band-masked
+            o, lse = band_fwd(q, K, V, band.mask_for(band.natural_keys(K.shape[0])), scale)
+            out.copy_(o)
+        elif not causal:
             o, lse = attn_fwd(q, K, V, False, scale, kernel=kernel, **blocks.full_kw())
             out.copy_(o)
             lse = lse.float().contiguous()
@@ -103,15 +111,17 @@ class _AllGatherAttention(torch.autograd.Function):
                     else:
                         merge_(o_j, l_j, o, l)
                 _put(seq, out, lse, j, o_j, l_j)
+        if sink is not None:  # once, after the last merge
+            out, lse = apply_sink(out, lse, sink)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, natural_rows)
-        ctx.group, ctx.causal, ctx.scale, ctx.seq, ctx.kernel = group, causal, scale, seq, kernel
+        ctx.save_for_backward(q, k, v, out, lse, natural_rows, sink)
+        ctx.setup = (group, causal, scale, seq, kernel, band)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, natural_rows = ctx.saved_tensors
-        seq, causal, scale, group, kernel = ctx.seq, ctx.causal, ctx.scale, ctx.group, ctx.kernel
+        q, k, v, out, lse, natural_rows, sink = ctx.saved_tensors
+        group, causal, scale, seq, kernel, band = ctx.setup
         # cuDNN wants dout and out in one layout; both sequence-first contiguous here.
         dout, out = dout.contiguous(), out.contiguous()
         kv, K, V = _gather_kv(k, v, group, natural_rows)
@@ -120,7 +130,13 @@ class _AllGatherAttention(torch.autograd.Function):
         # exposed (nothing left to overlap it with), and fp32 would double its bytes.
         dkv = torch.zeros_like(kv)
         dK, dV = dkv[:, 0], dkv[:, 1]
-        if not causal:
+        if band is not None:
+            mask = band.mask_for(band.natural_keys(K.shape[0]))
+            dq, dk_b, dv_b = band_bwd(dout, q, K, V, out, lse, mask, scale)
+            dK.add_(dk_b)
+            dV.add_(dv_b)
+            dq = dq.float()
+        elif not causal:
             dq, dk_b, dv_b = attn_bwd(dout, q, K, V, out, lse, False, scale, kernel=kernel, **blocks.full_kw())
             dK.add_(dk_b)
             dV.add_(dv_b)
@@ -138,7 +154,10 @@ class _AllGatherAttention(torch.autograd.Function):
                     blocks.add_(dV, rows, dv_b)
         # Back to the gathered (rank) order, then each rank keeps the sum of its own rows.
         dkv_local = reduce_scatter_seq(dkv.index_select(0, natural_rows), group)
-        return dq.to(q.dtype), dkv_local[:, 0], dkv_local[:, 1], None, None, None, None, None
+        dsink = None
+        if sink is not None and ctx.needs_input_grad[3]:
+            dsink = sink_grad(dout, out, lse, sink).to(sink.dtype)
+        return dq.to(q.dtype), dkv_local[:, 0], dkv_local[:, 1], dsink, None, None, None, None, None, None
 
 
 def _put(seq: LocalSeq, out, lse, j, o_j, l_j) -> None:
@@ -154,12 +173,15 @@ def _put(seq: LocalSeq, out, lse, j, o_j, l_j) -> None:
 
 def all_gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
                          causal: bool, scale: float, seq: LocalSeq,
-                         options: CPAttentionOptions) -> torch.Tensor:
+                         options: CPAttentionOptions, window=None,
+                         sink: Optional[torch.Tensor] = None) -> torch.Tensor:
     """All-gather CP attention of this rank's shard; differentiable.
 
     q [s, b, h, d] or [t, h, d] (THD: `seq` carries the global cu_seqlens), k/v with h_kv heads,
     in the 2-chunk layout of `group`. Collectives: one all-gather of KV in forward, one
     all-gather and one reduce-scatter (dKV, input dtype) in backward. `options.kernel` picks the
-    kernel. Returns the output like q.
+    kernel. `window` (`band.Window`): sliding window, the local queries against all gathered
+    keys under the band mask; `sink` [h]: sink logits, applied once at the end. Returns the
+    output like q.
     """
-    return _AllGatherAttention.apply(q, k, v, group, causal, scale, seq, options.kernel)
+    return _AllGatherAttention.apply(q, k, v, sink, group, causal, scale, seq, options.kernel, window)

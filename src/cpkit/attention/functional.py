@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from cpkit.attention.a2a import a2a_attention
 from cpkit.attention.all_gather import all_gather_attention
+from cpkit.attention.band import check_window
 from cpkit.attention.chunks import local_seq
 from cpkit.attention.comm import group_size
 from cpkit.attention.hierarchical import hierarchical_attention
@@ -86,11 +87,12 @@ def _check_tensors(q, k, v, cu_seqlens) -> bool:
     if not thd and cu_seqlens is not None:
         raise CPConfigError.single("cu_seqlens", "given", "cu_seqlens is only for THD input [t, heads, dim]",
                                    "drop cu_seqlens, or pass packed [t, heads, dim] tensors")
-    if k.shape != v.shape or k.shape[:-2] != q.shape[:-2] or k.shape[-1] != q.shape[-1]:
+    if k.shape[:-1] != v.shape[:-1] or k.shape[:-2] != q.shape[:-2] or k.shape[-1] != q.shape[-1]:
         raise CPConfigError.single(
             "k.shape/v.shape", (tuple(k.shape), tuple(v.shape)),
-            f"must equal q.shape={tuple(q.shape)} except for the (kv) heads dim",
-            "pass k and v of the same local tokens, batch and head dim as q",
+            f"must equal q.shape={tuple(q.shape)} except for the (kv) heads dim (and v's head dim, "
+            "which may differ: MLA)",
+            "pass k and v of the same local tokens, batch and kv heads, k with q's head dim",
         )
     if q.shape[-2] % k.shape[-2]:
         raise CPConfigError.single("kv heads (k.shape[-2])", k.shape[-2],
@@ -156,11 +158,16 @@ def context_parallel_attention(
     cu_seqlens: Optional[torch.Tensor] = None,
     max_seqlen: Optional[int] = None,
     options: Optional[CPAttentionOptions] = None,
+    window_size: Optional[tuple[int, int]] = None,
+    softmax_offset: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Context-parallel attention of this rank's shard; differentiable; output shaped like q.
 
     Shapes (sequence-first, MCore's): q [s_local, b, heads, dim], k/v [s_local, b, kv_heads, dim]
-    (GQA when kv_heads < heads); or THD q [t_local, heads, dim] with `cu_seqlens`. Every input
+    (GQA when kv_heads < heads); or THD q [t_local, heads, dim] with `cu_seqlens`. v may have
+    its own head dim (MLA: MCore's v_channels); the output then has v's head dim. The smaller of
+    the two is zero-padded to the larger inside (exact: zero value columns add zero output
+    columns, zero q/k columns add zero scores), at the cost of the padding's bytes. Every input
     is this rank's shard in the load-balanced layout (`cpkit.sharding`: chunks r and 2cp-1-r).
 
     cu_seqlens: THD only, the GLOBAL padded offsets (int32 [n + 1], every length a multiple of
@@ -175,6 +182,13 @@ def context_parallel_attention(
     cp_comm_type: "p2p" (ring), "all_gather", "a2a" (Ulysses) or "a2a+p2p".
     causal: causal (top-left) mask over the full sequence, or no mask.
     softmax_scale: defaults to 1/sqrt(dim).
+    window_size: sliding window (left, right) as MCore/TE give it (-1: unbounded; the right side
+    is 0 under a causal mask): a query at position i sees keys i - left .. i + right of its own
+    sequence. Ring steps whose blocks lie wholly outside the window skip their compute (sbhd);
+    the rest use the band mask (exact math; `band.py`).
+    softmax_offset: per-head sink logits [heads] (MCore softmax_type "off-by-one": zeros,
+    "learnable": a parameter, which gets its gradient; summed over the CP ranks it is the
+    gradient of the whole sequence). Applied once, after the last LSE merge.
     options: ring batching, a2a head chunks and kernel choice (`CPAttentionOptions`; default
     `default_options()`, the environment read once). Every rank must pass equal options.
 
@@ -190,6 +204,7 @@ def context_parallel_attention(
     kv heads not divisible by the a2a size, or THD offsets that are not padded to 2*cp.
     """
     comm = check_comm_type(cp_comm_type)
+    window = check_window(window_size, causal)
     if options is None:
         options = default_options()
     elif not isinstance(options, CPAttentionOptions):
@@ -206,20 +221,50 @@ def context_parallel_attention(
             "must be even: each rank holds 2 chunks (the global sequence is divisible by 2*cp)",
             "pad the global sequence to a multiple of 2*cp and shard it with cpkit.sharding.shard_seq",
         )
+    _check_sink(softmax_offset, q)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    v_dim = v.shape[-1]
+    q, k, v = _pad_head_dims(q, k, v)
     # The kernels need a unit stride on the head dim; anything else is fine as a view.
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     cu = None
     if thd:
         cu, max_seqlen = _check_thd(cu_seqlens, max_seqlen, q.shape[0], cp, q.device)
-
+    extra = (window, softmax_offset)
     if cp == 1:
-        return ring_attention(q, k, v, None, causal, scale, local_seq(q.shape[0], 1, cu, max_seqlen), options)
-    if comm == P2P:
-        return ring_attention(q, k, v, groups[0], causal, scale, local_seq(q.shape[0], cp, cu, max_seqlen), options)
-    if comm == ALL_GATHER:
-        return all_gather_attention(q, k, v, groups[0], causal, scale, local_seq(q.shape[0], cp, cu, max_seqlen),
-                                    options)
-    if comm == A2A:
-        return a2a_attention(q, k, v, groups[0], None, causal, scale, options, cu, max_seqlen)
-    return hierarchical_attention(q, k, v, groups[0], groups[1], causal, scale, options, cu, max_seqlen)
+        out = ring_attention(q, k, v, None, causal, scale, local_seq(q.shape[0], 1, cu, max_seqlen), options, *extra)
+    elif comm == P2P:
+        out = ring_attention(q, k, v, groups[0], causal, scale, local_seq(q.shape[0], cp, cu, max_seqlen), options,
+                             *extra)
+    elif comm == ALL_GATHER:
+        out = all_gather_attention(q, k, v, groups[0], causal, scale, local_seq(q.shape[0], cp, cu, max_seqlen),
+                                   options, *extra)
+    elif comm == A2A:
+        out = a2a_attention(q, k, v, groups[0], None, causal, scale, options, cu, max_seqlen, *extra)
+    else:
+        out = hierarchical_attention(q, k, v, groups[0], groups[1], causal, scale, options, cu, max_seqlen, *extra)
+    return out if out.shape[-1] == v_dim else out[..., :v_dim]
+
+
+def _pad_head_dims(q, k, v):
+    """q, k, v with one head dim: v zero-padded up to q/k's, or q and k up to v's (MLA)."""
+    dq, dv = q.shape[-1], v.shape[-1]
+    if dv < dq:
+        v = torch.nn.functional.pad(v, (0, dq - dv))
+    elif dv > dq:
+        q, k = (torch.nn.functional.pad(x, (0, dv - dq)) for x in (q, k))
+    return q, k, v
+
+
+def _check_sink(sink, q) -> None:
+    if sink is None:
+        return
+    if not isinstance(sink, torch.Tensor) or sink.shape != (q.shape[-2],) or not sink.dtype.is_floating_point:
+        raise CPConfigError.single(
+            "softmax_offset", tuple(sink.shape) if isinstance(sink, torch.Tensor) else type(sink).__name__,
+            f"must be a float tensor [heads] = [{q.shape[-2]}], one sink logit per query head of this rank",
+            "pass zeros for softmax_type='off-by-one' or the learnable per-head parameter",
+        )
+    if sink.device != q.device:
+        raise CPConfigError.single("softmax_offset.device", sink.device, f"must be q's device {q.device}",
+                                   "move it to q's device")

@@ -27,7 +27,9 @@ def hierarchical_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            a2a_group: dist.ProcessGroup, p2p_group: dist.ProcessGroup,
                            causal: bool, scale: float, options: CPAttentionOptions,
                            cu_seqlens: Optional[torch.Tensor] = None,
-                           max_seqlen: Optional[int] = None) -> torch.Tensor:
+                           max_seqlen: Optional[int] = None, window=None,
+                           sink: Optional[torch.Tensor] = None) -> torch.Tensor:
     """a2a+p2p CP attention of this rank's shard (position p2p_rank * A + a2a_rank in the CP
     group); differentiable. Shapes as `a2a.a2a_attention`; heads must divide by |a2a_group|."""
-    return a2a_attention(q, k, v, a2a_group, p2p_group, causal, scale, options, cu_seqlens, max_seqlen)
+    return a2a_attention(q, k, v, a2a_group, p2p_group, causal, scale, options, cu_seqlens, max_seqlen,
+                         window, sink)

@@ -30,18 +30,24 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from cpkit.attention.band import Band, band_bwd, band_fwd
 from cpkit.attention.chunks import LocalSeq
 from cpkit.attention.comm import RingComm, group_size
 from cpkit.attention.kernels import attn_bwd, attn_fwd
 from cpkit.attention.merge import merge_
 from cpkit.attention.options import CPAttentionOptions
+from cpkit.attention.sink import apply_sink, sink_grad
 
 __all__ = ["ring_attention", "ring_forward", "ring_backward", "kv_to_save", "kv_from_saved"]
 
 
-def _block_case(src: int, rank: int, causal: bool) -> str:
+def _block_case(src: int, rank: int, causal: bool, band: Optional[Band] = None):
     """"diag", "full" (no mask, everything), "kv_first" (src < rank) or "q_second" (src > rank)
-    for this rank's queries against the KV of rank `src`."""
+    for this rank's queries against the KV of rank `src`; with a sliding window, the block's
+    band mask (a tensor) or "skip" when the block lies wholly outside the window."""
+    if band is not None:
+        mask = band.block(src)
+        return "skip" if mask is None else mask
     if src == rank:
         return "diag" if causal else "full"
     if not causal:
@@ -49,7 +55,9 @@ def _block_case(src: int, rank: int, causal: bool) -> str:
     return "kv_first" if src < rank else "q_second"
 
 
-def _attend_fwd(q, kv, case: str, scale: float, seq: LocalSeq, kernel):
+def _attend_fwd(q, kv, case, scale: float, seq: LocalSeq, kernel):
+    if isinstance(case, torch.Tensor):
+        return band_fwd(q, kv[0], kv[1], case, scale)
     if case in ("diag", "full"):
         return attn_fwd(q, kv[0], kv[1], case == "diag", scale, kernel=kernel, **seq.kw("full", "full"))
     if case == "kv_first":
@@ -58,7 +66,9 @@ def _attend_fwd(q, kv, case: str, scale: float, seq: LocalSeq, kernel):
     return attn_fwd(seq.take(q, 1), kv[0], kv[1], False, scale, kernel=kernel, **seq.kw("half", "full"))
 
 
-def _attend_bwd(dout, q, kv, out, lse, case: str, scale: float, seq: LocalSeq, kernel):
+def _attend_bwd(dout, q, kv, out, lse, case, scale: float, seq: LocalSeq, kernel):
+    if isinstance(case, torch.Tensor):
+        return band_bwd(dout, q, kv[0], kv[1], out, lse, case, scale)
     if case in ("diag", "full"):
         return attn_bwd(dout, q, kv[0], kv[1], out, lse, case == "diag", scale, kernel=kernel,
                         **seq.kw("full", "full"))
@@ -69,17 +79,18 @@ def _attend_bwd(dout, q, kv, out, lse, case: str, scale: float, seq: LocalSeq, k
                     seq.take(lse, 1, dim=-1), False, scale, kernel=kernel, **seq.kw("half", "full"))
 
 
-def _merge_block(out, lse, case: str, o, l, seq: LocalSeq) -> None:
+def _merge_block(out, lse, case, o, l, seq: LocalSeq) -> None:
     """Fold one block's output and LSE into the running fp32 output and LSE."""
-    if case == "q_second":
+    if isinstance(case, str) and case == "q_second":
         seq.merge_(out, lse, 1, o, l)
     else:
         merge_(out, lse, o, l)
 
 
-def _add_block(acc, case: str, grad, seq: LocalSeq, part_of: str) -> None:
+def _add_block(acc, case, grad, seq: LocalSeq, part_of: str) -> None:
     """Add one block's gradient into `acc`: the second query chunk's rows for dQ of a
     "q_second" block, the first KV chunk's rows for dKV of a "kv_first" block, else all."""
+    case = case if isinstance(case, str) else "band"
     if part_of == "q" and case == "q_second":
         seq.add_(acc, 1, grad)
     elif part_of == "kv" and case == "kv_first":
@@ -89,15 +100,23 @@ def _add_block(acc, case: str, grad, seq: LocalSeq, part_of: str) -> None:
 
 
 def ring_forward(q, k, v, comm: Optional[RingComm], causal: bool, scale: float, seq: LocalSeq,
-                 kernel: Optional[str] = None):
+                 kernel: Optional[str] = None, band: Optional[Band] = None,
+                 sink: Optional[torch.Tensor] = None):
     """The ring's forward (no autograd): (output like q, fp32 LSE, what `ring_backward` needs
     of k and v: the packed [2, ...] KV the forward ended with (the next rank's), or (k, v)
-    without a ring). `comm` None: local attention. `kernel`: `CPAttentionOptions.kernel`. Also the
-    per-chunk step of `a2a.a2a_attention`."""
+    without a ring). `comm` None: local attention. `kernel`: `CPAttentionOptions.kernel`.
+    `band`: sliding-window masks of this level (blocks outside the window are skipped).
+    `sink`: per-head sink logits of q's heads, applied once after the last merge (the output
+    and LSE returned include it). Also the per-chunk step of `a2a.a2a_attention`."""
     n, rank = (comm.size, comm.rank) if comm is not None else (1, 0)
     if n == 1:  # one block: nothing to merge, no fp32 copy of the output
-        out, lse = attn_fwd(q, k, v, causal, scale, kernel=kernel, **seq.kw("full", "full"))
-        return out, lse.float().contiguous(), (k, v)
+        if band is not None:
+            out, lse = band_fwd(q, k, v, band.block(rank), scale)
+        else:
+            out, lse = attn_fwd(q, k, v, causal, scale, kernel=kernel, **seq.kw("full", "full"))
+        if sink is not None:
+            out, lse = apply_sink(out, lse, sink)
+        return out.to(q.dtype), lse.float().contiguous(), (k, v)
     if k.shape != v.shape:  # one packed buffer per exchange holds k and v alike
         raise ValueError(f"ring_forward: k.shape {tuple(k.shape)} and v.shape {tuple(v.shape)} must "
                          "be equal (the ring packs them into one buffer); pass k and v of one head dim")
@@ -112,23 +131,32 @@ def ring_forward(q, k, v, comm: Optional[RingComm], causal: bool, scale: float, 
             if out.dtype != torch.float32:  # more merges to come: accumulate in fp32
                 out = out.float()
             _merge_block(out, lse, *block, seq)
-        case = _block_case((rank - step) % n, rank, causal)
-        o, l = _attend_fwd(q, kv, case, scale, seq, kernel)
+        case = _block_case((rank - step) % n, rank, causal, band)
+        block = None
         if step == 0:
             # The first block's own output is the running one: a ring of 2 merges once, into
             # it (merge_ computes in fp32 and rounds once), with no fp32 copy of the output.
-            out, lse = o, l.float().contiguous()
-        else:
-            block = (case, o, l)
+            # The own block always has keys (a query sees itself), so it is never skipped.
+            out, lse = _attend_fwd(q, kv, case, scale, seq, kernel)
+            lse = lse.float().contiguous()
+        elif not _skipped(case):
+            block = (case, *_attend_fwd(q, kv, case, scale, seq, kernel))
         if pending is not None:
             pending.wait()
             kv = nxt
-    _merge_block(out, lse, *block, seq)
+    if block is not None:
+        _merge_block(out, lse, *block, seq)
+    if sink is not None:
+        out, lse = apply_sink(out, lse, sink)
     return out.to(q.dtype), lse, kv
 
 
+def _skipped(case) -> bool:
+    return isinstance(case, str) and case == "skip"
+
+
 def ring_backward(dout, q, kv, out, lse, comm: Optional[RingComm], causal: bool, scale: float,
-                  seq: LocalSeq, kernel: Optional[str] = None):
+                  seq: LocalSeq, kernel: Optional[str] = None, band: Optional[Band] = None):
     """The ring's backward from `ring_forward`'s output, LSE and `kv` (its third result):
     (dq, dk, dv) in q's dtype.
 
@@ -136,11 +164,14 @@ def ring_backward(dout, q, kv, out, lse, comm: Optional[RingComm], causal: bool,
     block. One buffer [k, v, dk, dv] travels to the previous rank: at step s it carries the KV
     for the next step and the dKV accumulated at step s - 1, posted before the step's attention;
     it brings the next KV and the dKV of the block being computed, to which this rank adds its
-    share once the exchange is done."""
+    share once the exchange is done. `out` and `lse` are ring_forward's (a sink included), so
+    the blocks' probabilities are the final ones; blocks `band` skips add nothing."""
     # cuDNN wants dout and out in one layout: both sequence-first contiguous.
     dout, out = dout.contiguous(), out.contiguous()
     n, rank = (comm.size, comm.rank) if comm is not None else (1, 0)
     if n == 1:  # one block: the kernel's grads are the grads
+        if band is not None:
+            return band_bwd(dout, q, kv[0], kv[1], out, lse, band.block(rank), scale)
         return attn_bwd(dout, q, kv[0], kv[1], out, lse, causal, scale, kernel=kernel, **seq.kw("full", "full"))
     buf = kv  # [k, v] now; [k, v, dk, dv] from the first exchange on
     dq = dq_block = None  # dq float32: local, so accumulating it exactly costs no communication
@@ -151,29 +182,34 @@ def ring_backward(dout, q, kv, out, lse, comm: Optional[RingComm], causal: bool,
         pending = comm.exchange(buf[lo:hi], nxt[lo:hi], reverse=True)
         if dq_block is not None:  # after the post: the exchange starts while this add runs
             _add_block(dq, *dq_block, seq, "q")
-        case = _block_case((rank + step + 1) % n, rank, causal)
-        dq_b, dk_b, dv_b = _attend_bwd(dout, q, buf, out, lse, case, scale, seq, kernel)
-        if step == 0 and case != "q_second":
+        case = _block_case((rank + step + 1) % n, rank, causal, band)
+        skip = _skipped(case)  # outside the window: no grads, the dKV passes on unchanged
+        if not skip:
+            dq_b, dk_b, dv_b = _attend_bwd(dout, q, buf, out, lse, case, scale, seq, kernel)
+        partial = isinstance(case, str) and case in ("q_second", "kv_first", "skip")
+        if step == 0 and not skip and not (isinstance(case, str) and case == "q_second"):
             dq = dq_b.float()
-        elif step == 0:  # the first block covers only the second query chunk
+        elif step == 0:  # the first block covers only the second query chunk, or nothing
             dq = torch.zeros_like(q, dtype=torch.float32)
-            _add_block(dq, case, dq_b, seq, "q")
-        else:
-            dq_block = (case, dq_b)
+            if not skip:
+                _add_block(dq, case, dq_b, seq, "q")
+        dq_block = None if step == 0 or skip else (case, dq_b)
         pending.wait()
         # The received dKV is this block's, with the shares of the ranks before; add ours.
         dk_acc, dv_acc = nxt[2], nxt[3]
-        if step == 0 and case != "kv_first":  # the first share of this block covers it all
+        if step == 0 and not partial:  # the first share of this block covers it all
             dk_acc.copy_(dk_b)
             dv_acc.copy_(dv_b)
         else:
             if step == 0:
                 dk_acc.zero_()
                 dv_acc.zero_()
-            _add_block(dk_acc, case, dk_b, seq, "kv")
-            _add_block(dv_acc, case, dv_b, seq, "kv")
+            if not skip:
+                _add_block(dk_acc, case, dk_b, seq, "kv")
+                _add_block(dv_acc, case, dv_b, seq, "kv")
         buf = nxt
-    _add_block(dq, *dq_block, seq, "q")
+    if dq_block is not None:
+        _add_block(dq, *dq_block, seq, "q")
     return dq.to(q.dtype), dk_acc, dv_acc
 
 
@@ -191,30 +227,38 @@ def kv_from_saved(tensors, packed: bool):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, seq, options):
+    def forward(ctx, q, k, v, sink, group, causal, scale, seq, options, window):
         size = group_size(group)
         comm = RingComm(group, options.ring_batched(size)) if size > 1 else None
-        out, lse, kv = ring_forward(q, k, v, comm, causal, scale, seq, options.kernel)
+        band = None if window is None else Band(window, causal, seq, comm.rank if comm else 0, q.device)
+        out, lse, kv = ring_forward(q, k, v, comm, causal, scale, seq, options.kernel, band, sink)
         kv_tensors, ctx.kv_packed = kv_to_save(kv)
-        ctx.save_for_backward(q, out, lse, *kv_tensors)
-        ctx.comm, ctx.causal, ctx.scale, ctx.seq, ctx.kernel = comm, causal, scale, seq, options.kernel
+        ctx.save_for_backward(q, out, lse, sink, *kv_tensors)
+        ctx.setup = (comm, causal, scale, seq, options.kernel, band)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, out, lse, *kv_tensors = ctx.saved_tensors
+        q, out, lse, sink, *kv_tensors = ctx.saved_tensors
         kv = kv_from_saved(kv_tensors, ctx.kv_packed)
-        dq, dk, dv = ring_backward(dout, q, kv, out, lse, ctx.comm, ctx.causal, ctx.scale, ctx.seq, ctx.kernel)
-        return dq, dk, dv, None, None, None, None, None
+        comm, causal, scale, seq, kernel, band = ctx.setup
+        dq, dk, dv = ring_backward(dout, q, kv, out, lse, comm, causal, scale, seq, kernel, band)
+        dsink = None
+        if sink is not None and ctx.needs_input_grad[3]:
+            dsink = sink_grad(dout, out, lse, sink).to(sink.dtype)
+        return dq, dk, dv, dsink, None, None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    group: Optional[dist.ProcessGroup], causal: bool, scale: float,
-                   seq: LocalSeq, options: CPAttentionOptions) -> torch.Tensor:
+                   seq: LocalSeq, options: CPAttentionOptions, window=None,
+                   sink: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Ring (p2p) CP attention of this rank's shard; differentiable.
 
     q [s, b, h, d] or [t, h, d] (THD, `seq` carries the cu_seqlens), k/v with h_kv heads, all
     in the 2-chunk layout of `group` (None or size 1: plain local attention). Returns the
-    output like q. Every rank of `group` must call it with the same shapes, flags and options.
+    output like q. `window` (`band.Window`): sliding window; `sink` [h]: sink logits (the
+    gradient flows to it). Every rank of `group` must call it with the same shapes, flags and
+    options.
     """
-    return _RingAttention.apply(q, k, v, group, causal, scale, seq, options)
+    return _RingAttention.apply(q, k, v, sink, group, causal, scale, seq, options, window)

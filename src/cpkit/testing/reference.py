@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from cpkit.compat import new_pg_collection
 
-__all__ = ["attention_inputs", "per_sequence_reference", "sdpa_reference", "single_rank_pg_collection",
-           "token_sample"]
+__all__ = ["attention_inputs", "masked_sink_reference", "per_sequence_reference", "sdpa_reference",
+           "single_rank_pg_collection", "token_sample"]
 
 _PG_FIELDS = ("tp", "pp", "mp", "cp", "dp", "tp_cp", "dp_cp", "tp_dp_cp", "embd", "pos_embd",
               "intra_dp_cp", "expt_dp", "intra_expt_dp", "expt_tp", "tp_ep", "tp_ep_pp", "ep")
@@ -78,3 +78,40 @@ def per_sequence_reference(model, samples, pg_collection, *, total_tokens: float
         loss.backward()
         total += loss.item()
     return total
+
+
+def masked_sink_reference(q, k, v, *, causal: bool, scale: float, window=None, sink=None, cu=None):
+    """Plain float32 attention through autograd with every feature spelled out, for checking CP
+    attention: q [s, b, h, dqk] (or THD [t, h, dqk] with global offsets `cu`), k [.., h_kv, dqk],
+    v [.., h_kv, dv] (MLA when dv != dqk); `window` (left, right), -1 unbounded; `sink` [h]:
+    an extra logit per head in each row's softmax, its probability dropped (MCore's off-by-one /
+    learnable softmax). Materializes the scores; returns the output [.., h, dv] in float32."""
+    thd = q.dim() == 3
+    if thd:
+        q, k, v = (x.unsqueeze(1) for x in (q, k, v))
+    s, h = q.shape[0], q.shape[2]
+    group = h // k.shape[2]
+    k, v = (x.float().repeat_interleave(group, dim=2) for x in (k, v))
+    scores = torch.einsum("sbhd,tbhd->bhst", q.float(), k) * scale
+    pos = torch.arange(s, device=q.device)
+    diff = pos.view(-1, 1) - pos.view(1, -1)
+    allowed = torch.ones(s, s, dtype=torch.bool, device=q.device)
+    if causal:
+        allowed &= diff >= 0
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            allowed &= diff <= left
+        if right >= 0 and not causal:
+            allowed &= diff >= -right
+    if cu is not None:
+        seq_id = torch.searchsorted(cu.to(q.device, torch.int64), pos, right=True)
+        allowed &= seq_id.view(-1, 1) == seq_id.view(1, -1)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sink is not None:
+        column = sink.float().view(1, h, 1, 1).expand(scores.shape[0], h, s, 1)
+        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhst,tbhd->sbhd", probs, v)
+    return out.squeeze(1) if thd else out
