@@ -121,12 +121,59 @@ def test_masks_that_need_a_tensor_raise(groups):
 
 
 def test_unsupported_features_all_reported(groups):
-    config = make_config(window_size=(4, 0), attention_dropout=0.1)
+    config = make_config(attention_dropout=0.1, qk_clip=True, qk_clip_alpha=0.5, qk_clip_threshold=100.0)
     with pytest.raises(CPConfigError) as err:
         ContextParallelAttention(config, 1, AttnMaskType.causal, "cross",
                                  pg_collection=new_pg_collection(tp=groups[0], cp=groups[0]))
     fields = {v.field for v in err.value.violations}
-    assert fields == {"attention_dropout", "attention_type", "window_size"}
+    assert fields == {"attention_dropout", "attention_type", "qk_clip"}
+
+
+def test_window_follows_window_attn_skip_freq(groups):
+    """The window applies on the layers MCore's window_attn_skip_freq selects, as in its own
+    DotProductAttention: every layer but each 2nd here."""
+    config = make_config(window_size=(4, 0), window_attn_skip_freq=2)
+    assert [make_attn(groups, config=config, layer_number=n).window_size for n in (1, 2, 3)] == [(4, 0), None, (4, 0)]
+    assert make_attn(groups).window_size is None
+
+
+def test_softmax_offset_follows_softmax_type(groups):
+    assert make_attn(groups).softmax_offset is None
+    off = make_attn(groups, config=make_config(softmax_type="off-by-one"))
+    assert torch.equal(off.softmax_offset, torch.zeros(4)) and "softmax_offset" not in off.state_dict()
+    learn = make_attn(groups, config=make_config(softmax_type="learnable"))
+    assert isinstance(learn.softmax_offset, torch.nn.Parameter) and learn.softmax_offset.shape == (4,)
+    assert "softmax_offset" in learn.state_dict()
+
+
+@pytest.mark.parametrize("window", [None, (3, 0)], ids=["full", "window3"])
+@pytest.mark.parametrize("softmax_type", ["vanilla", "off-by-one", "learnable"])
+def test_cp1_matches_mcore_with_window_and_sinks(groups, window, softmax_type, monkeypatch):
+    """cp=1 against MCore's own DotProductAttention (its FusedScaleMaskSoftmax window mask and
+    SoftmaxOne sink column): output and dq, dk, dv, and the learnable sink's gradient."""
+    config = make_config(window_size=window, softmax_type=softmax_type)
+    attn = make_attn(groups, config=config)
+    # MCore allocates its sink logits on torch.cuda.current_device(); on CPU give it the CPU.
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    ref_attn = DotProductAttention(config, 1, AttnMaskType.causal, "self",
+                                   pg_collection=new_pg_collection(tp=dist.new_group([0])))
+    if softmax_type == "learnable":
+        with torch.no_grad():
+            attn.softmax_offset.copy_(torch.tensor([0.5, -1.0, 2.0, 0.0]))
+            ref_attn.softmax_offset.copy_(attn.softmax_offset)
+    q, k, v = qkv()
+    out = attn(q, k, v, None)
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    with mcore_cpu_shim():
+        ref = ref_attn(q2, k2, v2, None, attn_mask_type=AttnMaskType.causal)
+    torch.testing.assert_close(out, ref, **FP32_TOL)
+    dout = torch.randn_like(out)
+    params = [attn.softmax_offset] if softmax_type == "learnable" else []
+    ref_params = [ref_attn.softmax_offset] if softmax_type == "learnable" else []
+    grads = torch.autograd.grad(out, (q, k, v, *params), dout)
+    ref_grads = torch.autograd.grad(ref, (q2, k2, v2, *ref_params), dout)
+    for name, got, want in zip(["q", "k", "v", "sink"], grads, ref_grads):
+        torch.testing.assert_close(got, want, **FP32_TOL, msg=lambda m, n=name: f"d{n}: {m}")
 
 
 def test_attention_bias_and_forward_mask_override_raise(groups):

@@ -35,6 +35,7 @@ __all__ = ["ContextParallelAttention"]
 
 # Causal masks that mean "top-left causal" for self-attention with equal q/kv lengths.
 _CAUSAL_MASKS = {"causal", "causal_bottom_right"}
+_SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 _NO_MASKS = {"no_mask"}
 # With THD, "padding" only says that cu_seqlens delimit the sequences (TE's reading); no tensor.
 _THD_MASKS = {"padding_causal": True, "padding_causal_bottom_right": True, "padding": False}
@@ -140,9 +141,14 @@ class ContextParallelAttention(MegatronModule):
     Masks: causal and no_mask; with THD also padding_causal / padding (TE's reading: the
     sequences are delimited by cu_seqlens, no mask tensor). `attention_mask` is ignored.
 
+    Features: MLA (MCore passes k_channels / v_channels; q/k and v head dims may differ), the
+    sliding window of config.window_size on the layers window_attn_skip_freq selects, and
+    softmax_type "off-by-one" / "learnable" (the parameter `softmax_offset`, one logit per query
+    head of this TP rank), under every comm type, sbhd and THD.
+
     Raises CPConfigError at build time for: an unknown cp_comm_type; `a2a+p2p` without
-    valid hierarchical groups; attention dropout > 0; an arbitrary mask; sliding window;
-    non-vanilla softmax; qk-clip; cross attention.
+    valid hierarchical groups; attention dropout > 0; an arbitrary mask; an unknown
+    softmax_type; qk-clip; cross attention.
     """
 
     def __init__(
@@ -183,6 +189,46 @@ class ContextParallelAttention(MegatronModule):
         )
         self.cp_stream = None  # kept for TE parity; the pure-PyTorch kernels do not use it
 
+        # Sliding window on the layers MCore's window_attn_skip_freq selects (as its own
+        # DotProductAttention does); None elsewhere.
+        window = getattr(config, "window_size", None)
+        skip_freq = getattr(config, "window_attn_skip_freq", None)
+        self.window_size = tuple(window) if window and is_layer_window_attention(window, skip_freq, self.layer_number) else None
+        self._init_softmax_offset()
+
+    def _init_softmax_offset(self) -> None:
+        """MCore's sink logits, one per query head of this TP rank: "off-by-one" a zero buffer
+        (not saved), "learnable" the parameter `softmax_offset` (MCore's name, so checkpoints
+        load either way); None for the vanilla softmax."""
+        softmax_type = getattr(self.config, "softmax_type", "vanilla")
+        if softmax_type == "vanilla":
+            self.softmax_offset = None
+            return
+        tp = get_pg(self.pg_collection, "tp") if self.pg_collection is not None else None
+        heads = self.config.num_attention_heads // group_size(tp)
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        zeros = torch.zeros(heads, device=device, dtype=self.config.params_dtype)
+        if softmax_type == "off-by-one":
+            self.register_buffer("softmax_offset", zeros, persistent=False)
+            return
+        self.softmax_offset = torch.nn.Parameter(zeros)
+        if self.config.perform_initialization:
+            self.config.init_method(self.softmax_offset)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """The learnable sink logits, split over TP along the heads (as MCore saves them)."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        if not isinstance(self.softmax_offset, torch.nn.Parameter):
+            return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        state = self.state_dict(prefix="", keep_vars=True)
+        kwargs = {}
+        if metadata is not None and "dp_cp_group" in metadata:
+            kwargs["dp_cp_group"] = metadata["dp_cp_group"]
+        tp = get_pg(self.pg_collection, "tp") if self.pg_collection is not None else None
+        return make_sharded_tensors_for_checkpoint(state, prefix, {"softmax_offset": 0}, sharded_offsets,
+                                                   tp_group=tp, **kwargs)
+
     def _check_config(self, attention_dropout: Optional[float], layer_number: int) -> None:
         config = self.config
         violations = []
@@ -205,26 +251,14 @@ class ContextParallelAttention(MegatronModule):
                     "use TEDotProductAttention or DotProductAttention for cross attention",
                 )
             )
-        window = getattr(config, "window_size", None)
-        if window and is_layer_window_attention(
-            window, getattr(config, "window_attn_skip_freq", None), max(1, layer_number)
-        ):
-            violations.append(
-                Violation(
-                    "window_size",
-                    window,
-                    "sliding-window attention is not supported",
-                    "set window_size=None or use the TE spec",
-                )
-            )
         softmax_type = getattr(config, "softmax_type", "vanilla")
-        if softmax_type != "vanilla":
+        if softmax_type not in _SOFTMAX_TYPES:
             violations.append(
                 Violation(
                     "softmax_type",
                     softmax_type,
-                    "only the vanilla softmax is supported",
-                    "set softmax_type='vanilla' or use the TE spec",
+                    f"must be one of {list(_SOFTMAX_TYPES)}",
+                    "use vanilla, off-by-one (sink logit 0) or learnable (a sink logit per head)",
                 )
             )
         if getattr(config, "qk_clip", False) or getattr(config, "log_max_attention_logit", False):
@@ -408,6 +442,8 @@ class ContextParallelAttention(MegatronModule):
             cu_seqlens=cu_seqlens,
             max_seqlen=max_seqlen,
             options=self.options,
+            window_size=self.window_size,
+            softmax_offset=self.softmax_offset,
         )
 
     def extra_repr(self) -> str:

@@ -8,8 +8,9 @@ such call with its device-neutral equivalent and changes nothing else:
   build it on the embedding's device (patched where it is imported by name too).
 - `CudaRNGStatesTracker.fork` saves and restores the CUDA RNG state: a no-op context on CPU
   (equivalence tests run with dropout off, so no random numbers are drawn inside it).
-- `transformer.utils.get_default_causal_mask` builds the mask on "cuda" (MCore's local attention
-  at cp=1 uses it through fused_softmax): build it on CPU.
+- `transformer.utils.get_default_causal_mask` and `get_sliding_window_causal_mask` build their
+  masks on "cuda" (MCore's local attention at cp=1 uses them through fused_softmax, the second
+  with `window_size`): build them on CPU.
 - `GlobalMemoryBuffer.get_tensor` allocates on the current CUDA device: allocate on CPU; and
   `parallel_state.get_global_memory_buffer` creates the buffer on first use (the decentralized
   process-group path never calls initialize_model_parallel, which would create it).
@@ -53,6 +54,12 @@ def _get_pos_emb_on_this_cp_rank_cpu(pos_emb, seq_dim, cp_group):
 
 def _default_causal_mask_cpu(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+
+def _sliding_window_causal_mask_cpu(sq: int, skv: int, window_size):
+    allowed = torch.ones(sq, skv, dtype=torch.bool)
+    allowed = torch.triu(allowed, diagonal=skv - sq - window_size[0])
+    return ~torch.tril(allowed, diagonal=skv - sq + window_size[1])
 
 
 @contextlib.contextmanager
@@ -113,6 +120,8 @@ def install_mcore_cpu_shim(device: torch.device | str | None = None) -> bool:
 
     _patch(transformer_utils, "get_default_causal_mask", _default_causal_mask_cpu)
     _patch(fused_softmax, "get_default_causal_mask", _default_causal_mask_cpu)
+    _patch(transformer_utils, "get_sliding_window_causal_mask", _sliding_window_causal_mask_cpu)
+    _patch(fused_softmax, "get_sliding_window_causal_mask", _sliding_window_causal_mask_cpu)
     _patch(mcore_random.CudaRNGStatesTracker, "fork", _fork_noop)
     _patch(utils.GlobalMemoryBuffer, "get_tensor", _get_tensor_cpu)
 
