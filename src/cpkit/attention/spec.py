@@ -82,14 +82,13 @@ def get_gpt_layer_spec_with_cp_attention(
 
     The arguments are those of MCore's `get_gpt_layer_local_spec` (`normalization="RMSNorm"`
     for RMSNorm; `mcore_kwargs` for others the installed version has, e.g. `qk_l2_norm`).
-    Multi-latent attention is not supported (q/k and v head dims differ). The per-layer
+    `multi_latent_attention=True` gives MCore's MLA layer (MLASelfAttention; needs an
+    MLATransformerConfig), whose q/k and v head dims differ. The per-layer
     `cp_comm_type` and the groups come from the TransformerConfig and pg_collection at build;
     `options` (a `CPAttentionOptions`) reaches every core attention as a ModuleSpec param.
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    if mcore_kwargs.get("multi_latent_attention"):
-        raise ValueError("multi_latent_attention is not supported by ContextParallelAttention")
     kwargs = dict(
         qk_layernorm=qk_layernorm,
         normalization=normalization,

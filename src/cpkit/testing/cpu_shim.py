@@ -4,6 +4,11 @@ megatron-core calls CUDA unconditionally in a few places. Each patch below repla
 such call with its device-neutral equivalent and changes nothing else:
 
 - `RotaryEmbedding.get_emb` moves `inv_freq` to `torch.cuda.current_device()`: keep it on CPU.
+- `RotaryEmbedding.__init__` builds `inv_freq` on the CUDA device unless told
+  `use_cpu_initialization` (MCore's MLA attention does not pass it): pass True.
+- `multi_latent_attention.TELinear` is a mock, not a class, where MCore's TE extension imports
+  without Transformer Engine (HAVE_TE is still True), so MLA's `isinstance(..., TELinear)`
+  raises: give it a class that nothing is an instance of.
 - `rope_utils.get_pos_emb_on_this_cp_rank` builds its index with `pin_memory=True` and `.cuda()`:
   build it on the embedding's device (patched where it is imported by name too).
 - `CudaRNGStatesTracker.fork` saves and restores the CUDA RNG state: a no-op context on CPU
@@ -62,6 +67,18 @@ def _sliding_window_causal_mask_cpu(sq: int, skv: int, window_size):
     return ~torch.tril(allowed, diagonal=skv - sq + window_size[1])
 
 
+class _NoTELinear:
+    """Stands for Transformer Engine's TELinear where TE is not installed: matches nothing."""
+
+
+def _rotary_init_on_cpu(original):
+    def __init__(self, *args, **kwargs):
+        kwargs["use_cpu_initialization"] = True
+        original(self, *args, **kwargs)
+
+    return __init__
+
+
 @contextlib.contextmanager
 def _fork_noop(self, name=None):
     yield
@@ -107,6 +124,8 @@ def install_mcore_cpu_shim(device: torch.device | str | None = None) -> bool:
     from megatron.core.tensor_parallel import random as mcore_random
 
     _patch(rotary_pos_embedding.RotaryEmbedding, "get_emb", _get_emb_cpu)
+    _patch(rotary_pos_embedding.RotaryEmbedding, "__init__",
+           _rotary_init_on_cpu(rotary_pos_embedding.RotaryEmbedding.__init__))
     _patch(rope_utils, "get_pos_emb_on_this_cp_rank", _get_pos_emb_on_this_cp_rank_cpu)
     for mod_name in ("rotary_pos_embedding", "yarn_rotary_pos_embedding"):
         try:
@@ -123,6 +142,10 @@ def install_mcore_cpu_shim(device: torch.device | str | None = None) -> bool:
     _patch(transformer_utils, "get_sliding_window_causal_mask", _sliding_window_causal_mask_cpu)
     _patch(fused_softmax, "get_sliding_window_causal_mask", _sliding_window_causal_mask_cpu)
     _patch(mcore_random.CudaRNGStatesTracker, "fork", _fork_noop)
+    from megatron.core.transformer import multi_latent_attention
+
+    if not isinstance(getattr(multi_latent_attention, "TELinear", _NoTELinear), type):
+        _patch(multi_latent_attention, "TELinear", _NoTELinear)
     _patch(utils.GlobalMemoryBuffer, "get_tensor", _get_tensor_cpu)
 
     original_get_buffer = parallel_state.get_global_memory_buffer

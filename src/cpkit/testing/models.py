@@ -59,7 +59,9 @@ class GPTConfig:
         return replace(self, **changes)
 
 
-def _layer_spec(attention: AttentionBackend, num_layers: int, device: torch.device):
+def _layer_spec(attention: AttentionBackend, num_layers: int, device: torch.device, mla: bool = False):
+    if mla and attention != "cpkit":
+        raise ValueError(f"attention={attention!r}: multi-latent attention is built with 'cpkit' only")
     if attention == "local":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -72,7 +74,7 @@ def _layer_spec(attention: AttentionBackend, num_layers: int, device: torch.devi
     if attention == "cpkit":
         from cpkit.attention.spec import get_gpt_layer_spec_with_cp_attention
 
-        return get_gpt_layer_spec_with_cp_attention()
+        return get_gpt_layer_spec_with_cp_attention(multi_latent_attention=mla)
     if attention == "te":
         from cpkit.attention.spec import get_gpt_layer_spec_te
 
@@ -147,11 +149,17 @@ def build_gpt(
         gradient_accumulation_fusion=False,
         **cfg.extra,
     )
-    config = TransformerConfig(**tc_kwargs)
+    mla = bool(cfg.extra.get("multi_latent_attention"))
+    if mla:  # q/k and v head dims of their own (cfg.extra: qk_head_dim, v_head_dim, ...)
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        config = MLATransformerConfig(**tc_kwargs)
+    else:
+        config = TransformerConfig(**tc_kwargs)
     pp_rank = dist.get_rank(pp_group) if pp_group is not None else 0
     model = GPTModel(
         config,
-        _layer_spec(attention, cfg.num_layers, device),
+        _layer_spec(attention, cfg.num_layers, device, mla),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.seq_length,
         pre_process=pp_rank == 0,
