@@ -341,6 +341,28 @@ def test_override_restores_previous_group_when_forward_raises(groups, monkeypatc
     assert (attn.cp_group, attn.cp_comm_type) == (g1, "p2p")
 
 
+def test_micro_batch_group_restores_the_same_objects_after_a_real_forward(groups):
+    """After a forward over packed_seq_params.cp_group (dynamic CP), the module's own binding is
+    the very objects it had (group, global ranks, stream, comm type), also when the forward
+    raised inside CP attention (a later forward must not talk over the micro-batch's group)."""
+    g1, g2 = groups
+    attn = make_attn(groups)
+    attn.set_context_parallel_group(g1, [0], object(), "a2a")
+    before = (attn.cp_group, attn.cp_global_ranks, attn.cp_stream, attn.cp_comm_type)
+    q, k, v = (t[:, 0].contiguous() for t in qkv(s=16, b=1, requires_grad=False))
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+    good = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cp_group=g2)
+    attn(q, k, v, None, packed_seq_params=good)
+    after = (attn.cp_group, attn.cp_global_ranks, attn.cp_stream, attn.cp_comm_type)
+    assert all(x is y for x, y in zip(after, before))
+    bad_cu = torch.tensor([0, 5, 12], dtype=torch.int32)  # covers 12 of the 16 tokens
+    bad = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bad_cu, cu_seqlens_kv=bad_cu, cp_group=g2)
+    with pytest.raises(CPConfigError, match="cu_seqlens"):
+        attn(q, k, v, None, packed_seq_params=bad)
+    after = (attn.cp_group, attn.cp_global_ranks, attn.cp_stream, attn.cp_comm_type)
+    assert all(x is y for x, y in zip(after, before))
+
+
 def test_a2a_p2p_override_needs_a_group_list(groups, monkeypatch):
     g1, g2 = groups
     attn = make_attn(groups)
