@@ -104,3 +104,25 @@ def test_window_and_sink_arguments_are_checked():
             context_parallel_attention(q, k, v, softmax_offset=bad, **kw)
     with pytest.raises(CPConfigError, match="k.shape/v.shape"):
         context_parallel_attention(q, k, v[:, :1], **kw)  # v with other kv heads than k
+
+
+def test_skill_feature_table_matches_the_tested_matrix():
+    """The attention skill's feature table is the one rendered from the matrix the functional
+    grid is parametrized from; regenerate it with feature_table_markdown() when they differ."""
+    from functional.test_attention_features import COMMS, FEATURE_MATRIX, _cases, feature_table_markdown
+
+    text = (_repo() / "skills/context-parallel-attention/SKILL.md").read_text()
+    start, end = "<!-- feature-table:start -->\n", "\n<!-- feature-table:end -->"
+    assert start in text and end in text
+    table = text.split(start, 1)[1].split(end, 1)[0]
+    assert table == feature_table_markdown(), "regenerate the table:\n" + feature_table_markdown()
+    # Every cell the table claims is a case the grid runs, on 2 and on 4 ranks.
+    for world_size in (2, 4):
+        ran = {(c["feature"], c["fmt"], c["comm"]) for c in _cases("gloo", world_size)}
+        assert ran == {(f, fmt, comm) for f, fmts in FEATURE_MATRIX.items() for fmt in fmts for comm in COMMS}
+
+
+def _repo():
+    from pathlib import Path
+
+    return Path(__file__).resolve().parents[1]
