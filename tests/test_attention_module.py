@@ -392,8 +392,15 @@ def test_spec_puts_cp_attention_in_the_local_gpt_layer():
     assert get_gpt_layer_local_spec().submodules.self_attention.submodules.core_attention is Local
     with pytest.raises(TypeError, match="does not accept"):
         get_gpt_layer_spec_with_cp_attention(no_such_option=True)
-    with pytest.raises(ValueError, match="multi_latent_attention"):
-        get_gpt_layer_spec_with_cp_attention(multi_latent_attention=True)
+    # MLA: MCore's MLASelfAttention with cpkit's core attention
+    mla = get_gpt_layer_spec_with_cp_attention(multi_latent_attention=True).submodules.self_attention
+    assert mla.module.__name__ == "MLASelfAttention" and mla.submodules.core_attention is ContextParallelAttention
+    # options reach the core attention as ModuleSpec params
+    from cpkit.attention.options import CPAttentionOptions
+
+    opts = CPAttentionOptions(a2a_chunks=1)
+    core = get_gpt_layer_spec_with_cp_attention(options=opts).submodules.self_attention.submodules.core_attention
+    assert core.module is ContextParallelAttention and core.params == {"options": opts}
 
 
 def test_replace_core_attention_refuses_a_spec_without_one():
