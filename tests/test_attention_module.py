@@ -139,9 +139,9 @@ def test_window_follows_window_attn_skip_freq(groups):
 
 def test_softmax_offset_follows_softmax_type(groups):
     assert make_attn(groups).softmax_offset is None
-    off = make_attn(groups, config=make_config(softmax_type="off-by-one"))
+    off = make_attn(groups, config=make_config(softmax_type="off-by-one", use_cpu_initialization=True))
     assert torch.equal(off.softmax_offset, torch.zeros(4)) and "softmax_offset" not in off.state_dict()
-    learn = make_attn(groups, config=make_config(softmax_type="learnable"))
+    learn = make_attn(groups, config=make_config(softmax_type="learnable", use_cpu_initialization=True))
     assert isinstance(learn.softmax_offset, torch.nn.Parameter) and learn.softmax_offset.shape == (4,)
     assert "softmax_offset" in learn.state_dict()
 
@@ -151,9 +151,9 @@ def test_softmax_offset_follows_softmax_type(groups):
 def test_cp1_matches_mcore_with_window_and_sinks(groups, window, softmax_type, monkeypatch):
     """cp=1 against MCore's own DotProductAttention (its FusedScaleMaskSoftmax window mask and
     SoftmaxOne sink column): output and dq, dk, dv, and the learnable sink's gradient."""
-    config = make_config(window_size=window, softmax_type=softmax_type)
+    config = make_config(window_size=window, softmax_type=softmax_type, use_cpu_initialization=True)
     attn = make_attn(groups, config=config)
-    # MCore allocates its sink logits on torch.cuda.current_device(); on CPU give it the CPU.
+    # MCore allocates its sink logits on torch.cuda.current_device(); this test runs on the CPU.
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
     ref_attn = DotProductAttention(config, 1, AttnMaskType.causal, "self",
                                    pg_collection=new_pg_collection(tp=dist.new_group([0])))

@@ -199,14 +199,16 @@ class ContextParallelAttention(MegatronModule):
     def _init_softmax_offset(self) -> None:
         """MCore's sink logits, one per query head of this TP rank: "off-by-one" a zero buffer
         (not saved), "learnable" the parameter `softmax_offset` (MCore's name, so checkpoints
-        load either way); None for the vanilla softmax."""
+        load either way); None for the vanilla softmax. On the CUDA device unless
+        config.use_cpu_initialization (or no CUDA)."""
         softmax_type = getattr(self.config, "softmax_type", "vanilla")
         if softmax_type == "vanilla":
             self.softmax_offset = None
             return
         tp = get_pg(self.pg_collection, "tp") if self.pg_collection is not None else None
         heads = self.config.num_attention_heads // group_size(tp)
-        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        on_cpu = self.config.use_cpu_initialization or not torch.cuda.is_available()
+        device = "cpu" if on_cpu else torch.cuda.current_device()
         zeros = torch.zeros(heads, device=device, dtype=self.config.params_dtype)
         if softmax_type == "off-by-one":
             self.register_buffer("softmax_offset", zeros, persistent=False)
