@@ -99,3 +99,27 @@ def test_bad_flag_values_are_usage_errors(capsys):
     assert info.value.code == 2
     with pytest.raises(SystemExit):
         main(["layout"])  # the subcommand is required
+
+
+def test_nproc_per_node_refuses_a2a_over_two_nodes(capsys):
+    argv = ["layout", "check", "--world-size", "4", "--cp", "4", "--cp-comm-type", "a2a+p2p",
+            "--hierarchical-cp-sizes", "4,1", "--nproc-per-node", "2"]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("error: hierarchical_context_parallel_sizes=[4, 1]: a2a groups span nodes")
+    assert "[0, 1, 2, 3] (nodes [0, 1])" in err and "[2, 2]" in err and "--allow-cross-node-a2a" in err
+    assert main(argv + ["--allow-cross-node-a2a"]) == 0
+    assert "a2a groups spanning nodes (allowed): [[0, 1, 2, 3]]" in capsys.readouterr().out
+
+
+def test_nproc_per_node_prints_groups_per_node_and_crossing_hops(capsys):
+    argv = ["layout", "check", "--world-size", "4", "--cp", "4", "--cp-comm-type", "a2a+p2p",
+            "--hierarchical-cp-sizes", "2,2", "--nproc-per-node", "2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "  node 1 (ranks 2-3): cp [[0, 1, 2, 3]]; hcp_a2a [[2, 3]]; hcp_p2p [[0, 2], [1, 3]]" in out
+    assert "  p2p ring hops crossing nodes: 0->2, 2->0, 1->3, 3->1" in out
+    assert main(argv + ["--json"]) == 0
+    topology = json.loads(capsys.readouterr().out)["topology"]
+    assert topology["cross_node_p2p_hops"] == [[0, 2], [2, 0], [1, 3], [3, 1]]

@@ -1,6 +1,7 @@
 """`cpkit layout check`: validate a CP layout and print the rank groups it would create.
 
-Exit 0 when the layout is valid, 2 with one line per violation on stderr otherwise. `--json`
+Exit 0 when the layout is valid, 2 with one line per violation on stderr otherwise (with
+`--nproc-per-node`, an a2a group spanning nodes is one). `--json`
 prints {"valid", "errors": [{"field", "value", "message"}], "dp", "groups", ...} instead.
 """
 
@@ -12,6 +13,7 @@ import sys
 
 from cpkit.errors import CPConfigError
 from cpkit.layout import CPLayout, P2P, rank_groups
+from cpkit.topology import ALLOW_FLAG, NodeTopology, check_topology, format_node_report, node_report
 
 __all__ = ["add_parser", "layout_from_args", "check"]
 
@@ -61,6 +63,11 @@ def add_parser(sub) -> None:
     c.add_argument("--num-kv-heads", type=int, default=None, help="KV heads / query groups (GQA)")
     c.add_argument("--sequence-parallel", action="store_true", help="MCore sequence parallelism (tp > 1)")
     c.add_argument("--eval-cp", type=int, default=None, help="CP size used for evaluation")
+    c.add_argument("--nproc-per-node", type=int, default=None,
+                   help="ranks per node (torchrun's --nproc-per-node): refuse a2a groups that span nodes, "
+                        "list the p2p ring hops that cross nodes and the groups on each node")
+    c.add_argument(ALLOW_FLAG, action="store_true",
+                   help="with --nproc-per-node: accept a2a groups that span nodes")
     c.add_argument("--json", action="store_true", help="print a JSON report instead of text")
     c.set_defaults(func=check)
 
@@ -101,6 +108,7 @@ def check(args: argparse.Namespace) -> int:
     layout = layout_from_args(args)
     try:
         layout.validate()
+        topology = _topology(layout, args)
     except CPConfigError as exc:
         if args.json:
             print(json.dumps({"valid": False, "errors": [v.to_dict() for v in exc.violations],
@@ -115,10 +123,24 @@ def check(args: argparse.Namespace) -> int:
                   "layout": layout.to_dict()}
         if evaluation is not None:
             report["eval"] = evaluation
+        if topology is not None:
+            report["topology"] = topology
         print(json.dumps(report, indent=2))
         return 0
     _print_text(layout, groups, evaluation)
+    if topology is not None:
+        print("\n".join(format_node_report(topology)))
     return 0
+
+
+def _topology(layout: CPLayout, args: argparse.Namespace) -> dict | None:
+    """node_report() for --nproc-per-node (None without it); raises CPConfigError for a2a
+    groups that span nodes unless --allow-cross-node-a2a."""
+    if args.nproc_per_node is None:
+        return None
+    topo = NodeTopology(layout.world_size, args.nproc_per_node)
+    check_topology(layout, topo, allow_cross_node_a2a=args.allow_cross_node_a2a)
+    return node_report(layout, topo)
 
 
 def _print_text(layout: CPLayout, groups: dict, evaluation: dict | None) -> None:
