@@ -1,6 +1,9 @@
-"""Test support: the multi-rank launcher, pytest integration and the CPU shim for MCore.
+"""Test support: the multi-rank launcher, pytest integration, the CPU shim for MCore, and the
+scenarios (`cpkit.testing.scenarios`) that both the functional tests and `python -m cpkit.cluster` run.
 
-Only this package may patch MCore (see cpkit.testing.cpu_shim); library code never does.
+Only this package may patch MCore (see cpkit.testing.cpu_shim); library code never does. The
+pytest helpers (dist_params, grid_params, grid_result) are imported on first use, so that the
+launcher and the scenarios work where pytest is not installed (a cluster's training image).
 """
 
 from cpkit.testing.launcher import (
@@ -11,7 +14,6 @@ from cpkit.testing.launcher import (
     launch,
     run_cases,
 )
-from cpkit.testing.params import dist_params, grid_params, grid_result
 
 __all__ = [
     "CaseResult",
@@ -24,3 +26,13 @@ __all__ = [
     "launch",
     "run_cases",
 ]
+
+_PYTEST_HELPERS = ("dist_params", "grid_params", "grid_result")
+
+
+def __getattr__(name):
+    if name in _PYTEST_HELPERS:
+        from cpkit.testing import params
+
+        return getattr(params, name)
+    raise AttributeError(f"module 'cpkit.testing' has no attribute {name!r}")
