@@ -44,7 +44,7 @@ from cpkit.bench.common import (
 )
 from cpkit.layout import A2A_P2P, CP_COMM_TYPES
 
-__all__ = ["main", "Case", "causal_fwd_bwd_flops", "build_cases"]
+__all__ = ["main", "Case", "Settings", "causal_fwd_bwd_flops", "build_cases", "render", "run_cells"]
 
 NAME = "attention"
 COMM_TYPES = CP_COMM_TYPES
@@ -310,7 +310,10 @@ def _time_case(case: Case, s: Settings, dev, groups) -> tuple[float, Optional[st
             torch.cuda.empty_cache()
 
 
-def _worker(cases: list, settings: Settings) -> Optional[list]:
+def run_cells(cases: list, settings: Settings) -> Optional[list]:
+    """Time every cell on the ranks of an initialized process group (this launch's, or a
+    torchrun job's): every rank calls it with the same cells; a cell uses ranks 0..cp-1 (SDPA
+    rank 0). Returns one result dict per cell on rank 0 (errors in its "error"), None elsewhere."""
     import torch.distributed as dist
 
     from cpkit.testing import device
@@ -468,7 +471,7 @@ def main(argv=None) -> int:
     failure = None
     try:
         results = launch(
-            _worker, world, backend="nccl" if args.device == "cuda" else "gloo",
+            run_cells, world, backend="nccl" if args.device == "cuda" else "gloo",
             timeout=args.timeout, args=(cases, settings),
         )[0]
     except RankFailure as exc:  # keep what finished; name what did not

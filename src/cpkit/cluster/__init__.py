@@ -1,0 +1,229 @@
+"""`python -m cpkit.cluster CHECK`: the suite's multi-rank checks on the nodes of a torchrun job.
+
+    torchrun --nnodes N --nproc-per-node G [--node-rank R --master-addr A --master-port P |
+             --rdzv-backend c10d --rdzv-endpoint A:P] -m cpkit.cluster CHECK
+             [--backend nccl|gloo] [--report PATH] [--timeout S] [layout flags]
+
+CHECK is smoke (every group of the layout matches MCore and all-reduces), attention (every comm
+type against the single-rank reference), hierarchical (the a2a+p2p training step against cp=1),
+eval-cp, dynamic-cp, bench-attention, or all. Each runs the scenario functions of the functional
+tests (cpkit.testing.scenarios). Nodes are blocks of LOCAL_WORLD_SIZE consecutive ranks; a layout
+whose a2a groups span nodes is refused (exit 2) unless --allow-cross-node-a2a. Rank 0 prints the
+groups per node and a table, and writes the JSON report; every rank exits 0 only when every
+check passed on every rank, 1 otherwise (a raising rank ends all ranks within a few seconds, a
+hung one at the check's timeout, named in the report with its stack).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+__all__ = ["main"]
+
+DEFAULT_REPORT = "cluster-report.json"
+GRACE_S = 5.0
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 2,2, got {text!r}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    from cpkit.cluster.checks import CHECKS
+    from cpkit.topology import ALLOW_FLAG
+
+    p = argparse.ArgumentParser(prog="python -m cpkit.cluster", description=__doc__.splitlines()[0])
+    p.add_argument("check", choices=CHECKS + ("all",), help="what to run")
+    p.add_argument("--backend", choices=("nccl", "gloo"), default=None,
+                   help="default: nccl where CUDA is present, else gloo")
+    p.add_argument("--report", default=DEFAULT_REPORT, help=f"JSON report written by rank 0 (default {DEFAULT_REPORT})")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds per check (and per collective) before a rank is named hung (default 600)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the layout (smoke)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the layout (smoke)")
+    p.add_argument("--cp", type=int, default=None, help="CP size (default: world / (tp * pp))")
+    p.add_argument("--cp-comm-type", default=None,
+                   help="default: a2a+p2p on several nodes of several ranks, else p2p")
+    p.add_argument("--hierarchical-cp-sizes", type=_int_list, default=None,
+                   help="a2a size,p2p size (default for a2a+p2p: the a2a level fills a node)")
+    p.add_argument(ALLOW_FLAG, action="store_true", help="accept a2a groups that span nodes")
+    return p
+
+
+def _layout(args, world: int, nproc: int):
+    """The job's CPLayout from the flags; by default CP over all ranks, hierarchical across nodes."""
+    import math
+
+    from cpkit.layout import CPLayout
+
+    cp = args.cp or max(1, world // (args.tp * args.pp))
+    inner = math.gcd(cp, max(1, nproc // args.tp))  # CP positions inside one node
+    comm = args.cp_comm_type or ("a2a+p2p" if 1 < inner < cp else "p2p")
+    hier = args.hierarchical_cp_sizes
+    if comm == "a2a+p2p" and hier is None:
+        hier = [inner, cp // inner]
+    return CPLayout(world_size=world, tp=args.tp, pp=args.pp, cp=cp, cp_comm_type=comm,
+                    hierarchical_context_parallel_sizes=hier)
+
+
+def _torchrun_env() -> tuple[int, int, int, int]:
+    missing = [k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+               if k not in os.environ]
+    if missing:
+        raise SystemExit(f"error: {', '.join(missing)} not set: start this under torchrun, e.g. "
+                         "`torchrun --nproc-per-node 4 -m cpkit.cluster all`")
+    return tuple(int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))
+
+
+def _table(checks: list[dict]) -> str:
+    rows = [("check", "result", "seconds", "detail")]
+    for c in checks:
+        result = "pass" if c["passed"] else ("not run" if c["detail"].startswith("not run") else "FAIL")
+        first = c["detail"].strip().splitlines()[0] if c["detail"].strip() else ""
+        rows.append((c["name"], result, "-" if c["seconds"] is None else f"{c['seconds']:.1f}", first[:100]))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    return "\n".join(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}" for r in rows)
+
+
+_COMM_FRAMES = ("torch/distributed/", ".wait()", "all_reduce", "all_gather", "all_to_all", "barrier",
+                "broadcast", "send(", "recv(", "synchronize")
+
+
+def _failure_kind(rank: int, outcome) -> str:
+    """raised, hung, waiting, stopped or silent (see _merge)."""
+    if outcome is None:
+        return "silent"
+    detail = outcome["detail"]
+    if detail.startswith(f"rank {rank}: aborted:"):
+        return "stopped"
+    if detail.startswith(f"rank {rank}: timed out:"):
+        innermost = detail.rstrip().splitlines()[-2:]  # the last frame and its source line
+        return "waiting" if any(m in line for line in innermost for m in _COMM_FRAMES) else "hung"
+    return "raised"
+
+
+def _merge(name: str, outcomes: dict) -> dict:
+    """One report entry from every rank's outcome (rank -> dict, None when it posted nothing)."""
+    failed = {r: o for r, o in outcomes.items() if o is None or not o["passed"]}
+    seconds = [o["seconds"] for o in outcomes.values() if o and o.get("seconds") is not None]
+    if not failed:
+        return {"name": name, "passed": True, "detail": outcomes[0]["detail"], "seconds": max(seconds)}
+    # The root cause first: ranks that raised, then ranks that timed out outside any
+    # communication call (hung), then those stuck waiting on them, then those stopped after.
+    kinds = {r: _failure_kind(r, o) for r, o in failed.items()}
+    order = ("raised", "hung", "waiting", "stopped", "silent")
+    labels = {"raised": "raised", "hung": "hung outside communication",
+              "waiting": "timed out waiting in communication", "stopped": "stopped after another rank failed",
+              "silent": "no outcome (died, or hung with no watchdog report)"}
+    parts = ["; ".join(f"{labels[k]}: rank(s) {sorted(r for r in failed if kinds[r] == k)}"
+                       for k in order if k in kinds.values())]
+    for r in sorted(failed, key=lambda r: (order.index(kinds[r]), r)):
+        parts.append(f"--- rank {r} ---\n" + (failed[r]["detail"] if failed[r] else labels["silent"]))
+    return {"name": name, "passed": False, "detail": "\n".join(parts), "seconds": max(seconds, default=None)}
+
+
+class _Report:
+    """Rank 0's report: the job's shape, then one entry per check as it ends."""
+
+    def __init__(self, path: str, header: dict, names: list[str]):
+        self.path, self.header, self.names, self.checks = Path(path), header, names, []
+
+    def add(self, entry: dict) -> None:
+        self.checks.append(entry)
+
+    def write(self) -> None:
+        done = {c["name"] for c in self.checks}
+        failed = next((c["name"] for c in self.checks if not c["passed"]), None)
+        rest = [{"name": n, "passed": False, "detail": f"not run: {failed} failed", "seconds": None}
+                for n in self.names if n not in done]
+        checks = self.checks + rest
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(dict(self.header, checks=checks), indent=2) + "\n")
+        print(_table(checks), flush=True)
+        for c in checks:
+            if not c["passed"] and not c["detail"].startswith("not run"):
+                print(f"\n{c['name']}:\n{c['detail']}", file=sys.stderr, flush=True)
+        print(f"wrote {self.path}", flush=True)
+
+
+def main(argv=None) -> int:
+    """Run the checks on this rank; returns the exit code, the same on every rank: 0 when every
+    check passed on every rank, 1 when one failed, 2 for a layout refused before any check. After
+    a failure the process groups are left as they are (a rank may still be inside a collective):
+    leave with os._exit, as `python -m cpkit.cluster` does."""
+    from cpkit.errors import CPConfigError
+    from cpkit.topology import NodeTopology, check_topology, format_node_report, node_report
+
+    args = _parser().parse_args(argv)
+    rank, world, local_rank, nproc = _torchrun_env()
+    try:
+        topo = NodeTopology(world, nproc)
+        layout = _layout(args, world, nproc).validate()
+        check_topology(layout, topo, allow_cross_node_a2a=args.allow_cross_node_a2a)
+    except CPConfigError as exc:  # the same on every rank: no collective needed to agree
+        if rank == 0:
+            for v in exc.violations:
+                print(f"error: {v.message}", file=sys.stderr)
+        return 2
+
+    import torch
+    import torch.distributed as dist
+
+    from cpkit.cluster.checks import CHECKS, JobShape, build_check, run_check
+    from cpkit.cluster.coordinator import Coordinator
+    from cpkit.testing.launcher import _BACKEND_ENV
+
+    backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    os.environ[_BACKEND_ENV] = backend  # cpkit.testing.device() follows it
+    warnings.filterwarnings("ignore", module=r"megatron\..*")
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
+    names = list(CHECKS) if args.check == "all" else [args.check]
+    job = JobShape(backend, world, nproc, layout, args.allow_cross_node_a2a)
+    topology = node_report(layout, topo)
+    report = _Report(args.report, {"world_size": world, "nnodes": topo.nnodes, "nproc_per_node": nproc,
+                                   "backend": backend, "layout": layout.to_dict(), "topology": topology}, names)
+
+    def on_abort(name, outcomes):  # rank 0's watchdog, before the job ends
+        report.add(_merge(name, outcomes))
+        report.write()
+
+    coord = Coordinator(rank, world, grace_s=GRACE_S, on_abort=on_abort)
+    if rank == 0:
+        print(f"cpkit.cluster: {', '.join(names)} on {world} rank(s), {topo.nnodes} node(s), {backend}", flush=True)
+        print("\n".join(format_node_report(topology)), flush=True)
+    passed = True
+    for name in names:
+        coord.begin(name, args.timeout)
+        try:
+            outcome = run_check(build_check(name, job), rank)
+        except BaseException as exc:  # noqa: BLE001 - reported with its traceback, then every rank stops
+            import traceback
+
+            outcome = {"passed": False, "detail": f"rank {rank}: " + "".join(traceback.format_exception(exc)),
+                       "seconds": None}
+        entry = _merge(name, coord.finish(name, outcome))
+        report.add(entry)
+        if rank == 0:
+            print(f"{name}: {'pass' if entry['passed'] else 'FAIL'} ({entry['seconds'] or 0:.1f} s)", flush=True)
+        if not entry["passed"]:
+            passed = False
+            break
+    if rank == 0:
+        report.write()
+        coord.report_written()
+    else:
+        coord.wait_for_report(3 * GRACE_S)
+    if passed:
+        dist.destroy_process_group()
+    return 0 if passed else 1
