@@ -10,7 +10,9 @@ skills/README.md and implemented by `body_anchors` and `body_commands`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import io
 import importlib.util
 import json
 import re
@@ -284,6 +286,8 @@ def _program(argv: list[str]) -> str | None:
         return argv[0]
     if argv[0] in ("python", "python3") and len(argv) > 2 and argv[1] == "-m":
         return argv[2]
+    if argv[0] == "torchrun" and "-m" in argv[:-1] and argv[argv.index("-m") + 1] == "cpkit.cluster":
+        return "cpkit.cluster"
     return None
 
 
@@ -296,7 +300,9 @@ def check_command(argv: list[str], root: str | Path, parser: argparse.ArgumentPa
     `cpkit ...` (or `python -m cpkit.cli ...`): every subcommand level and every flag exists in
     cpkit.cli.build_parser(). `pytest ...` (or `python -m pytest ...`): every path or node id
     exists (node ids checked with ast; `[params]` ignored) and every `-m` marker is registered.
-    `python -m cpkit.bench <name>`: a known benchmark. `python -m cpkit.<mod>`: the module exists.
+    `python -m cpkit.bench <name>`: a known benchmark. `python -m cpkit.cluster ...` (or
+    `torchrun [options] -m cpkit.cluster ...`): its arguments parse. `python -m cpkit.<mod>`: the
+    module exists.
     """
     root = Path(root)
     program = _program(argv)
@@ -304,13 +310,18 @@ def check_command(argv: list[str], root: str | Path, parser: argparse.ArgumentPa
         return [f"cannot parse command: {argv[1]}"]
     if program is None:
         return []
-    args = argv[3:] if argv[0].startswith("python") else argv[1:]
+    if argv[0] == "torchrun":
+        args = argv[argv.index("-m") + 2:]
+    else:
+        args = argv[3:] if argv[0].startswith("python") else argv[1:]
     if program in ("cpkit", "cpkit.cli") and not (program == "cpkit" and argv[0].startswith("python")):
         return _check_cpkit(args, parser)
     if program in ("pytest", "py.test"):
         return _check_pytest(args, root)
     if program == "cpkit.bench":
         return _check_bench(args)
+    if program == "cpkit.cluster":
+        return _check_cluster(args)
     if program == "cpkit" or program.startswith("cpkit."):
         module = "cpkit.__main__" if program == "cpkit" else program
         try:
@@ -413,6 +424,19 @@ def _check_pytest(args: list[str], root: Path) -> list[str]:
         if reason:
             problems.append(f"`pytest {tok}`: {reason}")
     return problems
+
+
+def _check_cluster(args: list[str]) -> list[str]:
+    from cpkit.cluster import build_parser
+
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors):
+            build_parser().parse_args(args)
+    except SystemExit:
+        last = errors.getvalue().strip().splitlines()
+        return [f"`python -m cpkit.cluster {' '.join(args)}`: {last[-1] if last else 'does not parse'}"]
+    return []
 
 
 def _check_bench(args: list[str]) -> list[str]:

@@ -24,7 +24,7 @@ import sys
 import warnings
 from pathlib import Path
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 DEFAULT_REPORT = "cluster-report.json"
 GRACE_S = 5.0
@@ -37,7 +37,8 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers like 2,2, got {text!r}")
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `python -m cpkit.cluster` (also used to check skills' commands)."""
     from cpkit.cluster.checks import CHECKS
     from cpkit.topology import ALLOW_FLAG
 
@@ -163,7 +164,7 @@ def main(argv=None) -> int:
     from cpkit.errors import CPConfigError
     from cpkit.topology import NodeTopology, check_topology, format_node_report, node_report
 
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     rank, world, local_rank, nproc = _torchrun_env()
     try:
         topo = NodeTopology(world, nproc)
