@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import warnings
-from pathlib import Path
 
 __all__ = ["build_parser", "main"]
 
@@ -85,77 +83,6 @@ def _torchrun_env() -> tuple[int, int, int, int]:
     return tuple(int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))
 
 
-def _table(checks: list[dict]) -> str:
-    rows = [("check", "result", "seconds", "detail")]
-    for c in checks:
-        result = "pass" if c["passed"] else ("not run" if c["detail"].startswith("not run") else "FAIL")
-        first = c["detail"].strip().splitlines()[0] if c["detail"].strip() else ""
-        rows.append((c["name"], result, "-" if c["seconds"] is None else f"{c['seconds']:.1f}", first[:100]))
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    return "\n".join(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}" for r in rows)
-
-
-_COMM_FRAMES = ("torch/distributed/", ".wait()", "all_reduce", "all_gather", "all_to_all", "barrier",
-                "broadcast", "send(", "recv(", "synchronize")
-
-
-def _failure_kind(rank: int, outcome) -> str:
-    """raised, hung, waiting, stopped or silent (see _merge)."""
-    if outcome is None:
-        return "silent"
-    detail = outcome["detail"]
-    if detail.startswith(f"rank {rank}: aborted:"):
-        return "stopped"
-    if detail.startswith(f"rank {rank}: timed out:"):
-        innermost = detail.rstrip().splitlines()[-2:]  # the last frame and its source line
-        return "waiting" if any(m in line for line in innermost for m in _COMM_FRAMES) else "hung"
-    return "raised"
-
-
-def _merge(name: str, outcomes: dict) -> dict:
-    """One report entry from every rank's outcome (rank -> dict, None when it posted nothing)."""
-    failed = {r: o for r, o in outcomes.items() if o is None or not o["passed"]}
-    seconds = [o["seconds"] for o in outcomes.values() if o and o.get("seconds") is not None]
-    if not failed:
-        return {"name": name, "passed": True, "detail": outcomes[0]["detail"], "seconds": max(seconds)}
-    # The root cause first: ranks that raised, then ranks that timed out outside any
-    # communication call (hung), then those stuck waiting on them, then those stopped after.
-    kinds = {r: _failure_kind(r, o) for r, o in failed.items()}
-    order = ("raised", "hung", "waiting", "stopped", "silent")
-    labels = {"raised": "raised", "hung": "hung outside communication",
-              "waiting": "timed out waiting in communication", "stopped": "stopped after another rank failed",
-              "silent": "no outcome (died, or hung with no watchdog report)"}
-    parts = ["; ".join(f"{labels[k]}: rank(s) {sorted(r for r in failed if kinds[r] == k)}"
-                       for k in order if k in kinds.values())]
-    for r in sorted(failed, key=lambda r: (order.index(kinds[r]), r)):
-        parts.append(f"--- rank {r} ---\n" + (failed[r]["detail"] if failed[r] else labels["silent"]))
-    return {"name": name, "passed": False, "detail": "\n".join(parts), "seconds": max(seconds, default=None)}
-
-
-class _Report:
-    """Rank 0's report: the job's shape, then one entry per check as it ends."""
-
-    def __init__(self, path: str, header: dict, names: list[str]):
-        self.path, self.header, self.names, self.checks = Path(path), header, names, []
-
-    def add(self, entry: dict) -> None:
-        self.checks.append(entry)
-
-    def write(self) -> None:
-        done = {c["name"] for c in self.checks}
-        failed = next((c["name"] for c in self.checks if not c["passed"]), None)
-        rest = [{"name": n, "passed": False, "detail": f"not run: {failed} failed", "seconds": None}
-                for n in self.names if n not in done]
-        checks = self.checks + rest
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps(dict(self.header, checks=checks), indent=2) + "\n")
-        print(_table(checks), flush=True)
-        for c in checks:
-            if not c["passed"] and not c["detail"].startswith("not run"):
-                print(f"\n{c['name']}:\n{c['detail']}", file=sys.stderr, flush=True)
-        print(f"wrote {self.path}", flush=True)
-
-
 def main(argv=None) -> int:
     """Run the checks on this rank; returns the exit code, the same on every rank: 0 when every
     check passed on every rank, 1 when one failed, 2 for a layout refused before any check. After
@@ -181,22 +108,30 @@ def main(argv=None) -> int:
 
     from cpkit.cluster.checks import CHECKS, JobShape, build_check, run_check
     from cpkit.cluster.coordinator import Coordinator
+    from cpkit.cluster.report import Report, merge_outcomes
     from cpkit.testing.launcher import _BACKEND_ENV
 
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl" and torch.cuda.device_count() < nproc:
+        if rank == 0:
+            print(f"error: --backend nccl needs one GPU per local rank ({nproc}), found {torch.cuda.device_count()}; "
+                  "fix: start --nproc-per-node at most the GPU count, or use --backend gloo", file=sys.stderr)
+        return 2
     os.environ[_BACKEND_ENV] = backend  # cpkit.testing.device() follows it
     warnings.filterwarnings("ignore", module=r"megatron\..*")
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
+    # Collectives time out a little after the check does, so that the watchdog names the hung
+    # rank before NCCL's own timeout tears the waiting ranks down.
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout + 6 * GRACE_S))
     names = list(CHECKS) if args.check == "all" else [args.check]
     job = JobShape(backend, world, nproc, layout, args.allow_cross_node_a2a)
     topology = node_report(layout, topo)
-    report = _Report(args.report, {"world_size": world, "nnodes": topo.nnodes, "nproc_per_node": nproc,
+    report = Report(args.report, {"world_size": world, "nnodes": topo.nnodes, "nproc_per_node": nproc,
                                    "backend": backend, "layout": layout.to_dict(), "topology": topology}, names)
 
     def on_abort(name, outcomes):  # rank 0's watchdog, before the job ends
-        report.add(_merge(name, outcomes))
+        report.add(merge_outcomes(name, outcomes))
         report.write()
 
     coord = Coordinator(rank, world, grace_s=GRACE_S, on_abort=on_abort)
@@ -213,7 +148,7 @@ def main(argv=None) -> int:
 
             outcome = {"passed": False, "detail": f"rank {rank}: " + "".join(traceback.format_exception(exc)),
                        "seconds": None}
-        entry = _merge(name, coord.finish(name, outcome))
+        entry = merge_outcomes(name, coord.finish(name, outcome))
         report.add(entry)
         if rank == 0:
             print(f"{name}: {'pass' if entry['passed'] else 'FAIL'} ({entry['seconds'] or 0:.1f} s)", flush=True)
