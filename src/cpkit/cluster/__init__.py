@@ -103,6 +103,10 @@ def main(argv=None) -> int:
                 print(f"error: {v.message}", file=sys.stderr)
         return 2
 
+    if args.backend == "gloo" and "torch" not in sys.modules:
+        # gloo ranks compute on CPU: hide the GPUs before torch looks for them, so that nothing
+        # (MCore, a kernel choice, an RNG fork) initializes CUDA by accident, as the launcher does.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch
     import torch.distributed as dist
 
