@@ -44,7 +44,7 @@ def _two_nodes(args: list[str], env_extra: dict | None = None) -> tuple[list[int
     for node in (1, 0):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
                "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-               "-m", "cpkit.cluster", *args]
+               "-m", "cpkit.cluster", *args, "--backend", "gloo"]  # also on a host with GPUs
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       start_new_session=True))
     procs.reverse()  # [node 0, node 1]
