@@ -14,9 +14,10 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "cpkit"
 
-# Test support, and the layers built on top of it (benchmarks launch ranks with the test launcher).
+# Test support, and the layers built on top of it (benchmarks launch ranks with the test launcher;
+# the cluster runner runs the functional tests' scenarios under torchrun).
 SUPPORT = ("cpkit.testing",)
-ON_TOP_OF_SUPPORT = ("cpkit.testing", "cpkit.bench")
+ON_TOP_OF_SUPPORT = ("cpkit.testing", "cpkit.bench", "cpkit.cluster")
 
 
 def _module_name(path: Path, root: Path = SRC) -> str:
@@ -55,7 +56,8 @@ LIBRARY = sorted(p for p in PACKAGE.rglob("*.py") if not _is_under(_module_name(
 def test_the_library_is_found():
     names = {_module_name(p) for p in LIBRARY}
     for expected in ("cpkit.attention.functional", "cpkit.layout", "cpkit.groups", "cpkit.group_info",
-                     "cpkit.rebind", "cpkit.eval_cp", "cpkit.eval_loop", "cpkit.loss", "cpkit.dynamic.runtime"):
+                     "cpkit.rebind", "cpkit.eval_cp", "cpkit.eval_loop", "cpkit.loss", "cpkit.dynamic.runtime",
+                     "cpkit.topology"):
         assert expected in names
 
 
