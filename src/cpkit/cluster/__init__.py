@@ -98,9 +98,12 @@ def main(argv=None) -> int:
         layout = _layout(args, world, nproc).validate()
         check_topology(layout, topo, allow_cross_node_a2a=args.allow_cross_node_a2a)
     except CPConfigError as exc:  # the same on every rank: no collective needed to agree
+        from cpkit.cluster.coordinator import store_barrier
+
         if rank == 0:
             for v in exc.violations:
-                print(f"error: {v.message}", file=sys.stderr)
+                print(f"error: {v.message}", file=sys.stderr, flush=True)
+        store_barrier("refused", world, timeout_s=30.0)
         return 2
 
     if args.backend == "gloo" and "torch" not in sys.modules:
@@ -111,7 +114,7 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from cpkit.cluster.checks import CHECKS, JobShape, build_check, run_check
-    from cpkit.cluster.coordinator import Coordinator
+    from cpkit.cluster.coordinator import Coordinator, store_barrier
     from cpkit.cluster.report import Report, merge_outcomes
     from cpkit.testing.launcher import _BACKEND_ENV
 
@@ -119,7 +122,8 @@ def main(argv=None) -> int:
     if backend == "nccl" and torch.cuda.device_count() < nproc:
         if rank == 0:
             print(f"error: --backend nccl needs one GPU per local rank ({nproc}), found {torch.cuda.device_count()}; "
-                  "fix: start --nproc-per-node at most the GPU count, or use --backend gloo", file=sys.stderr)
+                  "fix: start --nproc-per-node at most the GPU count, or use --backend gloo", file=sys.stderr, flush=True)
+        store_barrier("refused", world, timeout_s=30.0)
         return 2
     os.environ[_BACKEND_ENV] = backend  # cpkit.testing.device() follows it
     warnings.filterwarnings("ignore", module=r"megatron\..*")

@@ -22,9 +22,30 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-__all__ = ["Coordinator"]
+__all__ = ["Coordinator", "store_barrier"]
 
 POLL_S = 0.2
+
+
+def _client(timeout_s: float = 60.0):
+    """A client of the job's TCPStore (torchrun's, at MASTER_ADDR:MASTER_PORT), keys prefixed by
+    the run, so that a restarted job starts clean."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
+    prefix = f"cpkit-cluster/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/" \
+             f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    return dist.PrefixStore(prefix, store)
+
+
+def store_barrier(key: str, world_size: int, timeout_s: float) -> None:
+    """Wait until `world_size` ranks reached `key` (or `timeout_s` passed), through the store:
+    no process group needed. Used so that no rank exits, and has torchrun stop the others,
+    before rank 0 has printed why."""
+    store = _client()
+    store.add(key, 1)
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end and store.add(key, 0) < world_size:
+        time.sleep(POLL_S)
 
 
 def _main_stack() -> str:
@@ -37,17 +58,9 @@ class Coordinator:
     process (it writes the report); `outcomes` maps rank -> outcome dict or None."""
 
     def __init__(self, rank: int, world_size: int, *, grace_s: float, on_abort: Callable[[str, dict], None]):
-        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        prefix = f"cpkit-cluster/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/" \
-                 f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-
-        def client():  # one per thread: a blocked call in one must not hold the other's lock
-            store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                  timeout=datetime.timedelta(seconds=60))
-            return dist.PrefixStore(prefix, store)
-
         self.rank, self.world_size, self.grace_s, self.on_abort = rank, world_size, grace_s, on_abort
-        self._store, self._watch_store = client(), client()
+        # one client per thread: a blocked call in one must not hold the other's lock
+        self._store, self._watch_store = _client(), _client()
         self._lock = threading.Lock()
         self._check: Optional[str] = None
         self._deadline = 0.0
