@@ -9,10 +9,13 @@ Known differences handled here:
   `get_pg` returns None for both.
 - `megatron.core.utils.get_batch_on_this_cp_rank(batch, cp_group=None)` in 0.16 became
   `(batch, is_hybrid_cp, cp_group=None, ...)` in 0.19: `mcore_batch_on_this_cp_rank` calls either.
+- MCore's pipeline schedules check `hasattr` for embd and pos_embd, which 0.16 fails for an
+  unset field: `schedule_pg_collection` sets them to None.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -28,6 +31,7 @@ __all__ = [
     "mcore_batch_on_this_cp_rank",
     "mcore_version_at_least",
     "new_pg_collection",
+    "schedule_pg_collection",
     "set_pg",
 ]
 
@@ -65,6 +69,16 @@ def set_pg(pg_collection: ProcessGroupCollection, name: str, value: Any) -> None
             del pg_collection.__dict__[name]
         return
     setattr(pg_collection, name, value)
+
+
+def schedule_pg_collection(pg_collection: ProcessGroupCollection) -> ProcessGroupCollection:
+    """A shallow copy of `pg_collection` for MCore's pipeline schedules: embd and pos_embd,
+    when unset (ranks off the first / last stage), are None instead of missing."""
+    out = copy.copy(pg_collection)
+    for name in ("embd", "pos_embd"):
+        if get_pg(out, name) is None:
+            out.__dict__[name] = None
+    return out
 
 
 def new_pg_collection(**groups: Any) -> ProcessGroupCollection:

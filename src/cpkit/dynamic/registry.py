@@ -6,11 +6,18 @@ same order), so all of them are made once at start-up and looked up per micro-ba
 
 The rank arithmetic (`aligned_blocks`, `registry_layout`) is pure and tested without processes;
 `build_group_registry` is the thin part that calls `torch.distributed.new_group`.
+
+Two optional kinds of group per block, for layouts beyond tp = 1 with one comm type:
+- with `tp_rank_lists` (the tensor-parallel groups of the world), the block's tp x cp group: the
+  union of the tp groups of its ranks (what MCore's `pg_collection.tp_cp` is for a static CP group);
+- with `hierarchical_sizes=[a2a, p2p]`, every block of size a2a * p2p also gets its a2a+p2p pair
+  (`cpkit.rank_layout.hierarchical_levels`: a2a contiguous, p2p strided, as MCore and TE split a
+  CP group); smaller blocks run a flat comm type.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from cpkit.dynamic.plan import CPGroupAssignment
@@ -22,6 +29,8 @@ __all__ = [
     "aligned_blocks",
     "build_group_registry",
     "registry_layout",
+    "tp_cp_layout",
+    "hierarchical_layout",
 ]
 
 
@@ -110,6 +119,10 @@ class GroupRegistry:
 
     dp_cp_ranks: tuple[int, ...]
     groups: Mapping[tuple[int, int], Any]
+    tp_cp_groups: Mapping[tuple[int, int], Any] = field(default_factory=dict)
+    """(cp_size, first) -> the block's tp x cp group (built only with tp_rank_lists)."""
+    hcp_groups: Mapping[tuple[int, int], tuple[Any, Any]] = field(default_factory=dict)
+    """(cp_size, first) -> (a2a, p2p) groups of this rank (built only with hierarchical_sizes)."""
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -136,10 +149,58 @@ class GroupRegistry:
         """The process group of one plan group."""
         return self.get(assignment.cp_size, assignment.first_rank)
 
+    def tp_cp_for(self, assignment: CPGroupAssignment) -> Any:
+        """The tp x cp group of one plan group, or None when the registry has none for it."""
+        return self.tp_cp_groups.get((assignment.cp_size, assignment.first_rank))
+
+    def hcp_for(self, assignment: CPGroupAssignment) -> tuple[Any, Any] | None:
+        """This rank's (a2a, p2p) groups of one plan group, or None when its block is flat."""
+        return self.hcp_groups.get((assignment.cp_size, assignment.first_rank))
+
     def global_ranks(self, cp_size: int, first_rank: int) -> tuple[int, ...]:
         """Global ranks of block [first_rank, first_rank + cp_size)."""
         self.get(cp_size, first_rank)
         return self.dp_cp_ranks[first_rank:first_rank + cp_size]
+
+
+def tp_cp_layout(layout: Sequence[BlockSpec], tp_rank_lists: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+    """The distinct tp x cp groups of the blocks in `layout`, in creation order: each block's
+    group is the sorted union of the tp groups of its ranks. Raises CPConfigError when a rank of a
+    block is in no tp group, or a rank is in two."""
+    owner: dict[int, tuple[int, ...]] = {}
+    for ranks in tp_rank_lists:
+        for r in ranks:
+            if r in owner:
+                raise CPConfigError.single("tp_rank_lists", [list(t) for t in tp_rank_lists],
+                                           f"rank {r} is in two tp groups", "pass the disjoint tp groups of the world")
+            owner[r] = tuple(ranks)
+    out: list[tuple[int, ...]] = []
+    for spec in layout:
+        missing = [r for r in spec.global_ranks if r not in owner]
+        if missing:
+            raise CPConfigError.single("tp_rank_lists", [list(t) for t in tp_rank_lists],
+                                       f"ranks {missing} are in no tp group", "pass every tp group of the world")
+        union = tuple(sorted({m for r in spec.global_ranks for m in owner[r]}))
+        if union not in out:
+            out.append(union)
+    return out
+
+
+def hierarchical_layout(layout: Sequence[BlockSpec], sizes: Sequence[int]) -> list[tuple[BlockSpec, list[list[int]], list[list[int]]]]:
+    """(block, a2a groups, p2p groups) of every block in `layout` whose size is the product of
+    `sizes` = [a2a, p2p], in creation order. Raises CPConfigError unless sizes are two ints >= 2."""
+    from cpkit.rank_layout import hierarchical_levels
+
+    if not (len(sizes) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 2 for x in sizes)):
+        raise CPConfigError.single("hierarchical_sizes", list(sizes), "must be [a2a, p2p], two ints >= 2",
+                                   "pass e.g. [2, 2] for a2a+p2p on blocks of 4 ranks")
+    product = sizes[0] * sizes[1]
+    out = []
+    for spec in layout:
+        if spec.cp_size == product:
+            a2a, p2p = hierarchical_levels(list(spec.global_ranks), list(sizes))
+            out.append((spec, a2a, p2p))
+    return out
 
 
 def build_group_registry(
@@ -149,6 +210,8 @@ def build_group_registry(
     min_cp_size: int = 1,
     max_cp_size: int | None = None,
     new_group: Callable[..., Any] | None = None,
+    tp_rank_lists: Sequence[Sequence[int]] | None = None,
+    hierarchical_sizes: Sequence[int] | None = None,
     **new_group_kwargs: Any,
 ) -> GroupRegistry:
     """Create every aligned CP group of every DPxCP group (collective: call on all ranks).
@@ -156,7 +219,10 @@ def build_group_registry(
     Calls `new_group(ranks=[...], **new_group_kwargs)` once per `registry_layout` entry, in that
     order, and returns the registry of the DPxCP group that holds global `rank`.
     `new_group` defaults to torch.distributed.new_group (pass e.g. backend="gloo" through
-    new_group_kwargs). Raises CPConfigError if `rank` is in no DPxCP group.
+    new_group_kwargs). With `tp_rank_lists` (every tp group of the world) it then creates each
+    block's tp x cp group (tp_cp_layout); with `hierarchical_sizes=[a2a, p2p]` the a2a and p2p
+    groups of every block of size a2a * p2p (hierarchical_layout). Raises CPConfigError if
+    `rank` is in no DPxCP group, or for tp lists or sizes those functions reject.
     """
     lists = [tuple(ranks) for ranks in dp_cp_rank_lists]
     mine = [j for j, ranks in enumerate(lists) if rank in ranks]
@@ -175,4 +241,23 @@ def build_group_registry(
         group = new_group(ranks=list(spec.global_ranks), **new_group_kwargs)
         if spec.replica == mine[0]:
             groups[(spec.cp_size, spec.first)] = group
-    return GroupRegistry(dp_cp_ranks=lists[mine[0]], groups=groups)
+    tp_cp: dict[tuple[int, int], Any] = {}
+    if tp_rank_lists is not None:
+        made = {ranks: new_group(ranks=list(ranks), **new_group_kwargs) for ranks in tp_cp_layout(layout, tp_rank_lists)}
+        owner = {r: tuple(t) for t in tp_rank_lists for r in t}
+        for spec in layout:
+            if spec.replica == mine[0]:
+                union = tuple(sorted({m for r in spec.global_ranks for m in owner[r]}))
+                tp_cp[(spec.cp_size, spec.first)] = made[union]
+    hcp: dict[tuple[int, int], tuple[Any, Any]] = {}
+    if hierarchical_sizes is not None:
+        for spec, a2a_lists, p2p_lists in hierarchical_layout(layout, hierarchical_sizes):
+            pair = [None, None]
+            for level, lists_ in enumerate((a2a_lists, p2p_lists)):
+                for ranks in lists_:
+                    group = new_group(ranks=list(ranks), **new_group_kwargs)
+                    if rank in ranks:
+                        pair[level] = group
+            if spec.replica == mine[0]:
+                hcp[(spec.cp_size, spec.first)] = (pair[0], pair[1])
+    return GroupRegistry(dp_cp_ranks=lists[mine[0]], groups=groups, tp_cp_groups=tp_cp, hcp_groups=hcp)

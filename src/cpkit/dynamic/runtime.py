@@ -198,12 +198,16 @@ def use_cp_group(
     *,
     pg_collection: Any = None,
     cp_comm_type: Optional[str] = None,
+    tp_cp_group: Any = None,
+    hcp: Any = None,
 ) -> Iterator[Any]:
     """Inside the block `model` runs with CP group `group` (one micro-batch of dynamic CP).
 
     `pg_collection` is the collection the model was built with (default: the first one found
-    on its modules); the block runs on a shallow copy of it whose `cp` (and, at tp == 1,
-    `tp_cp`) is `group`, installed with cpkit.rebind.install_pg_collection: every cached CP
+    on its modules); the block runs on a shallow copy of it whose `cp` is `group`, whose `tp_cp`
+    is `tp_cp_group` (default: `group` at tp == 1, else the static one) and, when given, whose
+    `hcp` is the block's [a2a, p2p] pair (for cp_comm_type "a2a+p2p"; GroupRegistry.hcp_for),
+    installed with cpkit.rebind.install_pg_collection: every cached CP
     group, CP attention through set_context_parallel_group (cpkit's and TE's alike),
     config.context_parallel_size. On exit, also when the block raises, every rebound attribute
     is the object it was before. Yields the Rebinding. Raises CPConfigError for a nested use on
@@ -212,8 +216,12 @@ def use_cp_group(
     static = pg_collection if pg_collection is not None else _model_collection(model)
     target = copy.copy(static)  # never mutate the caller's collection
     target.cp = group
-    if group_size(get_pg(static, "tp")) == 1:
+    if tp_cp_group is not None:
+        target.tp_cp = tp_cp_group
+    elif group_size(get_pg(static, "tp")) == 1:
         target.tp_cp = group  # tp x cp is cp itself at tp == 1
+    if hcp is not None:
+        target.hcp = list(hcp)
     with rebound(model, target, cp_comm_type=cp_comm_type) as rebinding:
         yield rebinding
 

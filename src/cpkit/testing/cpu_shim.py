@@ -19,6 +19,11 @@ such call with its device-neutral equivalent and changes nothing else:
 - `GlobalMemoryBuffer.get_tensor` allocates on the current CUDA device: allocate on CPU; and
   `parallel_state.get_global_memory_buffer` creates the buffer on first use (the decentralized
   process-group path never calls initialize_model_parallel, which would create it).
+- The pipeline schedules (`pipeline_parallel.schedules`, `.p2p_communication`) allocate their
+  receive buffers and token counters on `torch.cuda.current_device()` / `device="cuda"` and call
+  `torch.cuda.synchronize()` after batched transfers: those two modules see a `torch` whose
+  `cuda.current_device()` is "cpu", whose `cuda.synchronize()` does nothing, and whose `zeros` /
+  `empty` put a "cuda" device on CPU (`_CpuTorch`); everything else is the real torch.
 
 The shim is for processes that run MCore on CPU: the unit tier and gloo ranks, also on a host
 that has GPUs (`device_in_use` says which device a process runs on). A process that runs MCore on
@@ -100,6 +105,47 @@ def device_in_use() -> torch.device:
     return device()
 
 
+def _on_cpu(device):
+    if device == "cuda" or isinstance(device, int) or getattr(device, "type", None) == "cuda":
+        return "cpu"
+    return device
+
+
+class _CpuCuda:
+    """torch.cuda as MCore's pipeline schedules use it, on CPU (see the module docstring)."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    @staticmethod
+    def current_device():
+        return "cpu"
+
+    @staticmethod
+    def synchronize(device=None):
+        return None
+
+
+class _CpuTorch:
+    """The torch module for MCore's pipeline schedules on CPU: only CUDA placement differs."""
+
+    def __init__(self, real):
+        self._real = real
+        self.cuda = _CpuCuda(real.cuda)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def zeros(self, *args, device=None, **kwargs):
+        return self._real.zeros(*args, device=_on_cpu(device), **kwargs)
+
+    def empty(self, *args, device=None, **kwargs):
+        return self._real.empty(*args, device=_on_cpu(device), **kwargs)
+
+
 def _patch(owner, attr, value):
     _saved.append((owner, attr, getattr(owner, attr)))
     setattr(owner, attr, value)
@@ -156,6 +202,11 @@ def install_mcore_cpu_shim(device: torch.device | str | None = None) -> bool:
         return original_get_buffer()
 
     _patch(parallel_state, "get_global_memory_buffer", get_global_memory_buffer)
+
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
+
+    for module in (p2p_communication, schedules):
+        _patch(module, "torch", _CpuTorch(torch))
     return True
 
 

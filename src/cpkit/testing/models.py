@@ -24,6 +24,7 @@ from cpkit.layout import P2P
 __all__ = [
     "GPTConfig",
     "build_gpt",
+    "build_gpt_chunks",
     "prepare_cpu",
     "init_weights",
     "local_spec_name",
@@ -100,11 +101,14 @@ def build_gpt(
     hierarchical_cp_sizes: Optional[list[int]] = None,
     sequence_parallel: bool = False,
     device: Optional[torch.device] = None,
+    vp_stage: Optional[int] = None,
 ):
     """Build an MCore GPTModel (RoPE, no dropout) for `pg_collection`, weights from `cfg.seed`.
 
     The parallel sizes (tp, pp, cp) are read from the groups in `pg_collection`; pre/post
-    processing follow this rank's pipeline stage. `attention` picks the core attention:
+    processing follow this rank's pipeline stage. With virtual pipeline stages
+    (`cfg.extra["virtual_pipeline_model_parallel_size"]`), `vp_stage` picks the chunk
+    (build_gpt_chunks builds them all). `attention` picks the core attention:
     "cpkit" (cpkit.attention's ContextParallelAttention, any cp), "local" (MCore's
     DotProductAttention, cp=1 only) or "te" (TEDotProductAttention, needs Transformer Engine).
     `device` defaults to this process's launcher device (cuda in an NCCL rank, else cpu, also
@@ -157,16 +161,19 @@ def build_gpt(
     else:
         config = TransformerConfig(**tc_kwargs)
     pp_rank = dist.get_rank(pp_group) if pp_group is not None else 0
+    vp = config.virtual_pipeline_model_parallel_size or 1
+    chunk = {} if vp_stage is None else {"vp_stage": vp_stage}
     model = GPTModel(
         config,
         _layer_spec(attention, cfg.num_layers, device, mla),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.seq_length,
-        pre_process=pp_rank == 0,
-        post_process=pp_rank == pp - 1,
+        pre_process=pp_rank == 0 and (vp_stage or 0) == 0,
+        post_process=pp_rank == pp - 1 and (vp_stage or 0) == vp - 1,
         position_embedding_type="rope",
         share_embeddings_and_output_weights=False,
         pg_collection=pg_collection,
+        **chunk,
     )
     model.to(device=device, dtype=cfg.dtype)
     init_weights(model, cfg.seed, tp_group=get_pg(pg_collection, "tp"))
@@ -179,6 +186,14 @@ def build_gpt(
 
     log_groups(pg_collection)  # the "verify in logs" signal, once, on global rank 0
     return model
+
+
+def build_gpt_chunks(cfg: GPTConfig, pg_collection, *, vp_size: int, **kwargs) -> list:
+    """The `vp_size` virtual-pipeline chunks of this rank's pipeline stage (a list of
+    GPTModels, chunk i with vp_stage=i), for MCore's interleaved schedule; the other arguments
+    as build_gpt. Each chunk's layers get their global numbers, so weights match a pp=1 model."""
+    chunk_cfg = cfg.with_(extra={**cfg.extra, "virtual_pipeline_model_parallel_size": vp_size})
+    return [build_gpt(chunk_cfg, pg_collection, vp_stage=i, **kwargs) for i in range(vp_size)]
 
 
 # --- deterministic, layout-independent weights -----------------------------------------------

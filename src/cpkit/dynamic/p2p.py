@@ -1,0 +1,94 @@
+"""A pipeline communicator whose shape exchange works at pp = 2 with virtual-pipeline chunks.
+
+Dynamic-CP micro-batches hold different token counts, so MCore's schedule sends each
+activation's shape before the activation (`config.variable_seq_lengths`). MCore's
+`P2PCommunicator._communicate_shapes` (0.16 and 0.19) posts one batch [send to prev, recv from
+prev, send to next, recv from next] on the pp group. At pp = 2 prev and next are the same rank,
+and messages between one pair of ranks on one group match in the order they are posted: when the
+interleaved schedule sends an activation forward and a gradient backward in one call, the peer
+receives the gradient's shape as the activation's and the reverse (seen as a THD length mismatch
+in RoPE, `split_with_sizes expects split_sizes to sum exactly to ...`).
+
+`PairSafeP2PCommunicator` sends the forward-direction shapes (to next, from prev) on the pp group
+and the backward-direction ones (to prev, from next) on the default group, as MCore's own
+`_p2p_ops` separates the two directions of its tensors at pp = 2; at other sizes it is MCore's.
+`pipeline_communicator` also turns `batch_p2p_comm` off at pp = 2 with VPP (on a copy of the
+config), so the tensors go through `_p2p_ops` and not through the same crossing batch.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["PairSafeP2PCommunicator", "pipeline_communicator"]
+
+
+def _shape_buffer(device) -> torch.Tensor:
+    return torch.empty((3,), dtype=torch.int64, device=device)
+
+
+def _device(group: Any) -> Any:
+    # gloo moves CPU tensors (also on a host with GPUs); NCCL the current CUDA device's.
+    if dist.get_backend(group) == "gloo":
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _make_class():
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    class PairSafeP2PCommunicator(P2PCommunicator):
+        """MCore's P2PCommunicator with the two directions of the shape exchange kept apart at
+        pp = 2 (see the module docstring)."""
+
+        def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+            if self.pp_group.size() != 2 or getattr(self.config, "use_ring_exchange_p2p", False):
+                return super()._communicate_shapes(tensor_send_next, tensor_send_prev, recv_prev, recv_next)
+            device = _device(self.pp_group)
+            recv_prev_shape = _shape_buffer(device) if recv_prev else None
+            recv_next_shape = _shape_buffer(device) if recv_next else None
+            forward, backward = [], []
+            if tensor_send_next is not None:
+                shape = torch.tensor(tensor_send_next.size(), dtype=torch.int64, device=device)
+                forward.append(dist.P2POp(dist.isend, shape, self.next_rank, self.pp_group))
+            if recv_prev_shape is not None:
+                forward.append(dist.P2POp(dist.irecv, recv_prev_shape, self.prev_rank, self.pp_group))
+            world = dist.group.WORLD
+            if tensor_send_prev is not None:
+                shape = torch.tensor(tensor_send_prev.size(), dtype=torch.int64, device=device)
+                backward.append(dist.P2POp(dist.isend, shape, self.prev_rank, world))
+            if recv_next_shape is not None:
+                backward.append(dist.P2POp(dist.irecv, recv_next_shape, self.next_rank, world))
+            reqs = [req for ops in (forward, backward) if ops for req in dist.batch_isend_irecv(ops)]
+            for req in reqs:
+                req.wait()
+            as_list = lambda t: [0, 0, 0] if t is None else t.tolist()  # noqa: E731 - MCore's default
+            return as_list(recv_prev_shape), as_list(recv_next_shape)
+
+    return PairSafeP2PCommunicator
+
+
+_CLASS: Optional[type] = None
+
+
+def __getattr__(name):  # the class is built on first use: importing MCore is not free
+    if name == "PairSafeP2PCommunicator":
+        global _CLASS
+        if _CLASS is None:
+            _CLASS = _make_class()
+        return _CLASS
+    raise AttributeError(name)
+
+
+def pipeline_communicator(pp_group: Any, config: Any, *, interleaved: bool) -> Any:
+    """The communicator for MCore's schedule under dynamic CP: a PairSafeP2PCommunicator on
+    `pp_group`; at pp = 2 with virtual-pipeline chunks (`interleaved`) its config is a copy of
+    `config` with batch_p2p_comm off (the model's config is left as it is)."""
+    if interleaved and pp_group.size() == 2 and getattr(config, "batch_p2p_comm", False):
+        config = copy.copy(config)
+        config.batch_p2p_comm = False
+    return __getattr__("PairSafeP2PCommunicator")(pp_group=pp_group, config=config)
