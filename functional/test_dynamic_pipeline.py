@@ -145,6 +145,10 @@ def pipeline_case(case):
     chunks = (build_gpt_chunks(cfg, pgc, vp_size=case["vpp"], **kwargs) if case["vpp"] > 1
               else [build_gpt(cfg, pgc, **kwargs)])
     static = _attention_groups(chunks)
+    seen = []  # (comm type, hierarchical group?) of the first attention module, per forward
+    first = next(m for m in chunks[0].modules() if hasattr(m, "set_context_parallel_group"))
+    first.register_forward_pre_hook(
+        lambda m, *_: seen.append((m.cp_comm_type, isinstance(m.cp_group, (list, tuple)))))
     loss_sum_fn = token_loss_sum
     if case.get("fail"):
         def loss_sum_fn(logits, batch, tp_group):
@@ -170,8 +174,10 @@ def pipeline_case(case):
     assert result.num_tokens == total
     if case["id"] == "idle-pp2" or case["vpp"] > 1:
         assert None in result.cp_sizes, "this rank should sit idle in a micro-batch"
-    if comm == "a2a+p2p":
-        assert (4, 0) in registry.hcp_groups and 4 in result.cp_sizes, "the block of 4 should run a2a+p2p"
+    if comm == "a2a+p2p":  # the block of 4 ran [a2a, p2p]; the blocks of 2 the flat ring
+        assert (4, 0) in registry.hcp_groups
+        assert [s for s, size in zip(seen, result.cp_sizes) if size == 4] == [("a2a+p2p", True)]
+        assert all(s == ("p2p", False) for s, size in zip(seen, result.cp_sizes) if size == 2), seen
 
     grads = {}
     for c in chunks:

@@ -13,7 +13,9 @@ from cpkit.dynamic.registry import (
     GroupRegistry,
     aligned_blocks,
     build_group_registry,
+    hierarchical_layout,
     registry_layout,
+    tp_cp_layout,
 )
 from cpkit.errors import CPConfigError
 
@@ -129,3 +131,41 @@ def test_real_process_group_on_world_of_one(world1):
     group = reg.get(1, 0)
     assert dist.get_world_size(group) == 1
     assert dist.get_process_group_ranks(group) == [0]
+
+
+def test_tp_cp_groups_are_the_union_of_the_blocks_tp_groups():
+    # tp=2, dp_cp=2: DPxCP groups [0, 2] and [1, 3], tp groups [0, 1] and [2, 3].
+    dp_cp, tp = [[0, 2], [1, 3]], [[0, 1], [2, 3]]
+    assert tp_cp_layout(registry_layout(dp_cp), tp) == [(0, 1), (2, 3), (0, 1, 2, 3)]
+    fakes = {r: _FakeNewGroup() for r in range(4)}
+    regs = {r: build_group_registry(dp_cp, r, new_group=fakes[r], tp_rank_lists=tp) for r in range(4)}
+    assert all(fakes[r].calls == fakes[0].calls for r in range(4))
+    # Both tp ranks of a block share one tp x cp group (created once, not once per DPxCP group).
+    assert regs[0].tp_cp_groups[(2, 0)] == regs[1].tp_cp_groups[(2, 0)] == ("group", (0, 1, 2, 3))
+    assert regs[3].tp_cp_for(CPGroupAssignment(ranks=(1,), samples=(0,), cp_size=1)) == ("group", (2, 3))
+    assert regs[0].hcp_groups == {}
+
+
+def test_tp_cp_layout_rejects_a_rank_without_a_tp_group():
+    with pytest.raises(CPConfigError) as info:
+        tp_cp_layout(registry_layout([[0, 2], [1, 3]]), [[0, 1]])
+    assert info.value.field == "tp_rank_lists"
+    assert "[2]" in str(info.value)
+
+
+def test_hierarchical_pairs_only_on_blocks_of_their_size():
+    layout = registry_layout([[0, 1, 2, 3]])
+    found = hierarchical_layout(layout, [2, 2])
+    assert [(s.cp_size, s.first, a2a, p2p) for s, a2a, p2p in found] == [
+        (4, 0, [[0, 1], [2, 3]], [[0, 2], [1, 3]])]  # a2a contiguous, p2p strided (MCore, TE)
+    regs = {r: build_group_registry([[0, 1, 2, 3]], r, new_group=_FakeNewGroup(), hierarchical_sizes=[2, 2])
+            for r in range(4)}
+    assert regs[2].hcp_groups == {(4, 0): (("group", (2, 3)), ("group", (0, 2)))}
+    assert regs[2].hcp_for(CPGroupAssignment(ranks=(2, 3), samples=(0,), cp_size=2)) is None
+
+
+@pytest.mark.parametrize("sizes", [[4], [1, 4], [2, 2, 1], [2.0, 2]])
+def test_hierarchical_sizes_must_be_two_ints_of_at_least_two(sizes):
+    with pytest.raises(CPConfigError) as info:
+        hierarchical_layout(registry_layout([[0, 1, 2, 3]]), sizes)
+    assert info.value.field == "hierarchical_sizes"

@@ -30,7 +30,7 @@ transfer, a CP collective or the gradient all-reduce until the process group's t
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -178,6 +178,13 @@ def _scheduled(local: Optional[LocalMicrobatch], index: int, registry: GroupRegi
     comm = cp_comm_type
     if cp_comm_type == "a2a+p2p" and hcp is None:
         comm = "p2p"  # a block without an [a2a, p2p] pair runs the flat ring
+    if hcp is not None:
+        # MCore's RoPE reads packed_seq_params.cp_group as one ProcessGroup, cpkit's attention
+        # as the [a2a, p2p] pair for a2a+p2p: leave it unset; use_cp_group rebinds both (RoPE
+        # to the block's group, the attention to the pair) for the forward.
+        psp = packed_seq_params_for(local.packed, None)
+        psp.local_cp_size = None
+        local = dataclasses.replace(local, packed_seq_params=psp)
     return ScheduledMicrobatch(local, False, registry.tp_cp_for(local.assignment), hcp, comm)
 
 
