@@ -101,6 +101,13 @@ def _plan(spec, lens, dp_cp_size: int, max_len: int) -> Plan:
                 needed_cp_sizes=tuple(cp_size_for(n, max_len) for n in lens))
 
 
+def _failing_loss(logits, batch, tp_group):
+    """token_loss_sum, except on FAILING_RANK, which raises inside MCore's schedule."""
+    if dist.get_rank() == FAILING_RANK:
+        raise RuntimeError("injected loss failure")
+    return token_loss_sum(logits, batch, tp_group)
+
+
 def _attention_groups(chunks) -> dict:
     return {(i, name): m.cp_group for i, c in enumerate(chunks) for name, m in c.named_modules()
             if hasattr(m, "set_context_parallel_group")}
@@ -149,12 +156,7 @@ def pipeline_case(case):
     first = next(m for m in chunks[0].modules() if hasattr(m, "set_context_parallel_group"))
     first.register_forward_pre_hook(
         lambda m, *_: seen.append((m.cp_comm_type, isinstance(m.cp_group, (list, tuple)))))
-    loss_sum_fn = token_loss_sum
-    if case.get("fail"):
-        def loss_sum_fn(logits, batch, tp_group):
-            if dist.get_rank() == FAILING_RANK:
-                raise RuntimeError("injected loss failure")
-            return token_loss_sum(logits, batch, tp_group)
+    loss_sum_fn = _failing_loss if case.get("fail") else token_loss_sum
 
     for c in chunks:
         c.zero_grad(set_to_none=True)

@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 __all__ = ["PairSafeP2PCommunicator", "pipeline_communicator"]
 
@@ -38,50 +39,36 @@ def _device(group: Any) -> Any:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _make_class():
-    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+class PairSafeP2PCommunicator(P2PCommunicator):
+    """MCore's P2PCommunicator with the two directions of the shape exchange kept apart at
+    pp = 2 (see the module docstring)."""
 
-    class PairSafeP2PCommunicator(P2PCommunicator):
-        """MCore's P2PCommunicator with the two directions of the shape exchange kept apart at
-        pp = 2 (see the module docstring)."""
-
-        def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
-            if self.pp_group.size() != 2 or getattr(self.config, "use_ring_exchange_p2p", False):
-                return super()._communicate_shapes(tensor_send_next, tensor_send_prev, recv_prev, recv_next)
-            device = _device(self.pp_group)
-            recv_prev_shape = _shape_buffer(device) if recv_prev else None
-            recv_next_shape = _shape_buffer(device) if recv_next else None
-            forward, backward = [], []
-            if tensor_send_next is not None:
-                shape = torch.tensor(tensor_send_next.size(), dtype=torch.int64, device=device)
-                forward.append(dist.P2POp(dist.isend, shape, self.next_rank, self.pp_group))
-            if recv_prev_shape is not None:
-                forward.append(dist.P2POp(dist.irecv, recv_prev_shape, self.prev_rank, self.pp_group))
-            world = dist.group.WORLD
-            if tensor_send_prev is not None:
-                shape = torch.tensor(tensor_send_prev.size(), dtype=torch.int64, device=device)
-                backward.append(dist.P2POp(dist.isend, shape, self.prev_rank, world))
-            if recv_next_shape is not None:
-                backward.append(dist.P2POp(dist.irecv, recv_next_shape, self.next_rank, world))
-            reqs = [req for ops in (forward, backward) if ops for req in dist.batch_isend_irecv(ops)]
-            for req in reqs:
-                req.wait()
-            as_list = lambda t: [0, 0, 0] if t is None else t.tolist()  # noqa: E731 - MCore's default
-            return as_list(recv_prev_shape), as_list(recv_next_shape)
-
-    return PairSafeP2PCommunicator
+    def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+        if self.pp_group.size() != 2 or getattr(self.config, "use_ring_exchange_p2p", False):
+            return super()._communicate_shapes(tensor_send_next, tensor_send_prev, recv_prev, recv_next)
+        device = _device(self.pp_group)
+        recv_prev_shape = _shape_buffer(device) if recv_prev else None
+        recv_next_shape = _shape_buffer(device) if recv_next else None
+        forward, backward = [], []
+        if tensor_send_next is not None:
+            shape = torch.tensor(tensor_send_next.size(), dtype=torch.int64, device=device)
+            forward.append(dist.P2POp(dist.isend, shape, self.next_rank, self.pp_group))
+        if recv_prev_shape is not None:
+            forward.append(dist.P2POp(dist.irecv, recv_prev_shape, self.prev_rank, self.pp_group))
+        world = dist.group.WORLD
+        if tensor_send_prev is not None:
+            shape = torch.tensor(tensor_send_prev.size(), dtype=torch.int64, device=device)
+            backward.append(dist.P2POp(dist.isend, shape, self.prev_rank, world))
+        if recv_next_shape is not None:
+            backward.append(dist.P2POp(dist.irecv, recv_next_shape, self.next_rank, world))
+        reqs = [req for ops in (forward, backward) if ops for req in dist.batch_isend_irecv(ops)]
+        for req in reqs:
+            req.wait()
+        return _as_shape(recv_prev_shape), _as_shape(recv_next_shape)
 
 
-_CLASS: Optional[type] = None
-
-
-def __getattr__(name):  # the class is built on first use: importing MCore is not free
-    if name == "PairSafeP2PCommunicator":
-        global _CLASS
-        if _CLASS is None:
-            _CLASS = _make_class()
-        return _CLASS
-    raise AttributeError(name)
+def _as_shape(buffer: Optional[torch.Tensor]) -> list[int]:
+    return [0, 0, 0] if buffer is None else buffer.tolist()  # MCore's value for "nothing received"
 
 
 def pipeline_communicator(pp_group: Any, config: Any, *, interleaved: bool) -> Any:
@@ -91,4 +78,4 @@ def pipeline_communicator(pp_group: Any, config: Any, *, interleaved: bool) -> A
     if interleaved and pp_group.size() == 2 and getattr(config, "batch_p2p_comm", False):
         config = copy.copy(config)
         config.batch_p2p_comm = False
-    return __getattr__("PairSafeP2PCommunicator")(pp_group=pp_group, config=config)
+    return PairSafeP2PCommunicator(pp_group=pp_group, config=config)

@@ -38,8 +38,7 @@ import torch
 import torch.distributed as dist
 
 from cpkit.compat import get_pg, schedule_pg_collection
-from cpkit.dynamic.p2p import pipeline_communicator
-from cpkit.dynamic.plan import Microbatch, Plan
+from cpkit.dynamic.plan import CPGroupAssignment, Microbatch, Plan
 from cpkit.dynamic.registry import GroupRegistry
 from cpkit.dynamic.runtime import (
     DynamicStepResult,
@@ -152,8 +151,6 @@ def _chunks(model: ModelOrChunks) -> list[torch.nn.Module]:
 
 
 def _idle_microbatch(index: int, registry: GroupRegistry, position: int, device) -> LocalMicrobatch:
-    from cpkit.dynamic.plan import CPGroupAssignment
-
     if (1, position) not in registry.groups:
         raise CPConfigError.single(
             "registry sizes", list(registry.sizes),
@@ -228,6 +225,8 @@ def dynamic_cp_forward_backward(
     """
     from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 
+    from cpkit.dynamic.p2p import pipeline_communicator  # imports MCore's pipeline code
+
     chunks = _chunks(model)
     config = _model_config(chunks[0])
     pp_group, tp_group = get_pg(pg_collection, "pp"), get_pg(pg_collection, "tp")
@@ -287,7 +286,7 @@ def dynamic_cp_forward_backward(
     longest = max((int(mb.local.batch["tokens"].shape[1]) for mb in micro), default=1)
     stored = schedule(
         forward_step_func=forward_step, data_iterator=iterators if vp else iterators[0],
-        model=chunks if vp else chunks, num_microbatches=num, seq_length=longest, micro_batch_size=1,
+        model=chunks, num_microbatches=num, seq_length=longest, micro_batch_size=1,
         forward_only=forward_only, **kwargs)
 
     summed = torch.zeros((), dtype=torch.float64, device=device)
