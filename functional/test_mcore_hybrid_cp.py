@@ -30,7 +30,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cpkit.models import GPTConfig, all_reduce_gradients, build_gpt, named_gradients
+from cpkit.loss import all_reduce_gradients
+from cpkit.testing.models import GPTConfig, build_gpt, named_gradients
 from cpkit.testing import device, grid_params, grid_result
 from cpkit.testing.reference import per_sequence_reference, single_rank_pg_collection, token_sample
 

@@ -51,8 +51,9 @@ from cpkit.dynamic.runtime import (
     use_cp_group,
 )
 from cpkit.errors import CPConfigError, Violation
-from cpkit.models import all_reduce_gradients, gather_vocab_shards
-from cpkit.process_groups import group_size
+from cpkit.group_info import group_size
+from cpkit.layout import A2A_P2P, P2P
+from cpkit.loss import all_reduce_gradients, gather_vocab
 
 __all__ = [
     "ScheduledMicrobatch",
@@ -135,7 +136,7 @@ def token_loss_sum(logits: torch.Tensor, batch: dict, tp_group: Any) -> tuple[to
     `logits` [s, b, vocab / tp] gathered over tp (each tp rank keeps its slice's gradient),
     `batch["labels"]` and `batch["loss_mask"]` [b, s]."""
     if group_size(tp_group) > 1:
-        logits = gather_vocab_shards(logits, tp_group)
+        logits = gather_vocab(logits, tp_group)
     losses = torch.nn.functional.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1), reduction="none")
     mask = batch["loss_mask"].reshape(-1).float()
@@ -170,11 +171,11 @@ def _scheduled(local: Optional[LocalMicrobatch], index: int, registry: GroupRegi
     if local is None:
         filler = _idle_microbatch(index, registry, position, device)
         return ScheduledMicrobatch(filler, True, registry.tp_cp_for(filler.assignment), None,
-                                   None if cp_comm_type == "a2a+p2p" else cp_comm_type)
-    hcp = registry.hcp_for(local.assignment) if cp_comm_type == "a2a+p2p" else None
+                                   None if cp_comm_type == A2A_P2P else cp_comm_type)
+    hcp = registry.hcp_for(local.assignment) if cp_comm_type == A2A_P2P else None
     comm = cp_comm_type
-    if cp_comm_type == "a2a+p2p" and hcp is None:
-        comm = "p2p"  # a block without an [a2a, p2p] pair runs the flat ring
+    if cp_comm_type == A2A_P2P and hcp is None:
+        comm = P2P  # a block without an [a2a, p2p] pair runs the flat ring
     if hcp is not None:
         # MCore's RoPE reads packed_seq_params.cp_group as one ProcessGroup, cpkit's attention
         # as the [a2a, p2p] pair for a2a+p2p: leave it unset; use_cp_group rebinds both (RoPE
