@@ -91,9 +91,7 @@ def pad_plan(plan: Plan, multiple: int) -> Plan:
     missing = -len(plan.microbatches) % multiple
     if not missing:
         return plan
-    return Plan(microbatches=plan.microbatches + (Microbatch(()),) * missing, seq_lens=plan.seq_lens,
-                dp_cp_size=plan.dp_cp_size, max_seq_len_per_rank=plan.max_seq_len_per_rank,
-                workloads=plan.workloads, needed_cp_sizes=plan.needed_cp_sizes)
+    return dataclasses.replace(plan, microbatches=plan.microbatches + (Microbatch(()),) * missing)
 
 
 def check_schedule_config(config: Any, *, pp_size: int, vp_size: Optional[int], num_microbatches: int) -> None:
