@@ -14,16 +14,15 @@ import pytest
 from cpkit.anchors import resolve_anchor, split_anchor
 from cpkit.cards import (
     CardError,
-    StrictYAMLError,
     ast_collect_node_ids,
     check_cards,
     format_status_table,
     load_card,
-    load_strict_yaml,
     node_matches,
     status_report,
 )
 from cpkit.cli import main
+from cpkit.strict_yaml import StrictYAMLError, load_strict_yaml
 
 FIXTURES = Path(__file__).parent / "fixtures" / "cards"
 CARD = "cards/demo-feature/card.yaml"
@@ -66,7 +65,7 @@ BAD_CARDS = {
     "future_date": "validated_on: '2099-01-01' is in the future",
     "bad_validation_status": "validation_status: 'code_verified' is not one of verified_gpu, verified_cpu, partial, unverified",
     "bad_follow_up_status": "follow_up_validation[2].status: 'done' is not one of open, covered",
-    "bad_needs": "follow_up_validation[3].needs: 'gpu8' is not one of unit, dist, gpu2, gpu4",
+    "bad_needs": "follow_up_validation[3].needs: 'gpu8' is not one of unit, dist, gpu1, gpu2, gpu4",
     "wrong_type": "known_constraints: expected a list of strings, got str",
     "missing_key": "title: missing required key",
     "missing_follow_up_key": "follow_up_validation[3].text: missing required key",
@@ -278,7 +277,7 @@ def test_check_command_exit_codes(repo, capsys):
 
 
 def test_last_result_must_name_outcome_date_and_machine():
-    from cpkit.cards import _check_follow_up
+    from cpkit.cards.schema import _check_follow_up
 
     item = {"id": "x", "text": "t", "status": "covered", "needs": "gpu4", "covered_by": ["tests/a.py::b"]}
     assert _check_follow_up({**item, "last_result": "passed 2026-11-21 on 4x NVIDIA H200: 3 passed"}, "f") == []

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from cpkit.cards import check_cards
+from cpkit.change_map import SKILL_TABLE_BEGIN
+from cpkit.cli import build_parser
 from cpkit.skills import check_skills, skill_dirs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,11 +22,16 @@ SKILLS = [d.name for d in skill_dirs(ROOT)]
 
 @pytest.fixture(scope="module")
 def skill_problems():
-    return check_skills(ROOT)
+    return check_skills(ROOT, build_parser())
 
 
 def test_repo_has_the_cross_cutting_skill():
     assert "validating-context-parallel-changes" in SKILLS
+
+
+def test_validating_skill_shows_the_generated_change_map_table():
+    # check_skills compares the table with the map; this makes sure the table is there to compare.
+    assert SKILL_TABLE_BEGIN in (ROOT / "skills/validating-context-parallel-changes/SKILL.md").read_text()
 
 
 @pytest.mark.parametrize("name", SKILLS)

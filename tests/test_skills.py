@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from cpkit.cli import main
+from cpkit.cli import build_parser, main
 from cpkit.skills import SkillError, body_anchors, body_commands, check_command, check_skills, load_skill
 
 FIXTURES = Path(__file__).parent / "fixtures"
+PARSER = build_parser()
 GOOD = FIXTURES / "cards" / "repo"  # the miniature repository shared with test_cards.py
 SKILL = "skills/demo-feature/SKILL.md"
 EVALS = "skills/demo-feature/evals.json"
@@ -29,7 +30,7 @@ def test_good_skill_loads_and_passes():
     skill = load_skill(GOOD / "skills" / "demo-feature", GOOD)
     assert skill.name == "demo-feature" and skill.license == "Apache-2.0"
     assert skill.body_start_line == 7
-    assert check_skills(GOOD) == []
+    assert check_skills(GOOD, PARSER) == []
 
 
 BAD_SKILLS = {
@@ -74,7 +75,7 @@ def test_every_bad_fixture_has_an_expectation():
 def test_bad_skill_is_reported(repo, name):
     target = SKILL if name.endswith(".SKILL.md") else EVALS
     shutil.copy(FIXTURES / "skills" / "bad" / name, repo / target)
-    problems = check_skills(repo)
+    problems = check_skills(repo, PARSER)
     assert any(p.startswith(BAD_SKILLS[name]) for p in problems), problems
 
 
@@ -89,7 +90,7 @@ def test_load_skill_raises_with_every_problem(repo):
 def test_missing_skill_files_are_reported(repo):
     (repo / EVALS).unlink()
     (repo / "skills" / "empty-skill").mkdir()
-    problems = check_skills(repo)
+    problems = check_skills(repo, PARSER)
     assert "skills/demo-feature: missing evals.json" in problems
     assert "skills/empty-skill: missing SKILL.md" in problems
 
@@ -138,7 +139,7 @@ def test_body_commands_come_from_shell_fences_and_inline_spans():
 def test_unbalanced_quotes_matter_only_in_checked_commands():
     body = "```bash\necho it's\nA=1 pytest 'tests\n```\n"
     [(line, argv)] = body_commands(body)
-    assert line == 2 and check_command(argv, GOOD) == ["cannot parse command: A=1 pytest 'tests"]
+    assert line == 2 and check_command(argv, GOOD, PARSER) == ["cannot parse command: A=1 pytest 'tests"]
 
 
 @pytest.mark.parametrize(
@@ -165,7 +166,7 @@ def test_unbalanced_quotes_matter_only_in_checked_commands():
     ],
 )
 def test_check_command(command, problem):
-    problems = check_command(shlex.split(command), GOOD)
+    problems = check_command(shlex.split(command), GOOD, PARSER)
     if problem is None:
         assert problems == []
     else:

@@ -1,11 +1,11 @@
 """`cpkit validate` on a throw-away tree: a failing test is a fail row and exit 1, a test that
 crashes pytest is named (with its level), and pytest-xdist does not count a test twice."""
 
-import argparse
 import textwrap
 
 import pytest
 
+from cpkit.cli import build_parser
 from cpkit.commands import validate
 
 PYPROJECT = textwrap.dedent("""
@@ -27,7 +27,8 @@ def _tree(tmp_path, files: dict[str, str]):
 def _validate(tmp_path, monkeypatch, capsys, pytest_args=""):
     monkeypatch.chdir(tmp_path)
     json_path = tmp_path / "report.json"
-    rc = validate.run(argparse.Namespace(markers="", pytest_args=pytest_args, json=str(json_path)))
+    args = build_parser().parse_args(["validate", "--json", str(json_path), "--pytest-args", pytest_args])
+    rc = validate.run(args)
     import json
 
     rows = json.loads(json_path.read_text())["rows"]
@@ -91,3 +92,56 @@ def test_xdist_counts_each_test_once(tmp_path, monkeypatch, capsys):
     assert rc == 0
     assert rows[("foundation", "unit tests")]["result"] == "pass (2 passed)"
     assert rows[("foundation", "dist tests")]["result"] == "pass (1 passed)"
+
+
+def _git(repo, *args):
+    import subprocess
+
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
+                   capture_output=True)
+
+
+def test_changed_runs_only_the_changed_test_and_prints_json(tmp_path, monkeypatch, capsys):
+    import json
+
+    _tree(tmp_path, {
+        "tests/test_a.py": "def test_a():\n    pass\n",
+        "tests/test_b.py": "def test_b():\n    assert 0\n",  # broken, but not changed: not run
+    })
+    _git(tmp_path, "init", "-q", "-b", "main")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-qm", "base")
+    _git(tmp_path, "checkout", "-qb", "work")
+    (tmp_path / "tests" / "test_a.py").write_text("def test_a():\n    pass\n\ndef test_a2():\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    args = build_parser().parse_args(["validate", "--changed", "--json"])
+    assert validate.run(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["changed"]["paths"] == ["tests/test_a.py"]
+    assert report["changed"]["files"] == ["tests/test_a.py"]
+    assert report["rows"][0]["result"] == "pass (2 passed)"
+
+
+def test_changed_docs_only_runs_no_tests(tmp_path, monkeypatch, capsys):
+    _tree(tmp_path, {"tests/test_b.py": "def test_b():\n    assert 0\n"})
+    _git(tmp_path, "init", "-q", "-b", "main")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-qm", "base")
+    (tmp_path / "README.md").write_text("# notes\n")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-qm", "docs")  # on main itself: the base falls back to HEAD~1
+    monkeypatch.chdir(tmp_path)
+    assert validate.run(build_parser().parse_args(["validate", "--changed"])) == 0
+    out = capsys.readouterr().out
+    assert "1 paths; running no tests" in out and "unit tests" not in out
+
+
+def test_gpu_tests_skipped_here_are_reported_as_owed():
+    records = [{"nodeid": "functional/test_h.py::test_x[nccl4]", "outcome": "skipped"},
+               {"nodeid": "functional/test_h.py::test_y[nccl4]", "outcome": "skipped"},
+               {"nodeid": "functional/test_k.py::test_kernel", "outcome": "skipped"},
+               {"nodeid": "functional/test_h.py::test_x[gloo4]", "outcome": "passed"}]
+    levels = {"functional/test_h.py::test_x[nccl4]": "gpu4", "functional/test_h.py::test_y[nccl4]": "gpu4",
+              "functional/test_k.py::test_kernel": "gpu1", "functional/test_h.py::test_x[gloo4]": "dist"}
+    assert validate.gpu_owed(records, levels) == {"gpu1": {"functional/test_k.py": 1},
+                                                  "gpu4": {"functional/test_h.py": 2}}

@@ -23,7 +23,6 @@ __all__ = [
     "split_anchor",
     "resolve_anchor",
     "python_symbol_exists",
-    "find_repo_root",
 ]
 
 #: A backticked token that starts with one of these, or contains `::`, is an anchor.
@@ -156,15 +155,3 @@ def _bound_names(targets: list[ast.expr]) -> set[str]:
         elif isinstance(target, (ast.Tuple, ast.List)):
             names |= _bound_names(list(target.elts))
     return names
-
-
-def find_repo_root(start: str | Path | None = None) -> Path:
-    """The nearest folder at or above `start` (default: the current directory) holding a
-    `pyproject.toml` next to `cards/` or `skills/`; `start` itself when there is none."""
-    start = Path(start or Path.cwd()).resolve()
-    for folder in (start, *start.parents):
-        if (folder / "pyproject.toml").is_file() and (
-            (folder / "cards").is_dir() or (folder / "skills").is_dir()
-        ):
-            return folder
-    return start

@@ -7,21 +7,46 @@ import argparse
 import importlib
 import sys
 
+from cpkit import __version__
+from cpkit.repo import NotARepositoryError
+
 # Order = order in `cpkit --help`.
 COMMAND_MODULES = ["validate", "layout", "plan", "schedule", "cards", "skills"]
 
+DESCRIPTION = """\
+Check and plan context parallelism (CP) for megatron-core: validate a change with the tests that
+cover it, check a parallel layout, plan eval-time CP, preview the dynamic-CP schedule of a batch,
+and see what each feature's card proves."""
+
+EPILOG = """\
+examples:
+  cpkit validate --changed          run the tests that cover what changed since main
+  cpkit layout check --world-size 8 --tp 2 --cp 4 --seq-length 4096 --num-heads 8
+  cpkit cards status                what each feature has proven, test by test
+run `cpkit <command> --help` for a command's options."""
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cpkit", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    """The full `cpkit` parser; every handler finds it as `args.cli_parser` (the skills check
+    validates commands against it)."""
+    parser = argparse.ArgumentParser(prog="cpkit", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"cpkit {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="<command>")
     for name in COMMAND_MODULES:
         importlib.import_module(f"cpkit.commands.{name}").add_parser(sub)
+    parser.set_defaults(cli_parser=parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one `cpkit` command; its exit code (2 when it needs a repository and has none)."""
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except NotARepositoryError as exc:
+        print(f"cpkit {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -6,8 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from cpkit.anchors import find_repo_root
-from cpkit.commands import print_problems
+from cpkit.commands import print_problems, repo_root
 from cpkit.cards import (
     FAILING_RESULTS,
     CardError,
@@ -44,7 +43,7 @@ def add_parser(sub) -> None:
 
 def run_check(args) -> int:
     """Print every card problem; 0 when there are none, else 1."""
-    root = args.root or find_repo_root()
+    root = repo_root(args.root)
     notes: list[str] = []
     problems = check_cards(root, notes=notes)
     for note in notes:
@@ -55,7 +54,7 @@ def run_check(args) -> int:
 def run_status(args) -> int:
     """Print the status table (or JSON); with --run also write the evidence file.
     0 when all run tests pass, 1 on failures or unloadable cards, 2 for an unknown feature."""
-    root = args.root or find_repo_root()
+    root = repo_root(args.root)
     try:
         report = status_report(root, args.feature, args.run)
     except KeyError as exc:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cpkit.anchors import find_repo_root
-from cpkit.commands import print_problems
+from cpkit.commands import print_problems, repo_root
 from cpkit.skills import check_skills
 
 __all__ = ["add_parser"]
@@ -22,5 +21,5 @@ def add_parser(sub) -> None:
 
 def run_check(args) -> int:
     """Print every skill problem; 0 when there are none, else 1."""
-    problems = check_skills(args.root or find_repo_root())
+    problems = check_skills(repo_root(args.root), args.cli_parser)
     return print_problems("skills check", problems)

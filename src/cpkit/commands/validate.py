@@ -1,22 +1,27 @@
-"""`cpkit validate`: run what fits this machine and print one table per feature.
+"""`cpkit validate [--changed [BASE]]`: run what fits this machine and print one table per feature.
 
-Runs the unit tests, the `dist` tests (gloo), and the gpu2/gpu4 tests when enough CUDA devices
-are present, in one pytest process; then `cpkit cards check`, `cpkit skills check` and each
-card's follow-up status. Prints feature, check, result, time; exits 1 on any failure.
+Without --changed: the unit tests, the `dist` tests (gloo) and the gpu1/gpu2/gpu4 tests where
+enough CUDA devices are present, in one pytest process. With --changed: only the test files that
+cover the paths changed since BASE (default: the merge base with main, else (or on main itself)
+HEAD~1; uncommitted and untracked files included), chosen by src/cpkit/change_map.py::CHANGE_MAP. Then
+`cpkit cards check`, `cpkit skills check` and each card's follow-up status. Prints feature,
+check, result, time, the GPU tests still owed; exits 1 on any failure.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import json
-import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["add_parser", "FEATURE_TESTS", "feature_of"]
+from cpkit.change_map import select_tests
+from cpkit.commands import repo_root
+from cpkit.pytest_runner import run_pytest
+
+__all__ = ["add_parser", "run", "FEATURE_TESTS", "feature_of", "changed_paths", "gpu_owed"]
 
 # Test file -> feature slug (the first matching pattern wins).
 FEATURE_TESTS: list[tuple[str, str]] = [
@@ -33,10 +38,12 @@ FEATURE_TESTS: list[tuple[str, str]] = [
     ("*cards*", "cards-and-skills"),
     ("*skills*", "cards-and-skills"),
 ]
-LEVEL_ORDER = {"unit": 0, "dist": 1, "gpu2": 2, "gpu4": 3}
+LEVEL_ORDER = {"unit": 0, "dist": 1, "gpu1": 2, "gpu2": 3, "gpu4": 4}
+GPU_LEVELS = ("gpu1", "gpu2", "gpu4")
 
 
 def feature_of(nodeid: str) -> str:
+    """The feature a test belongs to, by its file (FEATURE_TESTS); "foundation" otherwise."""
     path = nodeid.split("::", 1)[0]
     for pattern, feature in FEATURE_TESTS:
         if fnmatch.fnmatch(path, pattern):
@@ -44,42 +51,34 @@ def feature_of(nodeid: str) -> str:
     return "foundation"
 
 
-def _repo_root() -> Path:
-    here = Path.cwd()
-    for candidate in (here, *here.parents):
-        if (candidate / "pyproject.toml").exists() and (candidate / "src" / "cpkit").exists():
-            return candidate
-    return Path(__file__).resolve().parents[3]
+def _git(root: Path, *args: str) -> str | None:
+    proc = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+    return proc.stdout if proc.returncode == 0 else None
 
 
-def _run_pytest(root: Path, paths: list[str], extra: list[str]) -> tuple[int, list[dict], dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        report = os.path.join(tmp, "report.jsonl")
-        env = dict(os.environ, CPKIT_TEST_REPORT=report)
-        cmd = [sys.executable, "-m", "pytest", *paths, "-q", "-p", "cpkit.testing.report_plugin",
-               "-p", "no:cacheprovider", *extra]
-        rc = subprocess.call(cmd, cwd=root, env=env)
-        records = []
-        if os.path.exists(report):
-            with open(report) as fh:
-                records = [json.loads(line) for line in fh if line.strip()]
-        levels = {}
-        if os.path.exists(report + ".levels"):
-            with open(report + ".levels") as fh:
-                levels = json.load(fh)
-    return rc, records, levels
+def changed_paths(root: Path, base: str | None) -> tuple[str, list[str]]:
+    """(base commit, repository paths changed since it: committed, staged, unstaged, untracked).
+    Raises ValueError when `root` is not a git checkout or the base does not resolve."""
+    if _git(root, "rev-parse", "--git-dir") is None:
+        raise ValueError(f"--changed needs a git checkout; {root} is not one")
+    if base is None:
+        # On main itself the merge base is HEAD, which leaves only uncommitted changes: use HEAD~1.
+        on_main = (_git(root, "rev-parse", "--abbrev-ref", "HEAD") or "").strip() == "main"
+        found = None if on_main else _git(root, "merge-base", "HEAD", "main")
+        if not found:
+            found = _git(root, "rev-parse", "HEAD~1")
+        if found is None:
+            raise ValueError("--changed: no branch main to diff against and no parent commit; pass BASE")
+        base = found.strip()
+    elif _git(root, "rev-parse", "--verify", "--quiet", f"{base}^{{commit}}") is None:
+        raise ValueError(f"--changed {base}: not a commit in this repository")
+    diff = _git(root, "diff", "--name-only", "--no-renames", base, "--") or ""
+    untracked = _git(root, "ls-files", "--others", "--exclude-standard") or ""
+    return base, sorted({p for p in (diff + untracked).splitlines() if p.strip()})
 
 
-def _summarise(records: list[dict], levels: dict, rc: int = 0) -> list[dict]:
+def _summarise(records: list[dict], levels: dict) -> list[dict]:
     rows: dict[tuple[str, str], dict] = {}
-    finished = {rec["nodeid"] for rec in records if rec["outcome"] != "started"}
-    unfinished = list(dict.fromkeys(rec["nodeid"] for rec in records
-                                    if rec["outcome"] == "started" and rec["nodeid"] not in finished))
-    # A test that started and never reported took the pytest process down (or was running
-    # when it was killed): it failed, and it is the one to name.
-    records = [rec for rec in records if rec["outcome"] != "started"] + [
-        {"nodeid": n, "outcome": "failed", "seconds": 0.0,
-         "reason": f"pytest stopped (exit code {rc}) while this test ran"} for n in unfinished]
     for rec in records:
         level = levels.get(rec["nodeid"], "unit")
         key = (feature_of(rec["nodeid"]), level)
@@ -91,7 +90,7 @@ def _summarise(records: list[dict], levels: dict, rc: int = 0) -> list[dict]:
         if rec["outcome"] == "skipped" and rec["reason"]:
             row["reasons"].add(rec["reason"])
         if rec["outcome"] == "failed":
-            row["failures"].append(rec["nodeid"] + (f" ({rec['reason']})" if rec["nodeid"] in unfinished else ""))
+            row["failures"].append(rec["nodeid"] + (f" ({rec['reason']})" if rec.get("unfinished") else ""))
     out = []
     for (feature, level), row in sorted(rows.items(), key=lambda kv: (kv[0][0], LEVEL_ORDER[kv[0][1]])):
         if row["failed"]:
@@ -108,14 +107,27 @@ def _summarise(records: list[dict], levels: dict, rc: int = 0) -> list[dict]:
     return out
 
 
-def _check_rows(root: Path) -> list[dict]:
+def gpu_owed(records: list[dict], levels: dict) -> dict[str, dict[str, int]]:
+    """GPU level -> test file -> how many of its tests at that level did not run here (skipped)."""
+    owed: dict[str, dict[str, int]] = {}
+    for rec in records:
+        level = levels.get(rec["nodeid"], "unit")
+        if level in GPU_LEVELS and rec["outcome"] == "skipped":
+            files = owed.setdefault(level, {})
+            file = rec["nodeid"].split("::")[0]
+            files[file] = files.get(file, 0) + 1
+    return {level: owed[level] for level in GPU_LEVELS if level in owed}
+
+
+def _check_rows(root: Path, parser) -> list[dict]:
+    from cpkit.cards import check_cards
+    from cpkit.skills import check_skills
+
     rows = []
-    for name, module, func in (("cards check", "cpkit.cards", "check_cards"),
-                               ("skills check", "cpkit.skills", "check_skills")):
+    for name, check in (("cards check", check_cards), ("skills check", lambda r: check_skills(r, parser))):
         start = time.perf_counter()
         try:
-            mod = __import__(module, fromlist=[func])
-            problems = getattr(mod, func)(root)
+            problems = check(root)
         except Exception as exc:  # noqa: BLE001 - a broken checker is a failed check
             problems = [f"{name} crashed: {exc!r}"]
         rows.append({"feature": "cards-and-skills", "check": f"cpkit {name}",
@@ -142,49 +154,84 @@ def _card_rows(root: Path) -> list[dict]:
              "result": f"{r['covered']} covered, {r['open']} open"} for f, r in sorted(rows.items())]
 
 
-def _print_table(rows: list[dict]) -> None:
+def _print_table(rows: list[dict], out) -> None:
     headers = ("feature", "check", "result", "time")
     table = [(r["feature"], r["check"], r["result"], f"{r['seconds']:.1f}s") for r in rows]
     widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(headers)] if table else []
     line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
-    print(line)
-    print("-" * len(line))
+    print(line, file=out)
+    print("-" * len(line), file=out)
     for t in table:
-        print("  ".join(c.ljust(w) for c, w in zip(t, widths)))
+        print("  ".join(c.ljust(w) for c, w in zip(t, widths)).rstrip(), file=out)
     for r in rows:
         for f in r["failures"][:20]:
-            print(f"FAILED [{r['feature']} / {r['check']}] {f}")
+            print(f"FAILED [{r['feature']} / {r['check']}] {f}", file=out)
 
 
 def run(args) -> int:
-    root = _repo_root()
+    """Run the checks; print the table (or JSON with `--json -`); 0 when all hold, else 1."""
+    root = repo_root(getattr(args, "root", None))
+    to_stdout = args.json == "-"
+    out = sys.stderr if to_stdout else sys.stdout
     extra = ["-m", args.markers] if args.markers else []
     if args.pytest_args:
         extra += args.pytest_args.split()
     start = time.perf_counter()
-    rc, records, levels = _run_pytest(root, ["tests", "functional"], extra)
-    rows = _summarise(records, levels, rc)
-    if rc not in (0, 1, 5) or (rc == 1 and not any(not r["ok"] for r in rows)):
-        rows.append({"feature": "foundation", "check": "pytest run", "ok": False, "seconds": 0.0,
-                     "result": f"fail (pytest exit code {rc})", "failures": []})
-    rows += _check_rows(root) + _card_rows(root)
-    print()
-    _print_table(rows)
+    report: dict = {"changed": None}
+    paths = ["tests", "functional"]
+    if args.changed is not None:
+        try:
+            base, changed = changed_paths(root, args.changed or None)
+        except ValueError as exc:
+            print(f"cpkit validate: {exc}", file=sys.stderr)
+            return 2
+        selection = select_tests(changed)
+        report["changed"] = {"base": base, "paths": changed, **selection.to_dict()}
+        paths = [p for p in selection.files if (root / p).exists()]
+        print(f"changed since {base[:12]}: {len(changed)} paths; running {', '.join(paths) or 'no tests'}",
+              file=out)
+    rows: list[dict] = []
+    owed: dict = {}
+    if paths:
+        run_ = run_pytest(root, [*paths, *extra], output="stderr" if to_stdout else "inherit")
+        rows = _summarise(run_.records, run_.levels)
+        owed = gpu_owed(run_.records, run_.levels)
+        rc = run_.exit_code
+        if rc not in (0, 1, 5) or (rc == 1 and all(r["ok"] for r in rows)):
+            rows.append({"feature": "foundation", "check": "pytest run", "ok": False, "seconds": 0.0,
+                         "result": f"fail (pytest exit code {rc})", "failures": []})
+    rows += _check_rows(root, args.cli_parser) + _card_rows(root)
     ok = all(r["ok"] for r in rows)
-    print(f"\ncpkit validate: {'PASS' if ok else 'FAIL'} in {time.perf_counter() - start:.0f}s")
-    if args.json:
+    seconds = time.perf_counter() - start
+    report.update({"ok": ok, "seconds": round(seconds, 1), "rows": rows, "gpu_owed": owed})
+    print(file=out)
+    _print_table(rows, out)
+    for level, files in owed.items():
+        listed = ", ".join(f"{file} ({n})" for file, n in files.items())
+        print(f"needs {level}: {listed}", file=out)
+    print(f"\ncpkit validate: {'PASS' if ok else 'FAIL'} in {seconds:.0f}s"
+          + (" (GPU tests owed above)" if owed else ""), file=out)
+    if to_stdout:
+        print(json.dumps(report, indent=2))
+    elif args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"ok": ok, "rows": rows}, indent=2))
-        print(f"report written to {args.json}")
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        print(f"report written to {args.json}", file=out)
     return 0 if ok else 1
 
 
 def add_parser(sub):
-    p = sub.add_parser("validate", help="run every check that fits this machine; one table per feature",
+    """Register `cpkit validate`."""
+    p = sub.add_parser("validate", help="run the tests and checks that fit this machine (or cover a change)",
                        description=__doc__)
-    p.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
+    p.add_argument("--changed", nargs="?", const="", default=None, metavar="BASE",
+                   help="only the tests that cover paths changed since BASE (default: merge base with main, "
+                        "else HEAD~1), uncommitted changes included")
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                   help="write the report as JSON to PATH, or to stdout when PATH is left out")
     p.add_argument("-m", "--markers", default="",
                    help='pytest marker expression, e.g. "not dist" (default: everything; GPU tests '
                         "skip where GPUs are missing)")
     p.add_argument("--pytest-args", default="", help="extra arguments passed to pytest (quoted)")
+    p.add_argument("--root", type=Path, default=None, help="repository root (default: found from cwd)")
     p.set_defaults(func=run)

@@ -6,28 +6,20 @@ Loaded through `-p cpkit.testing.pytest_plugin` in pyproject's addopts.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import pytest
 
-GPU_MARKERS = {"gpu2": 2, "gpu4": 4}
+from cpkit.devices import cuda_device_count
 
+__all__ = ["GPU_MARKERS", "cuda_device_count", "auto_workers"]
 
-@functools.lru_cache(maxsize=1)
-def cuda_device_count() -> int:
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            return 0
-        return torch.cuda.device_count()
-    except Exception:  # noqa: BLE001 - a broken CUDA install counts as no GPU
-        return 0
+GPU_MARKERS = {"gpu1": 1, "gpu2": 2, "gpu4": 4}
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "dist: multi-process test on CPU with gloo")
+    config.addinivalue_line("markers", "gpu1: device test that needs 1 CUDA device (kernels, merge, sharding)")
     config.addinivalue_line("markers", "gpu2: NCCL test that needs at least 2 CUDA devices")
     config.addinivalue_line("markers", "gpu4: NCCL test that needs at least 4 CUDA devices")
 
@@ -72,4 +64,5 @@ def pytest_collection_modifyitems(config, items):
                 continue
             found = cuda_device_count()
             if found < needed:
-                item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA devices, found {found}"))
+                noun = "device" if needed == 1 else "devices"
+                item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA {noun}, found {found}"))

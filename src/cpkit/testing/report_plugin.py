@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 
-LEVELS = ("gpu4", "gpu2", "dist")
+LEVELS = ("gpu4", "gpu2", "gpu1", "dist")
 _worker = False  # an xdist worker: its reports reach the controller, which writes them
 
 

@@ -1,0 +1,130 @@
+"""`check_cards`: every card loads, has its skill, its evidence anchors resolve and every
+covering pytest node id is collected (one `pytest --collect-only` run through
+cpkit.pytest_runner)."""
+
+from __future__ import annotations
+
+import ast
+import datetime as _dt
+import re
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+from cpkit.anchors import resolve_anchor
+from cpkit.cards.schema import card_dirs, load_cards
+from cpkit.pytest_runner import run_pytest
+
+__all__ = ["Collected", "Collector", "node_matches", "collect_node_ids", "ast_collect_node_ids", "check_cards"]
+
+_PARAMS = re.compile(r"\[.*\]$")
+
+
+class Collected(NamedTuple):
+    """What a collector found: node ids, the files read with ast instead of pytest (their
+    parametrized ids are matched by base name), and a note saying why, or None."""
+
+    ids: set[str]
+    ast_files: set[str]
+    note: str | None
+
+
+#: A collector maps (root, repo-relative test files) to Collected.
+Collector = Callable[[Path, list[str]], Collected]
+
+
+def node_matches(entry: str, node_id: str) -> bool:
+    """True when the covered_by `entry` names `node_id`: the same id, or a file, class or
+    parametrized base name that contains it."""
+    return node_id == entry or node_id.startswith(entry + "::") or node_id.startswith(entry + "[")
+
+
+def collect_node_ids(root: str | Path, files: list[str]) -> Collected:
+    """Node ids pytest collects from `files` (repo-relative), in ONE `pytest --collect-only`
+    subprocess run at `root`. Files pytest cannot collect are read with `ast` instead
+    (see ast_collect_node_ids); the returned note then says so, else it is None."""
+    root = Path(root).resolve()
+    if not files:
+        return Collected(set(), set(), None)
+    run = run_pytest(root, ["--collect-only", *files], output="capture", timeout=600)
+    wanted = set(files)
+    ids = {node for node in run.levels if node.split("::")[0] in wanted}
+    if run.exit_code in (0, 5):
+        return Collected(ids, set(), None)
+    missing = sorted(wanted - {i.split("::")[0] for i in ids})
+    fallback = ast_collect_node_ids(root, missing)
+    lines = run.output.splitlines() if isinstance(run.exit_code, int) else [run.exit_code]
+    reason = next((ln[1:].strip() for ln in lines if ln.startswith("E ")), lines[-1] if lines else "")
+    note = (
+        f"pytest --collect-only exited {run.exit_code} ({reason}); checked {', '.join(missing) or 'no files'} "
+        "with ast instead, matching parametrized ids by base name"
+    )
+    return Collected(ids | fallback.ids, set(missing), note)
+
+
+def ast_collect_node_ids(root: str | Path, files: list[str]) -> Collected:
+    """Approximate collection without running pytest: a node id for every `test*` function and
+    `Test*` class (with its `test*` methods) defined at the top level of each file."""
+    ids: set[str] = set()
+    for file in files:
+        try:
+            tree = ast.parse((Path(root) / file).read_text(encoding="utf-8"))
+        except (OSError, SyntaxError):
+            continue
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"):
+                ids.add(f"{file}::{node.name}")
+            elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
+                for sub in node.body:
+                    if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)) and sub.name.startswith("test"):
+                        ids.add(f"{file}::{node.name}::{sub.name}")
+    return Collected(ids, set(files), None)
+
+
+def check_cards(
+    root: str | Path,
+    *,
+    collect: Collector = collect_node_ids,
+    notes: list[str] | None = None,
+    today: _dt.date | None = None,
+) -> list[str]:
+    """Check every card under `root/cards`; returns problems, one line each, empty when all hold.
+
+    Checks the schema (see cards/README.md), that each card has a matching skill folder, that every
+    `evidence` anchor resolves, and that every `covered_by` node id is collected by pytest
+    (one collection subprocess over the named files; `collect` replaces it, e.g. in tests).
+    Informational notes (such as an ast fallback) are appended to `notes` when given.
+    """
+    root = Path(root).resolve()
+    if not (root / "cards").is_dir():
+        return [f"{root / 'cards'}: no cards folder"]
+    cards, problems = load_cards(root, today=today)
+    for folder in card_dirs(root):
+        # The four parts of a feature live side by side: a card without a skill is half a feature.
+        if (folder / "card.yaml").is_file() and not (root / "skills" / folder.name / "SKILL.md").is_file():
+            problems.append(f"cards/{folder.name}/card.yaml: no matching skill skills/{folder.name}/SKILL.md")
+    pending: list[tuple[str, str]] = []  # (where, node id) waiting for collection
+    for card in cards:
+        for i, anchor in enumerate(card.evidence):
+            reason = resolve_anchor(root, anchor)
+            if reason:
+                problems.append(f"{card.path}: evidence[{i}]: {anchor!r} {reason}")
+        for i, item in enumerate(card.follow_up_validation):
+            for j, node in enumerate(item.covered_by):
+                where = f"{card.path}: follow_up_validation[{i}].covered_by[{j}]"
+                reason = resolve_anchor(root, node)
+                if reason:
+                    problems.append(f"{where}: {node!r} {reason}")
+                else:
+                    pending.append((where, node))
+    files = sorted({node.split("::")[0] for _, node in pending})
+    collected = collect(root, files)
+    if collected.note and notes is not None:
+        notes.append(collected.note)
+    for where, node in pending:
+        if node.split("::")[0] in collected.ast_files:
+            node = _PARAMS.sub("", node)  # ast cannot see parameters
+        if not any(node_matches(node, c) for c in collected.ids):
+            problems.append(f"{where}: {node!r} is not collected by pytest")
+    return problems
+
+

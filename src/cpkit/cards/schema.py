@@ -1,0 +1,307 @@
+"""A feature card's schema and strict loading (`cards/<feature>/card.yaml`, documented in
+cards/README.md): the closed vocabularies, the Card and FollowUp records, load_card, and the
+discovery of card folders."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cpkit.strict_yaml import StrictYAMLError, load_strict_yaml, yaml_error_text
+
+__all__ = [
+    "VALIDATION_STATUSES",
+    "FOLLOW_UP_STATUSES",
+    "NEEDS",
+    "GPUS_NEEDED",
+    "CARD_KEYS",
+    "FOLLOW_UP_KEYS",
+    "FollowUp",
+    "Card",
+    "CardError",
+    "load_card",
+    "card_dirs",
+    "load_cards",
+]
+
+#: The closed vocabulary of a card's `validation_status`, strongest first.
+VALIDATION_STATUSES = {
+    "verified_gpu": "unit + dist + gpu2/gpu4 tests passed on real GPUs",
+    "verified_cpu": "unit + dist tests pass; GPU tests not yet run",
+    "partial": "some follow-up validations are still open",
+    "unverified": "no test evidence yet",
+}
+FOLLOW_UP_STATUSES = ("open", "covered")
+#: Where a covering test runs: CPU process (unit), gloo ranks (dist), one GPU, NCCL on 2 or 4 GPUs.
+NEEDS = ("unit", "dist", "gpu1", "gpu2", "gpu4")
+#: CUDA devices a `needs` level asks for.
+GPUS_NEEDED = {"gpu1": 1, "gpu2": 2, "gpu4": 4}
+
+#: Top-level card keys and the (human-readable) type each must have.
+CARD_KEYS = {
+    "title": "str",
+    "validated_on": "date",
+    "summary": "str",
+    "validation_status": "status",
+    "feature_meaning": "text",
+    "recommended_path": "text",
+    "known_constraints": "list[str]",
+    "known_limitations": "list[str]",
+    "evidence": "list[str]",
+    "follow_up_validation": "list[follow_up]",
+}
+FOLLOW_UP_KEYS = {"id": "str", "text": "str", "status": "str", "covered_by": "list[str]", "needs": "str",
+                  "last_result": "str"}
+# An open item may have no coverage yet. `last_result` records the last run where this machine
+# cannot repeat it (a GPU run seen from a CPU machine): "<outcome> <YYYY-MM-DD> on <machine>: <detail>".
+_FOLLOW_UP_OPTIONAL = {"covered_by", "last_result"}
+_LAST_RESULT = re.compile(r"^(passed|failed|partial) \d{4}-\d{2}-\d{2} on \S.*$")
+
+_SLUG = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
+_DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+
+
+# ----------------------------------------------------------------------------- schema
+
+
+@dataclass(frozen=True)
+class FollowUp:
+    """One follow-up validation of a card and the pytest node ids that cover it."""
+
+    id: str
+    text: str
+    status: str
+    needs: str
+    covered_by: tuple[str, ...] = ()
+    last_result: str | None = None
+
+
+@dataclass(frozen=True)
+class Card:
+    """A loaded, schema-valid card. `feature` is its folder name, `path` its repo-relative path."""
+
+    feature: str
+    path: str
+    title: str
+    validated_on: _dt.date
+    summary: str
+    validation_status: str
+    feature_meaning: Any
+    recommended_path: Any
+    known_constraints: tuple[str, ...]
+    known_limitations: tuple[str, ...]
+    evidence: tuple[str, ...]
+    follow_up_validation: tuple[FollowUp, ...]
+
+
+class CardError(ValueError):
+    """A card (or several) failed to load; `.problems` lists every problem, one line each."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+def _type_problem(value: Any, kind: str) -> str | None:
+    """None when `value` has the schema type `kind`, else what is wrong."""
+    if kind == "str":
+        if not isinstance(value, str) or not value.strip():
+            return f"expected a non-empty string, got {value!r}"
+    elif kind == "list[str]":
+        if not isinstance(value, list):
+            return f"expected a list of strings, got {type(value).__name__}"
+        for i, item in enumerate(value):
+            if not isinstance(item, str) or not item.strip():
+                return f"[{i}] expected a non-empty string, got {item!r}"
+    elif kind == "text":
+        # A string, a list of strings, or a mapping from a name to a string.
+        if isinstance(value, str):
+            return None if value.strip() else "expected non-empty text"
+        if isinstance(value, list):
+            return _type_problem(value, "list[str]")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not isinstance(key, str) or not isinstance(item, str) or not item.strip():
+                    return f"mapping entries must be name: text, got {key!r}: {item!r}"
+            return None if value else "expected non-empty text"
+        return f"expected a string, a list of strings or a mapping, got {type(value).__name__}"
+    return None
+
+
+def _date_problem(value: Any, today: _dt.date) -> str | None:
+    if not isinstance(value, str) or not _DATE.match(value):
+        return f"{value!r} is not a date in YYYY-MM-DD form"
+    try:
+        date = _dt.date.fromisoformat(value)
+    except ValueError as exc:
+        return f"{value!r} is not a valid date ({exc})"
+    if date > today + _dt.timedelta(days=1):  # one day of slack for time zones
+        return f"{value!r} is in the future"
+    return None
+
+
+def _check_follow_up(item: Any, where: str) -> list[str]:
+    if not isinstance(item, dict):
+        return [f"{where}: expected a mapping with keys {', '.join(FOLLOW_UP_KEYS)}, got {type(item).__name__}"]
+    problems = [f"{where}.{k}: unknown key (allowed: {', '.join(FOLLOW_UP_KEYS)})" for k in item if k not in FOLLOW_UP_KEYS]
+    for key, kind in FOLLOW_UP_KEYS.items():
+        if key not in item:
+            if key not in _FOLLOW_UP_OPTIONAL:
+                problems.append(f"{where}.{key}: missing required key")
+            continue
+        problem = _type_problem(item[key], kind)
+        if problem:
+            problems.append(f"{where}.{key}: {problem}")
+    status, needs = item.get("status"), item.get("needs")
+    if isinstance(status, str) and status not in FOLLOW_UP_STATUSES:
+        problems.append(f"{where}.status: {status!r} is not one of {', '.join(FOLLOW_UP_STATUSES)}")
+    if isinstance(needs, str) and needs not in NEEDS:
+        problems.append(f"{where}.needs: {needs!r} is not one of {', '.join(NEEDS)}")
+    if status == "covered" and not item.get("covered_by"):
+        problems.append(f"{where}.covered_by: a covered item needs at least one pytest node id")
+    last = item.get("last_result")
+    if isinstance(last, str) and not _LAST_RESULT.match(last):
+        problems.append(f"{where}.last_result: {last!r} must read '<passed|failed|partial> YYYY-MM-DD on <machine>: <detail>'")
+    return problems
+
+
+def _schema_problems(data: Any, today: _dt.date) -> list[str]:
+    """Every schema problem of a parsed card, each as `key.path: message`."""
+    if not isinstance(data, dict):
+        return [f"top level: expected a mapping of card keys, got {type(data).__name__}"]
+    problems = [f"{k}: unknown key (allowed: {', '.join(CARD_KEYS)})" for k in data if k not in CARD_KEYS]
+    problems += [f"{k}: missing required key" for k in CARD_KEYS if k not in data]
+    for key, kind in CARD_KEYS.items():
+        if key not in data:
+            continue
+        value = data[key]
+        if kind == "date":
+            problem = _date_problem(value, today)
+        elif kind == "status":
+            ok = isinstance(value, str) and value in VALIDATION_STATUSES
+            problem = None if ok else f"{value!r} is not one of {', '.join(VALIDATION_STATUSES)}"
+        elif kind == "list[follow_up]":
+            if not isinstance(value, list):
+                problem = f"expected a list of follow-up items, got {type(value).__name__}"
+            else:
+                for i, item in enumerate(value):
+                    problems += _check_follow_up(item, f"{key}[{i}]")
+                ids = [item.get("id") for item in value if isinstance(item, dict)]
+                dupes = sorted({i for i in ids if isinstance(i, str) and ids.count(i) > 1})
+                problem = f"duplicate follow-up ids: {', '.join(dupes)}" if dupes else None
+        else:
+            problem = _type_problem(value, kind)
+        if problem:
+            problems.append(f"{key}{'' if problem.startswith('[') else ': '}{problem}")
+    items = data.get("follow_up_validation")
+    if isinstance(items, list):
+        problems += _status_rule_problems(data.get("validation_status"), [i for i in items if isinstance(i, dict)])
+    return problems
+
+
+def _status_rule_problems(status: object, items: list[dict]) -> list[str]:
+    """The validation_status rule: `partial` while any follow-up is open and only then;
+    `verified_gpu` only when every GPU follow-up's last_result (or a run here) passed."""
+    open_ids = [str(i.get("id")) for i in items if i.get("status") == "open"]
+    if status in ("verified_gpu", "verified_cpu") and open_ids:
+        return [f"validation_status: {status!r} claims verification but follow-ups are open "
+                f"({', '.join(open_ids)}); use 'partial' or cover them"]
+    if status == "partial" and not open_ids and items:
+        return ["validation_status: 'partial' but no follow-up is open; use 'verified_gpu' when the "
+                "GPU follow-ups' last_result passed, else 'verified_cpu'"]
+    if status == "verified_gpu":
+        unproven = [str(i.get("id")) for i in items if i.get("needs") in GPUS_NEEDED
+                    and not str(i.get("last_result") or "").startswith("passed ")]
+        if unproven:
+            return [f"validation_status: 'verified_gpu' but GPU follow-ups have no passed last_result "
+                    f"({', '.join(unproven)}); record the GPU run or use 'verified_cpu'"]
+    return []
+
+
+def load_card(path: str | Path, root: str | Path | None = None, *, today: _dt.date | None = None) -> Card:
+    """Load and schema-check one card.yaml; errors are prefixed by its path relative to `root`.
+
+    Raises CardError listing every problem (`cards/x/card.yaml: key.path: message`).
+    """
+    path = Path(path)
+    root = Path(root) if root is not None else path.parent.parent.parent
+    rel = _rel(path, root)
+    try:
+        data = load_strict_yaml(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise CardError([f"{rel}: cannot read: {exc.strerror}"]) from None
+    except StrictYAMLError as exc:
+        raise CardError([f"{rel}: {exc}"]) from None
+    except yaml.YAMLError as exc:
+        raise CardError([f"{rel}: {yaml_error_text(exc)}"]) from None
+    problems = _schema_problems(data, today or _dt.date.today())
+    if problems:
+        raise CardError([f"{rel}: {p}" for p in problems])
+    follow_ups = tuple(
+        FollowUp(
+            id=i["id"], text=i["text"], status=i["status"], needs=i["needs"],
+            covered_by=tuple(i.get("covered_by") or ()), last_result=i.get("last_result"),
+        )
+        for i in data["follow_up_validation"]
+    )
+    return Card(
+        feature=path.parent.name,
+        path=rel,
+        title=data["title"],
+        validated_on=_dt.date.fromisoformat(data["validated_on"]),
+        summary=data["summary"],
+        validation_status=data["validation_status"],
+        feature_meaning=data["feature_meaning"],
+        recommended_path=data["recommended_path"],
+        known_constraints=tuple(data["known_constraints"]),
+        known_limitations=tuple(data["known_limitations"]),
+        evidence=tuple(data["evidence"]),
+        follow_up_validation=follow_ups,
+    )
+
+
+def _rel(path: Path, root: Path) -> str:
+    try:
+        return path.resolve().relative_to(Path(root).resolve()).as_posix()
+    except ValueError:
+        return path.as_posix()
+
+
+# ----------------------------------------------------------------------------- discovery
+
+
+def card_dirs(root: str | Path) -> list[Path]:
+    """Feature folders under `root/cards` (hidden folders and __pycache__ skipped), sorted."""
+    cards = Path(root) / "cards"
+    if not cards.is_dir():
+        return []
+    return sorted(d for d in cards.iterdir() if d.is_dir() and not d.name.startswith((".", "_")))
+
+
+def load_cards(
+    root: Path, feature: str | None = None, today: _dt.date | None = None
+) -> tuple[list[Card], list[str]]:
+    """Load every card under `root/cards` (or only `feature`): (cards that loaded, problems)."""
+    cards: list[Card] = []
+    problems: list[str] = []
+    for folder in card_dirs(root):
+        if feature is not None and folder.name != feature:
+            continue
+        rel = _rel(folder, root)
+        if not _SLUG.match(folder.name):
+            problems.append(f"{rel}: folder name {folder.name!r} is not a kebab-case feature slug")
+        if not (folder / "card.yaml").is_file():
+            problems.append(f"{rel}: missing card.yaml")
+            continue
+        try:
+            cards.append(load_card(folder / "card.yaml", root, today=today))
+        except CardError as exc:
+            problems += exc.problems
+    return cards, problems
+
+

@@ -1,0 +1,157 @@
+"""Which tests cover which code: the one map from changed paths to the unit and functional test
+files that `cpkit validate --changed` runs, and the table the validating skill shows (generated
+from this map, checked by `cpkit skills check`).
+
+A row's `changed` entries are repository paths: a file, a folder ending in `/` (everything under
+it) or a glob. A path that no row names selects nothing when it is documentation or evidence,
+selects its own file when it is a test, and selects every test when it is code or configuration
+(an unmapped module could be imported by anything): add a row for a new module.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+
+__all__ = [
+    "Row",
+    "CHANGE_MAP",
+    "EVERYTHING",
+    "DOC_PATHS",
+    "Selection",
+    "select_tests",
+    "matches",
+    "skill_table",
+    "SKILL_TABLE_BEGIN",
+    "SKILL_TABLE_END",
+]
+
+#: Stands for "all of tests/ and functional/" in a row.
+EVERYTHING = ("tests/", "functional/")
+
+
+@dataclass(frozen=True)
+class Row:
+    """Changed paths and the test files that cover them; `kinds` says which markers matter."""
+
+    changed: tuple[str, ...]
+    unit: tuple[str, ...]
+    functional: tuple[str, ...]
+    kinds: str
+
+
+CHANGE_MAP: tuple[Row, ...] = (
+    Row(("src/cpkit/layout.py", "src/cpkit/rank_layout.py"),
+        ("tests/test_layout.py", "tests/test_layout_cli.py", "tests/test_groups.py"),
+        ("functional/test_groups.py",), "unit, dist"),
+    Row(("src/cpkit/groups.py", "src/cpkit/process_groups.py"), ("tests/test_groups.py",),
+        ("functional/test_groups.py", "functional/test_hierarchical.py", "functional/test_eval_cp.py"),
+        "unit, dist, gpu4"),
+    Row(("src/cpkit/sharding.py",), ("tests/test_sharding.py", "tests/test_attention_unit.py"),
+        ("functional/test_attention_module.py", "functional/test_attention.py", "functional/test_gpt.py"),
+        "unit, dist, gpu1, gpu2"),
+    Row(("src/cpkit/attention/",), ("tests/test_attention_module.py", "tests/test_attention_unit.py"),
+        ("functional/test_attention_module.py", "functional/test_attention.py", "functional/test_hierarchical.py",
+         "functional/test_gpt.py", "functional/test_te_backend.py"),
+        "unit, dist, gpu1, gpu2, gpu4; a2a and a2a+p2p: the `a2a` cases of functional/test_attention.py and "
+        "functional/test_hierarchical.py"),
+    Row(("src/cpkit/eval_cp.py", "src/cpkit/eval_plan.py", "src/cpkit/commands/plan.py"),
+        ("tests/test_eval_cp.py", "tests/test_eval_plan.py"), ("functional/test_eval_cp.py",),
+        "unit, dist, gpu2, gpu4"),
+    Row(("src/cpkit/dynamic/", "src/cpkit/commands/schedule.py"),
+        ("tests/test_dynamic_scheduler.py", "tests/test_dynamic_registry.py", "tests/test_schedule_cli.py",
+         "tests/test_dynamic_runtime.py"),
+        ("functional/test_dynamic_cp.py", "functional/test_dynamic_failures.py"), "unit, dist, gpu4"),
+    Row(("src/cpkit/models.py",), ("tests/test_models.py", "tests/test_eval_cp.py", "tests/test_dynamic_runtime.py"),
+        ("functional/test_gpt.py", "functional/test_hierarchical.py", "functional/test_eval_cp.py",
+         "functional/test_dynamic_cp.py"), "unit, dist, gpu2, gpu4"),
+    Row(("src/cpkit/bench/",), ("tests/test_attention_module.py", "tests/test_eval_plan.py"),
+        ("functional/test_bench.py",), "unit, dist"),
+    Row(("src/cpkit/commands/layout.py",), ("tests/test_layout_cli.py",), (), "unit"),
+    Row(("src/cpkit/cards/", "src/cpkit/skills/", "src/cpkit/anchors.py", "src/cpkit/strict_yaml.py",
+         "src/cpkit/repo.py", "src/cpkit/pytest_runner.py", "src/cpkit/change_map.py", "src/cpkit/cli.py",
+         "src/cpkit/commands/__init__.py", "src/cpkit/commands/cards.py", "src/cpkit/commands/skills.py",
+         "src/cpkit/commands/validate.py", "src/cpkit/devices.py",
+         "cards/", "skills/"),
+        ("tests/test_cards.py", "tests/test_skills.py", "tests/test_repo_cards_skills.py", "tests/test_validate.py",
+         "tests/test_change_map.py", "tests/test_cli_output.py"), (), "unit"),
+    Row(("src/cpkit/testing/", "src/cpkit/compat.py", "src/cpkit/errors.py", "src/cpkit/__init__.py",
+         "tests/conftest.py", "functional/__init__.py", "pyproject.toml", ".ci/"),
+        EVERYTHING[:1], EVERYTHING[1:], "everything: the harness, MCore compatibility and errors reach every test"),
+)
+
+#: Changes to these select no test (documentation, evidence, scripts run on GPU machines).
+DOC_PATHS = ("*.md", "evidence/*", "scripts/*", ".gitignore", "LICENSE*", "docs/*")
+
+
+def matches(pattern: str, path: str) -> bool:
+    """True when repository `path` is `pattern`, lies under the folder `pattern/`, or matches
+    the glob."""
+    if pattern.endswith("/"):
+        return path.startswith(pattern)
+    return path == pattern or fnmatch.fnmatch(path, pattern)
+
+
+@dataclass
+class Selection:
+    """What a set of changed paths asks for: the test files (or whole folders) to run, why each
+    path selected what it did, and whether every test is selected."""
+
+    files: list[str]
+    reasons: dict[str, str]
+    everything: bool
+
+    def to_dict(self) -> dict:
+        return {"files": self.files, "reasons": self.reasons, "everything": self.everything}
+
+
+def select_tests(changed: list[str]) -> Selection:
+    """Test files covering the `changed` repository paths, per the rules in the module docstring."""
+    files: dict[str, None] = {}
+    reasons: dict[str, str] = {}
+    everything = False
+    for path in changed:
+        rows = [row for row in CHANGE_MAP if any(matches(p, path) for p in row.changed)]
+        is_test = path.startswith(("tests/", "functional/")) and PurePosixPath(path).name.startswith("test_")
+        if rows:
+            picked = [f for row in rows for f in (*row.unit, *row.functional)]
+            everything |= any(f in EVERYTHING for f in picked)
+            reasons[path] = "everything" if any(f in EVERYTHING for f in picked) else ", ".join(dict.fromkeys(picked)) or "checks only"
+            files.update(dict.fromkeys(picked))
+        elif is_test:
+            files[path] = None
+            reasons[path] = "its own file"
+        elif any(fnmatch.fnmatch(path, p) for p in DOC_PATHS) or path.startswith(("tests/fixtures/",)):
+            if path.startswith("tests/fixtures/"):
+                reasons[path] = "tests/test_cards.py, tests/test_skills.py"
+                files.update(dict.fromkeys(("tests/test_cards.py", "tests/test_skills.py")))
+            else:
+                reasons[path] = "no tests (documentation or evidence)"
+        else:
+            everything = True
+            reasons[path] = "everything (no row of src/cpkit/change_map.py::CHANGE_MAP names it)"
+    if everything:
+        return Selection(list(EVERYTHING), reasons, True)
+    return Selection(sorted(files), reasons, False)
+
+
+SKILL_TABLE_BEGIN = "<!-- generated from src/cpkit/change_map.py::CHANGE_MAP; do not edit -->"
+SKILL_TABLE_END = "<!-- end of generated table -->"
+
+
+def skill_table() -> str:
+    """The validating skill's "you changed / unit / functional / kinds" table, as markdown."""
+    def cell(paths: tuple[str, ...]) -> str:
+        if paths in (EVERYTHING[:1], EVERYTHING[1:]):
+            return f"all of `{paths[0]}`"
+        return ", ".join(f"`{p}`" for p in paths) or "-"
+
+    lines = ["| you changed | unit tests (CPU, fast) | functional tests | kinds that matter |",
+             "|---|---|---|---|"]
+    lines += [f"| {cell(r.changed)} | {cell(r.unit)} | {cell(r.functional)} | {r.kinds} |" for r in CHANGE_MAP]
+    return "\n".join([SKILL_TABLE_BEGIN, *lines, SKILL_TABLE_END])
+
+
+if __name__ == "__main__":
+    print(skill_table())

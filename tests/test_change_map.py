@@ -1,0 +1,122 @@
+"""The change map (src/cpkit/change_map.py): what `cpkit validate --changed` selects for fixture
+diffs, that the map names every module and only existing tests, and that the validating skill's
+table cannot drift from it."""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from cpkit.change_map import CHANGE_MAP, EVERYTHING, SKILL_TABLE_BEGIN, matches, select_tests, skill_table
+from cpkit.cli import build_parser
+from cpkit.commands.validate import changed_paths
+from cpkit.skills import check_skills
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURE_REPO = Path(__file__).parent / "fixtures" / "cards" / "repo"
+SKILL = "skills/demo-feature/SKILL.md"
+
+
+@pytest.mark.parametrize("changed,expected", [
+    ("src/cpkit/eval_cp.py", ["functional/test_eval_cp.py", "tests/test_eval_cp.py", "tests/test_eval_plan.py"]),
+    ("src/cpkit/layout.py", ["functional/test_groups.py", "tests/test_groups.py", "tests/test_layout.py",
+                             "tests/test_layout_cli.py"]),
+    ("src/cpkit/dynamic/scheduler.py", ["functional/test_dynamic_cp.py", "functional/test_dynamic_failures.py",
+                                        "tests/test_dynamic_registry.py", "tests/test_dynamic_runtime.py",
+                                        "tests/test_dynamic_scheduler.py", "tests/test_schedule_cli.py"]),
+    ("src/cpkit/attention/a2a.py", ["functional/test_attention.py", "functional/test_attention_module.py",
+                                    "functional/test_gpt.py", "functional/test_hierarchical.py",
+                                    "functional/test_te_backend.py", "tests/test_attention_module.py",
+                                    "tests/test_attention_unit.py"]),
+    ("src/cpkit/cards/status.py", ["tests/test_cards.py", "tests/test_change_map.py", "tests/test_cli_output.py",
+                                   "tests/test_repo_cards_skills.py",
+                                   "tests/test_skills.py", "tests/test_validate.py"]),
+])
+def test_a_file_in_each_feature_selects_its_tests(changed, expected):
+    selection = select_tests([changed])
+    assert selection.files == expected and not selection.everything
+
+
+def test_docs_only_change_selects_no_tests():
+    selection = select_tests(["README.md", "evidence/2026-11-22-4xH200-1ec52e4/README.md", "scripts/gpu-suites.sh"])
+    assert selection.files == [] and not selection.everything
+    assert all("no tests" in reason for reason in selection.reasons.values())
+
+
+@pytest.mark.parametrize("harness", ["src/cpkit/testing/launcher.py", "src/cpkit/compat.py", "pyproject.toml",
+                                     "tests/conftest.py"])
+def test_harness_change_selects_everything(harness):
+    selection = select_tests(["README.md", "src/cpkit/eval_cp.py", harness])
+    assert selection.everything and selection.files == list(EVERYTHING)
+
+
+def test_changed_test_file_selects_itself_and_unmapped_code_selects_everything():
+    assert select_tests(["functional/test_launcher.py"]).files == ["functional/test_launcher.py"]
+    unmapped = select_tests(["src/cpkit/brand_new_module.py"])
+    assert unmapped.everything and "CHANGE_MAP" in unmapped.reasons["src/cpkit/brand_new_module.py"]
+
+
+def test_every_module_is_named_by_a_row():
+    modules = [p.relative_to(ROOT).as_posix() for p in (ROOT / "src" / "cpkit").rglob("*.py")]
+    unnamed = [m for m in modules if not any(matches(p, m) for row in CHANGE_MAP for p in row.changed)]
+    assert unnamed == [], f"add these to src/cpkit/change_map.py::CHANGE_MAP: {unnamed}"
+
+
+def test_every_path_the_map_names_exists():
+    named = {p for row in CHANGE_MAP for p in (*row.changed, *row.unit, *row.functional)}
+    assert sorted(p for p in named if not (ROOT / p).exists()) == []
+
+
+def _skill_with_table(repo: Path, table: str) -> None:
+    text = (repo / SKILL).read_text()
+    (repo / SKILL).write_text(text + "\n" + table + "\n")
+
+
+def _drift_problems(repo: Path) -> list[str]:
+    return [p for p in check_skills(repo, build_parser()) if "differs from src/cpkit/change_map.py" in p]
+
+
+def test_skill_table_matching_the_map_passes(tmp_path):
+    repo = Path(shutil.copytree(FIXTURE_REPO, tmp_path / "repo"))
+    _skill_with_table(repo, skill_table())
+    assert _drift_problems(repo) == []
+
+
+def test_planted_drift_in_the_skill_table_fails_the_skills_check(tmp_path):
+    repo = Path(shutil.copytree(FIXTURE_REPO, tmp_path / "repo"))
+    drifted = skill_table().replace("`tests/test_eval_plan.py`", "`tests/test_eval_plan.py`, `tests/test_x.py`", 1)
+    assert drifted != skill_table()
+    _skill_with_table(repo, drifted)
+    problems = _drift_problems(repo)
+    assert len(problems) == 1 and problems[0].startswith(SKILL + ":")
+    assert SKILL_TABLE_BEGIN in drifted
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
+                          capture_output=True, text=True).stdout
+
+
+def test_changed_paths_since_the_merge_base_include_uncommitted_and_untracked(tmp_path):
+    repo = tmp_path
+    _git(repo, "init", "-q", "-b", "main")
+    (repo / "a.py").write_text("a\n")
+    (repo / "b.py").write_text("b\n")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-qm", "base")
+    _git(repo, "checkout", "-qb", "work")
+    (repo / "a.py").write_text("a2\n")
+    _git(repo, "commit", "-qam", "change a")
+    (repo / "b.py").write_text("b2\n")  # uncommitted
+    (repo / "c.py").write_text("c\n")  # untracked
+    _git(repo, "checkout", "-q", "main")
+    (repo / "main_only.py").write_text("m\n")
+    _git(repo, "add", "main_only.py")
+    _git(repo, "commit", "-qm", "main moves on")
+    _git(repo, "checkout", "-q", "work")
+    base, paths = changed_paths(repo, None)
+    assert base == _git(repo, "merge-base", "HEAD", "main").strip()
+    assert paths == ["a.py", "b.py", "c.py"]  # main's own commit is not this branch's change
+    with pytest.raises(ValueError, match="not a commit"):
+        changed_paths(repo, "no-such-ref")

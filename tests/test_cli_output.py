@@ -1,0 +1,62 @@
+"""What a person reads from `cpkit`: the help and version, `cpkit cards status` within 100
+columns, and commands that need a repository failing with the reason outside one."""
+
+from pathlib import Path
+
+import pytest
+
+from cpkit import __version__
+from cpkit.cards import format_status_table, status_report
+from cpkit.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"cpkit {__version__}"
+
+
+def test_help_describes_the_tool_and_lists_every_command(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "context parallelism (CP) for megatron-core" in out
+    for command in ("validate", "layout", "plan", "schedule", "cards", "skills"):
+        assert f"    {command}" in out
+    assert "Each subcommand lives in" not in out  # the module docstring is for developers
+
+
+def test_cards_status_of_this_repository_fits_100_columns(capsys):
+    assert main(["cards", "status", "--root", str(ROOT)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines and max(map(len, lines)) <= 100, max(lines, key=len)
+
+
+def test_long_result_goes_on_its_own_indented_lines():
+    report = status_report(ROOT)
+    row = next(r for r in report["rows"] if r["last_result"] and len(r["last_result"]) > 100)
+    text = format_status_table([row])
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= 100
+    head = next(i for i, line in enumerate(lines) if line.startswith(f"  {row['id']}"))
+    assert lines[head].split() == [row["id"], row["status"], row["needs"]]
+    assert lines[head + 1].startswith("      last: passed")
+    words = " ".join(line.strip() for line in lines[head + 1:]).split()
+    assert " ".join(row["last_result"].split()) in " ".join(words)  # wrapped, nothing cut
+
+
+@pytest.mark.parametrize("argv", [["cards", "status"], ["cards", "check"], ["skills", "check"], ["validate"]])
+def test_repository_commands_outside_a_repository_fail_with_the_reason(argv, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert "is not inside a cpkit repository" in captured.err and "--root" in captured.err
+    assert "no cards" not in captured.out
+
+
+def test_root_that_is_not_a_repository_is_an_error(tmp_path, capsys):
+    assert main(["cards", "status", "--root", str(tmp_path)]) == 2
+    assert "is not a cpkit repository" in capsys.readouterr().err
