@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -13,11 +14,18 @@ BRIEF = ["schedule", "--dp-cp", "8", "--max-seq-len-per-rank", "1024",
 
 
 def _grid(out: str) -> dict[str, list[str]]:
-    rows = {}
-    for line in out.splitlines():
-        parts = line.split()
-        if parts and parts[0].isdigit() and len(parts) > 1 and "/cp" in line:
-            rows[parts[0]] = parts[1:]
+    """rank -> its cells, with a cell's wrapped continuation lines joined back on."""
+    lines = out.split("\n\n")[1].splitlines()  # the grid block: header, rule, rows
+    starts = [0] + [m.end() for m in re.finditer(r"\S+\s+", lines[0])]
+    rows: dict[str, list[str]] = {}
+    rank = None
+    for line in lines[2:]:
+        cols = [line[a:b].strip() for a, b in zip(starts, starts[1:] + [None])]
+        if cols[0]:
+            rank = cols[0]
+            rows[rank] = cols[1:]
+        else:
+            rows[rank] = [c + more for c, more in zip(rows[rank], cols[1:])]
     return rows
 
 
@@ -40,7 +48,19 @@ def test_text_report_has_grid_sample_table_and_step_times(capsys):
         assert int(row[1]) == L and int(row[3]) >= int(row[2])  # got >= needs
     shown = {int(s[1:]) for cells in grid.values() for c in cells if c != "-"
              for s in c.split("/")[0].split(",") if s.startswith("s")}
-    assert shown <= set(range(8))
+    assert shown == set(range(8))
+
+
+def test_packed_cells_wrap_and_never_leave_a_sample_out(capsys):
+    lens = ",".join(["100"] * 10 + ["3000"])
+    assert main(["schedule", "--dp-cp", "2", "--max-seq-len-per-rank", "4096", "--seq-lens", lens]) == 0
+    out = capsys.readouterr().out
+    cells = [c for cells in _grid(out).values() for c in cells if c != "-"]
+    for cell in cells:
+        ids = cell.split("/")[0].split(",")
+        assert len(ids) == len(set(ids)) and "+" not in cell
+    assert {s for c in cells for s in c.split("/")[0].split(",")} == {f"s{i}" for i in range(11)}
+    assert max(len(line) for line in out.split("\n\n")[1].splitlines()) <= 100
 
 
 def test_json_has_impl_microbatches_stats_and_violations(capsys):

@@ -6,7 +6,8 @@ of cpkit.dynamic.invariants (and run twice for determinism) and timed by the ste
 (cpkit.dynamic.cost) next to static CP and the other implementation.
 
 Text: a rank x micro-batch grid (cell "s3/cp4": rank runs sample 3 in a CP group of 4;
-"s1,s5/cp2": samples 1 and 5 packed together; "-": idle), every sample with the CP size it needs
+"s1,s5/cp2": samples 1 and 5 packed together; "-": idle; a cell with many samples wraps onto
+more lines, none is left out), every sample with the CP size it needs
 and the one it got, the modeled step times, and the violations. `--json` prints
 {"impl", "microbatches", "stats", "violations": [{"property", "detail"}]}.
 Exit 0 for a valid plan, 1 when the implementation broke an invariant (a crash inside it is the
@@ -29,7 +30,7 @@ from cpkit.errors import CPConfigError
 
 __all__ = ["add_parser", "run", "format_plan", "parse_seq_lens", "plan_report"]
 
-_MAX_IDS = 3  # sample ids shown per cell before "+k"
+_IDS_PER_LINE = 4  # sample ids per line of a grid cell; more wrap onto the next line
 IMPLS = ("cpkit", "mcore")
 
 
@@ -92,10 +93,21 @@ def parse_seq_lens(text: str, source: str) -> list[int]:
     return lens
 
 
-def _cell(samples: tuple[int, ...], cp_size: int) -> str:
-    ids = ",".join(f"s{s}" for s in samples[:_MAX_IDS])
-    more = f",+{len(samples) - _MAX_IDS}" if len(samples) > _MAX_IDS else ""
-    return f"{ids}{more}/cp{cp_size}"
+def _cell(samples: tuple[int, ...], cp_size: int) -> list[str]:
+    """A grid cell's lines: every sample id, _IDS_PER_LINE per line, "/cpN" after the last."""
+    ids = [f"s{s}" for s in samples] or [""]
+    lines = [",".join(ids[i:i + _IDS_PER_LINE]) for i in range(0, len(ids), _IDS_PER_LINE)]
+    return [line + "," for line in lines[:-1]] + [f"{lines[-1]}/cp{cp_size}"]
+
+
+def _grid_lines(rows: list[list[list[str]]], widths: list[int]) -> list[str]:
+    """Rows of multi-line cells, each row as many lines as its tallest cell."""
+    out = []
+    for row in rows:
+        for k in range(max(len(cell) for cell in row)):
+            out.append("  ".join((cell[k] if k < len(cell) else "").ljust(w)
+                                 for cell, w in zip(row, widths)).rstrip())
+    return out
 
 
 def _seconds(x) -> str:
@@ -119,12 +131,11 @@ def format_plan(plan: Plan, stats: dict, violations: list[PlanViolation], impl: 
                 if 0 <= r < n:
                     slots[m][r] = g
     for r in range(n):
-        rows.append([str(r)] + ["-" if slots[m][r] is None else
-                                _cell(slots[m][r].samples, slots[m][r].cp_size)
-                                for m in range(len(mbs))])
-    widths = [max(len(x[c]) for x in [header] + rows) for c in range(len(header))]
-    for row in [header, ["-" * w for w in widths]] + rows:
-        lines.append("  ".join(x.ljust(w) for x, w in zip(row, widths)).rstrip())
+        rows.append([[str(r)]] + [["-"] if slots[m][r] is None else
+                                  _cell(slots[m][r].samples, slots[m][r].cp_size)
+                                  for m in range(len(mbs))])
+    widths = [max(len(header[c]), *(len(line) for row in rows for line in row[c])) for c in range(len(header))]
+    lines += _grid_lines([[[h] for h in header], [["-" * w] for w in widths]] + rows, widths)
     placed = {}
     for m, mb in enumerate(mbs):
         for g in mb.groups:
