@@ -2,7 +2,7 @@
 # The README's test command on a GPU machine without network: every tier in one pytest run (unit
 # and dist on CPU, gpu1/gpu2/gpu4 on the GPUs present; what cannot run skips with its reason).
 # Expects the MCore wheel in .whl/ (see README "GPU machines"); Transformer Engine, if wanted,
-# already installed into /tmp/site. Logs go to ${OUT:-gpu-results}/: env.txt, junit.xml, pytest.log.
+# already installed into /tmp/site by scripts/te-install.sh. Logs go to ${OUT:-gpu-results}/: env.txt, junit.xml, pytest.log.
 # Usage: bash scripts/gpu-suites.sh [pytest args...]   e.g. -m "gpu2 or gpu4" functional/test_te_backend.py
 set -uo pipefail
 cd "$(dirname "$0")/.."

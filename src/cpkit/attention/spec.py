@@ -113,7 +113,7 @@ def get_gpt_layer_spec_te(*, qk_layernorm: bool = False, **mcore_kwargs: Any) ->
         raise ImportError(
             "Transformer Engine is not importable "
             f"({te_unavailable_reason()}); install it (pip install 'cpkit[te]', or "
-            "../shared/gpu/te-install.sh on a GPU host) or use "
+            "on a GPU machine without network scripts/te-bundle.sh and scripts/te-install.sh) or use "
             "get_gpt_layer_spec_with_cp_attention()"
         )
     from megatron.core.models.gpt.gpt_layer_specs import (

@@ -42,7 +42,8 @@ def te_skip_reason() -> Optional[str]:
     if te_available():
         return None
     return (f"Transformer Engine is not importable ({te_unavailable_reason()}); install it "
-            "(pip install 'cpkit[te]', or ../shared/gpu/te-install.sh on a GPU host) to run the "
+            "(pip install 'cpkit[te]', or on a GPU machine without network scripts/te-bundle.sh and "
+            "scripts/te-install.sh) to run the "
             "te backend tests")
 
 
