@@ -178,6 +178,18 @@ def test_param_id_that_pytest_does_not_collect_is_rejected(repo):
     ]
 
 
+def test_collection_can_be_skipped_but_anchors_are_still_checked(repo):
+    # `cpkit validate --changed` skips the collection when no test file or card changed.
+    use_card(repo, FIXTURES / "uncollected_param.yaml")
+    assert check_cards(repo, collect=None, today=TODAY) == []
+    text = (repo / CARD).read_text().replace("tests/fixture_suite.py::test_param[3]", "tests/fixture_suite.py::test_gone")
+    (repo / CARD).write_text(text)
+    assert check_cards(repo, collect=None, today=TODAY) == [
+        f"{CARD}: follow_up_validation[0].covered_by[1]: "
+        "'tests/fixture_suite.py::test_gone' no symbol 'test_gone' in tests/fixture_suite.py"
+    ]
+
+
 def test_uncollectable_file_falls_back_to_ast_and_says_so(repo):
     (repo / "tests" / "broken_suite.py").write_text("import no_such_module_xyz\n\ndef test_a():\n    pass\n")
     text = (repo / CARD).read_text().replace(
