@@ -1,4 +1,4 @@
-"""Transformer Engine as cpkit's second backend (issue 9), on 2 and 4 GPUs (NCCL, bf16).
+"""Transformer Engine as cpkit's second backend, on 2 and 4 GPUs (NCCL, bf16).
 
 Every test is skipped with the reason where TE is not importable (cpkit.testing.te_support)
 and, through the gpu2/gpu4 markers, where the GPUs are missing.

@@ -30,7 +30,7 @@ SKILL = "skills/demo-feature/SKILL.md"
                                     "functional/test_te_backend.py", "tests/test_attention_module.py",
                                     "tests/test_attention_unit.py"]),
     ("src/cpkit/cards/status.py", ["tests/test_cards.py", "tests/test_change_map.py", "tests/test_cli_output.py",
-                                   "tests/test_repo_cards_skills.py",
+                                   "tests/test_repo_cards_skills.py", "tests/test_repo_text.py",
                                    "tests/test_skills.py", "tests/test_validate.py"]),
 ])
 def test_a_file_in_each_feature_selects_its_tests(changed, expected):

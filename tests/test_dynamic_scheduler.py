@@ -194,7 +194,7 @@ def _static_time(lens, n, M, min_cp=1, group_size=None, model=None) -> float:
                                           microbatch_group_size=group_size))
 
 
-def test_brief_example_is_valid_and_not_slower_than_static_cp():
+def test_readme_example_is_valid_and_not_slower_than_static_cp():
     lens = [4000, 100, 200, 3000, 800, 50, 1024, 1025]
     plan = schedule(lens, dp_cp_size=8, max_seq_len_per_rank=1024)
     check_invariants(plan, lens, 8, 1024)

@@ -9,7 +9,7 @@ import pytest
 
 from cpkit.cli import main
 
-BRIEF = ["schedule", "--dp-cp", "8", "--max-seq-len-per-rank", "1024",
+README_EXAMPLE = ["schedule", "--dp-cp", "8", "--max-seq-len-per-rank", "1024",
          "--seq-lens", "4000,100,200,3000,800,50,1024,1025"]
 
 
@@ -30,7 +30,7 @@ def _grid(out: str) -> dict[str, list[str]]:
 
 
 def test_text_report_has_grid_sample_table_and_step_times(capsys):
-    assert main(BRIEF) == 0
+    assert main(README_EXAMPLE) == 0
     out, err = capsys.readouterr()
     assert err == ""
     assert out.startswith("dynamic CP plan (cpkit): 8 samples over dp_cp_size=8, "
@@ -64,7 +64,7 @@ def test_packed_cells_wrap_and_never_leave_a_sample_out(capsys):
 
 
 def test_json_has_impl_microbatches_stats_and_violations(capsys):
-    assert main(BRIEF + ["--json"]) == 0
+    assert main(README_EXAMPLE + ["--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert set(plan) == {"impl", "microbatches", "stats", "violations"}
     assert plan["impl"] == "cpkit" and plan["violations"] == []

@@ -124,7 +124,7 @@ def profile_table(fn: Callable[[], Any], *, iters: int, device: torch.device, ti
 
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities):  # the first session's set-up (CUPTI) stays out of the numbers
+    with profile(activities=activities):  # the profiler's first set-up (CUPTI) stays out of the numbers
         pass
     fn()
     _sync(device)

@@ -1,0 +1,68 @@
+"""The repository speaks of the software only: no tracked text tells how it was developed
+(working sessions, machine leases, issue numbers, briefs), and nothing points outside the
+checkout (../shared). Raw tool output kept as evidence (logs, JSON, XML, bench tables) is exempt:
+it is what the tools printed."""
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Phrases about the development process, each with what to write instead.
+FORBIDDEN = [
+    (re.compile(r"\bsessions?\s+\d|\bsession\d|\bGPU session\b", re.I), "a date, a machine and a commit"),
+    (re.compile(r"\b(machine\s+)?leases?\b", re.I), "the machine and the run"),
+    (re.compile(r"\bissue\s+#?\d+", re.I), "what the target is, not where it was asked for"),
+    (re.compile(r"\bbriefs?\b", re.I), "the software's own words"),
+    (re.compile(r"\bthe lead\b", re.I), "the software's own words"),
+    (re.compile(r"\.\./shared|/work/(shared|main|wt)\b"), "a path inside the repository"),
+]
+#: Evidence files that are raw tool output rather than prose.
+RAW_OUTPUT = re.compile(r"^evidence/.*\.(json|jsonl|xml|log|txt|tgz|png)$")
+
+
+def tracked_text_files(root: Path = ROOT) -> list[str]:
+    """Tracked files that are prose or code (raw evidence output and binaries left out)."""
+    out = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout
+    files = []
+    for path in out.splitlines():
+        if RAW_OUTPUT.match(path) or not (root / path).is_file():
+            continue
+        try:
+            (root / path).read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        files.append(path)
+    return files
+
+
+def development_words(text: str) -> list[tuple[int, str, str]]:
+    """(line, offending phrase, what to write instead) for every forbidden phrase in `text`."""
+    hits = []
+    for n, line in enumerate(text.splitlines(), 1):
+        for pattern, instead in FORBIDDEN:
+            hits += [(n, m.group(0), instead) for m in pattern.finditer(line)]
+    return hits
+
+
+@pytest.mark.parametrize("text, flagged", [
+    ("Measured in session 6 on one machine lease", ["session 6", "machine lease"]),
+    ("see evidence/2026-11-21-4xH200-session4/ and issue 9's target", ["session4", "issue 9"]),
+    ("run ../shared/gpu/te-install.sh as the brief says", ["../shared", "brief"]),
+    ("@pytest.fixture(scope=\"session\")\ndef pytest_collection_finish(session):", []),
+    ("2026-11-22, 4x H200, commit 1ec52e4: 57 of 57", []),
+])
+def test_development_words_are_flagged(text, flagged):
+    assert sorted(phrase for _, phrase, _ in development_words(text)) == sorted(flagged)
+
+
+def test_tracked_text_speaks_of_the_software_only():
+    files = tracked_text_files()
+    assert "README.md" in files and "src/cpkit/cli.py" in files
+    problems = [f"{path}:{n}: {phrase!r}: write {instead}"
+                for path in files for n, phrase, instead in development_words((ROOT / path).read_text(encoding="utf-8"))
+                if path != "tests/test_repo_text.py"]
+    assert problems == [], "\n".join(problems)
