@@ -95,7 +95,7 @@ def test_a2a_head_chunks_match_full_attention(backend, world_size, chunks, monke
 # bf16 vs the float32 math kernel of the same inputs; tolerance as bf16 above.
 
 
-@pytest.mark.gpu2
+@pytest.mark.gpu1
 @pytest.mark.parametrize("kernel", ["cudnn", "flash", "efficient"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("kv_heads", [8, 2])
@@ -118,7 +118,7 @@ def test_cuda_kernel_matches_math(kernel, causal, kv_heads):
                                    msg=lambda m, n=name: f"{kernel} {n}: {m}")
 
 
-@pytest.mark.gpu2
+@pytest.mark.gpu1
 @pytest.mark.parametrize("causal", [True, False])
 def test_cuda_varlen_kernel_matches_dense_per_sequence(causal):
     from cpkit.attention.kernels import attn_bwd, attn_fwd

@@ -1,21 +1,9 @@
-"""Unit-test fixtures: a world-size-1 gloo process group (the most any unit test may use)."""
+"""Unit-test fixtures. A world-size-1 gloo process group (`world1`, the most any unit test may
+use) comes from the cpkit pytest plugin (src/cpkit/testing/pytest_plugin.py)."""
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
-import torch.distributed as dist
-
-
-@pytest.fixture(scope="session")
-def world1():
-    """torch.distributed initialized on gloo with world size 1 (FileStore: xdist-safe)."""
-    if not dist.is_initialized():
-        path = os.path.join(tempfile.mkdtemp(prefix="cpkit-world1-"), "store")
-        dist.init_process_group("gloo", store=dist.FileStore(path, 1), rank=0, world_size=1)
-    yield dist.group.WORLD
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,7 @@ SKILL = "skills/demo-feature/SKILL.md"
                                         "tests/test_dynamic_registry.py", "tests/test_dynamic_runtime.py",
                                         "tests/test_dynamic_scheduler.py", "tests/test_schedule_cli.py"]),
     ("src/cpkit/attention/a2a.py", ["functional/test_attention.py", "functional/test_attention_module.py",
-                                    "functional/test_gpt.py", "functional/test_hierarchical.py",
+                                    "functional/test_device.py", "functional/test_gpt.py", "functional/test_hierarchical.py",
                                     "functional/test_te_backend.py", "tests/test_attention_module.py",
                                     "tests/test_attention_unit.py"]),
     ("src/cpkit/cards/status.py", ["tests/test_cards.py", "tests/test_change_map.py", "tests/test_cli_output.py",

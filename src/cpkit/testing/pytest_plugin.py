@@ -1,5 +1,6 @@
-"""pytest integration: markers, skips for GPU tests where the GPUs are missing, and test files
-spread over xdist workers on hosts with many cores.
+"""pytest integration: markers, skips for GPU tests where the GPUs are missing, test files
+spread over xdist workers on hosts with many cores, and the `world1` fixture (a world-size-1 gloo
+process group for one-process tests, on CPU or one GPU).
 
 Loaded through `-p cpkit.testing.pytest_plugin` in pyproject's addopts.
 """
@@ -7,12 +8,13 @@ Loaded through `-p cpkit.testing.pytest_plugin` in pyproject's addopts.
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
 from cpkit.devices import cuda_device_count
 
-__all__ = ["GPU_MARKERS", "cuda_device_count", "auto_workers"]
+__all__ = ["GPU_MARKERS", "cuda_device_count", "auto_workers", "world1"]
 
 GPU_MARKERS = {"gpu1": 1, "gpu2": 2, "gpu4": 4}
 
@@ -66,3 +68,14 @@ def pytest_collection_modifyitems(config, items):
             if found < needed:
                 noun = "device" if needed == 1 else "devices"
                 item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA {noun}, found {found}"))
+
+
+@pytest.fixture(scope="session")
+def world1():
+    """torch.distributed initialized on gloo with world size 1 (FileStore: xdist-safe)."""
+    import torch.distributed as dist  # here, so that loading the plugin does not import torch
+
+    if not dist.is_initialized():
+        path = os.path.join(tempfile.mkdtemp(prefix="cpkit-world1-"), "store")
+        dist.init_process_group("gloo", store=dist.FileStore(path, 1), rank=0, world_size=1)
+    yield dist.group.WORLD

@@ -1,0 +1,187 @@
+"""The device paths on one GPU (marker gpu1; skipped with the reason where no CUDA device is
+visible): the LSE merge of key blocks in fp32 and bf16 (sbhd and THD), sharding of tensors that
+live on the GPU, ContextParallelAttention at cp=1 against MCore's local DotProductAttention, and
+against Transformer Engine's DotProductAttention where TE is importable. The kernels one by one
+(with their LSE) and the varlen THD kernel are tested in functional/test_attention.py
+(`test_cuda_kernel_matches_math`, `test_cuda_varlen_kernel_matches_dense_per_sequence`).
+
+References are computed in float32 on the same (rounded) inputs. Tolerances, per dtype:
+- fp32: rtol = atol = 1e-4 (the fused kernels and MCore's baddbmm + softmax reduce in another
+  order; TF32 is off, torch's default for matmuls).
+- bf16: rtol = 2e-2 and atol = 2e-2 x the reference's largest magnitude (one rounding of each
+  block's output to bf16), as in functional/test_attention.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpkit.attention.kernels import KERNEL_ENV, attn_fwd
+from cpkit.attention.merge import merge, merge_
+from cpkit.sharding import gather_seq, gather_thd, pad_cu_seqlens, position_ids, shard_seq, shard_thd
+
+pytestmark = pytest.mark.gpu1
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SCALE = 0.125
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    want = want.float()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.float(), want, rtol=1e-4, atol=1e-4, msg=lambda m: f"{what}: {m}")
+    else:
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item(),
+                                   msg=lambda m: f"{what}: {m}")
+
+
+def _randn(*shape, dtype, gen):
+    return torch.randn(*shape, generator=gen).to("cuda", dtype)
+
+
+@pytest.mark.parametrize("layout", ["sbhd", "thd"])
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_merge_of_key_blocks_matches_full_attention(dtype_name, layout, monkeypatch):
+    """Attention over three key blocks, merged by their LSEs (merge and the in-place merge_ the
+    ring uses, with a running output in the input dtype), equals attention over all keys."""
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator().manual_seed(11)
+    tokens, bounds = 768, [0, 100, 352, 768]
+    if layout == "sbhd":
+        q = _randn(tokens, 2, 8, 64, dtype=dtype, gen=gen)
+        k, v = (_randn(tokens, 2, 2, 64, dtype=dtype, gen=gen) for _ in range(2))
+    else:
+        q = _randn(tokens, 8, 64, dtype=dtype, gen=gen)
+        k, v = (_randn(tokens, 2, 64, dtype=dtype, gen=gen) for _ in range(2))
+
+    def attend(kb, vb, inputs_dtype):
+        args = [x.to(inputs_dtype) for x in (q, kb, vb)]
+        if layout == "sbhd":
+            return attn_fwd(*args, False, SCALE)
+        cu_q = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
+        cu_k = torch.tensor([0, kb.shape[0]], dtype=torch.int32, device="cuda")
+        return attn_fwd(*args, False, SCALE, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                        max_seqlen_q=tokens, max_seqlen_k=kb.shape[0])
+
+    blocks = [attend(k[a:b], v[a:b], dtype) for a, b in zip(bounds[:-1], bounds[1:])]
+    monkeypatch.setenv(KERNEL_ENV, "math")
+    want_out, want_lse = attend(k, v, torch.float32)
+    monkeypatch.delenv(KERNEL_ENV)
+
+    out, lse = merge([o for o, _ in blocks], [l for _, l in blocks])
+    assert out.dtype == lse.dtype == torch.float32 and out.device.type == "cuda"
+    _close(out, want_out, dtype, "merge out")
+    torch.testing.assert_close(lse, want_lse, rtol=1e-4 if dtype == torch.float32 else 2e-2, atol=1e-3)
+
+    running, running_lse = blocks[0][0].clone(), blocks[0][1].clone()
+    for o, l in blocks[1:]:
+        merge_(running, running_lse, o, l)
+    assert running.dtype == dtype
+    _close(running, want_out, dtype, "merge_ out")
+    torch.testing.assert_close(running_lse, want_lse, rtol=1e-4 if dtype == torch.float32 else 2e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_sharding_on_device_matches_cpu(cp_size):
+    """shard_seq / shard_thd of a GPU tensor give, on the GPU, the CPU result, and gathering the
+    shards restores the input."""
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(4 * cp_size * 8, 2, 3, generator=gen)
+    shards = [shard_seq(x.cuda(), r, cp_size, seq_dim=0) for r in range(cp_size)]
+    for r, shard in enumerate(shards):
+        assert shard.device.type == "cuda"
+        torch.testing.assert_close(shard.cpu(), shard_seq(x, r, cp_size, seq_dim=0), rtol=0, atol=0)
+        torch.testing.assert_close(position_ids(x.shape[0], r, cp_size, device="cuda").cpu(),
+                                   position_ids(x.shape[0], r, cp_size))
+    torch.testing.assert_close(gather_seq(shards, seq_dim=0).cpu(), x, rtol=0, atol=0)
+
+    cu = pad_cu_seqlens([5, 17, 2 * cp_size, 31], cp_size)
+    t = torch.randn(int(cu[-1]), 4, 8, generator=gen)
+    thd = [shard_thd(t.cuda(), cu.cuda(), r, cp_size) for r in range(cp_size)]
+    for r, shard in enumerate(thd):
+        assert shard.device.type == "cuda"
+        torch.testing.assert_close(shard.cpu(), shard_thd(t, cu, r, cp_size), rtol=0, atol=0)
+    torch.testing.assert_close(gather_thd(thd, cu.cuda()).cpu(), t, rtol=0, atol=0)
+
+
+def _config(dtype, **overrides):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw = dict(num_layers=2, hidden_size=512, num_attention_heads=8, num_query_groups=2,
+              attention_dropout=0.0, hidden_dropout=0.0, context_parallel_size=1,
+              bf16=dtype == torch.bfloat16, params_dtype=dtype)
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "no_mask"])
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_module_at_cp1_matches_mcore_local_attention(world1, dtype_name, causal):
+    """ContextParallelAttention at cp=1 on the GPU: MCore's DotProductAttention's output and
+    gradients (sbhd, GQA)."""
+    import torch.distributed as dist
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from cpkit.attention.module import ContextParallelAttention
+    from cpkit.compat import ensure_global_memory_buffer, new_pg_collection
+
+    ensure_global_memory_buffer()
+    dtype = DTYPES[dtype_name]
+    mask = AttnMaskType.causal if causal else AttnMaskType.no_mask
+    config = _config(dtype)
+    group = dist.new_group([0])
+    ours = ContextParallelAttention(config, 1, mask, "self", pg_collection=new_pg_collection(tp=group, cp=group))
+    theirs = DotProductAttention(config, 1, mask, "self", pg_collection=new_pg_collection(tp=group))
+    gen = torch.Generator().manual_seed(13)
+    q = _randn(512, 2, 8, 64, dtype=dtype, gen=gen).requires_grad_()
+    k, v = (_randn(512, 2, 2, 64, dtype=dtype, gen=gen).requires_grad_() for _ in range(2))
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = ours(q, k, v, None, attn_mask_type=mask)
+    ref = theirs(q2, k2, v2, None, attn_mask_type=mask)
+    assert out.shape == ref.shape == (512, 2, 8 * 64)
+    _close(out, ref, dtype, "out")
+    dout = _randn(*out.shape, dtype=dtype, gen=gen)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_grads = torch.autograd.grad(ref, (q2, k2, v2), dout)
+    for name, got, want in zip("qkv", grads, ref_grads):
+        _close(got, want, dtype, f"d{name}")
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "no_mask"])
+def test_module_at_cp1_matches_transformer_engine(world1, causal):
+    """ContextParallelAttention at cp=1 against TE's DotProductAttention (bf16, sbhd, GQA), where
+    TE is importable."""
+    from cpkit.testing.te_support import te_skip_reason
+
+    reason = te_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    import torch.distributed as dist
+    import transformer_engine.pytorch as te
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from cpkit.attention.module import ContextParallelAttention
+    from cpkit.compat import new_pg_collection
+
+    dtype = torch.bfloat16
+    mask = AttnMaskType.causal if causal else AttnMaskType.no_mask
+    group = dist.new_group([0])
+    ours = ContextParallelAttention(_config(dtype), 1, mask, "self",
+                                    pg_collection=new_pg_collection(tp=group, cp=group))
+    theirs = te.DotProductAttention(8, 64, num_gqa_groups=2, attention_dropout=0.0, qkv_format="sbhd",
+                                    attn_mask_type="causal" if causal else "no_mask", softmax_scale=SCALE)
+    gen = torch.Generator().manual_seed(14)
+    q = _randn(512, 2, 8, 64, dtype=dtype, gen=gen).requires_grad_()
+    k, v = (_randn(512, 2, 2, 64, dtype=dtype, gen=gen).requires_grad_() for _ in range(2))
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = ours(q, k, v, None, attn_mask_type=mask)
+    ref = theirs(q2, k2, v2)
+    assert out.shape == ref.shape == (512, 2, 8 * 64)
+    _close(out, ref, dtype, "out")
+    dout = _randn(*out.shape, dtype=dtype, gen=gen)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_grads = torch.autograd.grad(ref, (q2, k2, v2), dout)
+    for name, got, want in zip("qkv", grads, ref_grads):
+        _close(got, want, dtype, f"d{name}")
