@@ -26,8 +26,10 @@ buffers are CUDA tensors).
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.distributed as dist
 
-from cpkit.testing import grid_params, grid_result
+from cpkit.testing import device, dist_params, grid_params, grid_result, launch
 from cpkit.testing.scenarios.eval_cp import cases, eval_cp_scenario
 
 
@@ -35,3 +37,22 @@ from cpkit.testing.scenarios.eval_cp import cases, eval_cp_scenario
 def test_eval_cp_matches_training_layout_and_restores(backend, world_size, case_id):
     """One eval-CP case: equal eval loss at both layouts, each sample once, exact restore."""
     grid_result(eval_cp_scenario, cases, backend, world_size, case_id).check()
+
+
+def _reduced_eval_loss():
+    """Rank r holds a loss sum of r + 1 over 2 (r + 1) tokens; the reduction sums both over the
+    eval dp x cp group and gives every rank the global mean."""
+    from cpkit.compat import new_pg_collection
+    from cpkit.eval_loop import reduce_eval_loss
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pgc = new_pg_collection(dp_cp=dist.new_group(list(range(world))))
+    return reduce_eval_loss(torch.tensor(float(rank + 1), device=device()),
+                            torch.tensor(2.0 * (rank + 1), device=device()), pgc)
+
+
+@pytest.mark.parametrize("backend,world_size", dist_params((2,)))
+def test_reduce_eval_loss_sums_over_the_dp_cp_group(backend, world_size):
+    total = sum(range(1, world_size + 1))
+    expected = (total / (2.0 * total), 2.0 * total)
+    assert launch(_reduced_eval_loss, world_size, backend=backend, timeout=300) == [expected] * world_size

@@ -345,3 +345,15 @@ def test_ring_forward_rejects_k_and_v_of_different_shapes():
     q, k = torch.randn(8, 1, 4, 16), torch.randn(8, 1, 2, 16)
     with pytest.raises(ValueError, match=r"k.shape \(8, 1, 2, 16\) and v.shape \(8, 1, 2, 8\) must be equal"):
         ring_forward(q, k, torch.randn(8, 1, 2, 8), TwoRanks(), True, 0.25, local_seq(8, 2))
+
+
+def test_merge_rejects_lists_of_different_lengths():
+    from cpkit.attention.merge import merge
+
+    out, lse = torch.zeros(4, 1, 2, 8), torch.zeros(1, 2, 4)
+    with pytest.raises(ValueError, match="2 outputs, 1 LSEs"):
+        merge([out, out], [lse])
+    with pytest.raises(ValueError, match="1 outputs, 2 LSEs"):
+        merge([out], [lse, lse])
+    with pytest.raises(ValueError, match="0 outputs"):
+        merge([], [])

@@ -301,3 +301,16 @@ def test_step_rejects_a_dp_cp_group_that_is_not_the_registry(pgc, model):
     plan = _plan([[((0, 1), (0,))]], [4], dp_cp_size=2)
     with pytest.raises(CPConfigError, match="registry's ranks"):
         dynamic_cp_step(model, plan, registry, lambda i: _sample(4, i), pg_collection=pgc)
+
+
+def test_step_reraises_the_get_sample_error_of_this_rank(pgc, model):
+    """A failing get_sample surfaces as its own error (after the failure count is shared), not
+    as a NameError from the failure path."""
+    registry = build_group_registry([[0]], 0)
+    plan = _plan([[((0,), (0,))]], [4], dp_cp_size=1)
+
+    def broken(i):
+        raise KeyError(f"sample {i} is missing")
+
+    with pytest.raises(KeyError, match="sample 0 is missing"):
+        dynamic_cp_step(model, plan, registry, broken, pg_collection=pgc)

@@ -480,3 +480,23 @@ def test_compute_only_balancer_keeps_invariants_and_uses_every_rank(lens, n):
     assert stats.max_tokens_per_rank <= 4096
     assert stats.actual_critical_path >= stats.ideal_critical_path * (1 - 1e-9)
     assert sum(plan.workloads) == pytest.approx(sum(default_workload(L) for L in lens))
+
+
+def test_workloads_below_one_are_valid_and_negative_ones_are_not():
+    lens = [300, 200, 100, 50]
+    plan = schedule(lens, dp_cp_size=2, max_seq_len_per_rank=512, workload=lambda n: n / 1000.0)
+    assert sorted(s for mb in plan.microbatches for s in mb.samples) == [0, 1, 2, 3]
+    plan = schedule(lens, dp_cp_size=2, max_seq_len_per_rank=512, workload=lambda n: 0.0)
+    assert sorted(s for mb in plan.microbatches for s in mb.samples) == [0, 1, 2, 3]
+    with pytest.raises(CPConfigError) as err:
+        schedule(lens, dp_cp_size=2, max_seq_len_per_rank=512, workload=lambda n: -1.0)
+    assert err.value.violations[0].field == "workload"
+
+
+def test_too_long_samples_are_listed_up_to_the_cap_then_counted():
+    lens = [5000] * 8
+    with pytest.raises(CPConfigError) as err:
+        schedule(lens, dp_cp_size=2, max_seq_len_per_rank=100)
+    fields = [v.field for v in err.value.violations]
+    assert fields == [f"seq_lens[{i}]" for i in range(5)] + ["seq_lens"]
+    assert err.value.violations[-1].value == "3 more"

@@ -249,3 +249,26 @@ def test_from_transformer_config():
     assert plain.cp_comm_type == "p2p"  # MCore's None means p2p
     assert plain.num_query_groups == 8 and plain.dp == 2 and plain.eval_context_parallel_size == 2
     plain.validate()
+
+
+def test_hierarchical_hint_lists_every_factor_pair_of_cp():
+    (v,) = violations(world_size=4, cp=4, cp_comm_type="a2a+p2p")
+    assert "e.g. one of [[1, 4], [2, 2], [4, 1]]" in v.fix
+    (v,) = violations(world_size=6, cp=6, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 2])
+    assert "[[1, 6], [2, 3], [3, 2], [6, 1]]" in v.fix
+
+
+def test_a2a_head_violation_names_the_level_it_scatters_over():
+    (v,) = violations(world_size=4, cp=4, cp_comm_type="a2a", num_attention_heads=6)
+    assert (v.field, v.value) == ("num_attention_heads", 6)
+    assert v.constraint.endswith("divisible by the a2a size 4 (cp)")
+    (v,) = violations(world_size=8, cp=8, cp_comm_type="a2a+p2p", num_attention_heads=2,
+                      hierarchical_context_parallel_sizes=[4, 2])
+    assert (v.field, v.value) == ("num_attention_heads", 2)
+    assert v.constraint.endswith("divisible by the a2a size 4 (a2a level)")
+
+
+def test_eval_a2a_head_violation_is_reported_under_the_eval_size():
+    found = violations(world_size=4, cp=2, cp_comm_type="a2a", num_attention_heads=2, eval_context_parallel_size=4)
+    assert [(v.field, v.value) for v in found] == [("eval_context_parallel_size", 4)]
+    assert found[0].constraint.startswith("at eval_context_parallel_size=4: all-to-all scatters heads")

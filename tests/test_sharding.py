@@ -154,3 +154,22 @@ def test_bad_cp_rank_or_size_raise_config_error():
         shard_seq(torch.zeros(8), 2, 2, seq_dim=0)
     with pytest.raises(CPConfigError, match="cp_size"):
         zigzag_indices(8, 0, 0)
+
+
+def test_zero_length_thd_sequences_are_valid_and_hold_no_tokens():
+    cu = torch.tensor([0, 8, 8, 16], dtype=torch.int32)  # the middle sequence is empty
+    assert check_cu_seqlens(cu, 2) == [0, 8, 8, 16]
+    idx = [thd_partition(cu, r, 2).tolist() for r in range(2)]
+    assert idx == [[0, 1, 6, 7, 8, 9, 14, 15], [2, 3, 4, 5, 10, 11, 12, 13]]
+    x = torch.arange(16.0)
+    assert torch.equal(gather_thd([shard_thd(x, cu, r, 2) for r in range(2)], cu), x)
+
+
+@pytest.mark.parametrize("cp_rank", [-1, 2, 5])
+def test_thd_partition_rejects_a_cp_rank_outside_the_group(cp_rank):
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(CPConfigError) as err:
+        thd_partition(cu, cp_rank, 2)
+    v = err.value.violations[0]
+    assert (v.field, v.value) == ("cp_rank", cp_rank)
+    assert "must be an int in [0, cp_size=2)" in v.constraint
