@@ -50,18 +50,22 @@ def run_pytest(
     *,
     output: Literal["inherit", "stderr", "capture"] = "inherit",
     timeout: float | None = None,
+    pythonpath: str | Path | None = None,
 ) -> PytestRun:
     """Run `python -m pytest <BASE_FLAGS> --rootdir root *args` at `root`.
 
     output: "inherit" prints pytest's output on this process's stdout, "stderr" sends it to
-    stderr (keeps stdout clean for --json), "capture" returns it in `.output`. A run that cannot
-    start or times out has the reason as its exit code (a string).
+    stderr (keeps stdout clean for --json), "capture" returns it in `.output`. `pythonpath` goes
+    first on PYTHONPATH (the mutation driver's mutated copy of src/). A run that cannot start or
+    times out has the reason as its exit code (a string).
     """
     root = Path(root).resolve()
     cmd = [sys.executable, "-m", "pytest", *BASE_FLAGS, "--rootdir", str(root), *args]
     with tempfile.TemporaryDirectory(prefix="cpkit-pytest-") as tmp:
         report = os.path.join(tmp, "report.jsonl")
         env = dict(os.environ, CPKIT_TEST_REPORT=report)
+        if pythonpath is not None:
+            env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), os.environ.get("PYTHONPATH", "")])
         run = PytestRun(exit_code=0, command=["python", "-m", "pytest", *BASE_FLAGS, *args])
         try:
             stdout = _stderr_fd() if output == "stderr" else None
@@ -74,7 +78,9 @@ def run_pytest(
             else:
                 proc = subprocess.run(cmd, cwd=root, env=env, timeout=timeout, stdout=stdout)
             run.exit_code = proc.returncode
-        except (OSError, subprocess.TimeoutExpired) as exc:
+        except subprocess.TimeoutExpired:
+            run.exit_code = f"timed out after {timeout:g} s"
+        except OSError as exc:
             run.exit_code = f"could not run ({exc})"
         run.records = _read_records(report, run.exit_code)
         if os.path.exists(report + ".levels"):

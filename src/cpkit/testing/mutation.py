@@ -6,7 +6,7 @@ Each mutant is one change to the module's syntax tree: a flipped comparison (`<`
 integer constant off by one, `and` <-> `or`, a dropped `not`, `+` <-> `-`, `*` <-> `//`, a return
 value replaced by None, or a statement (an assignment or a call) replaced by `pass`. The mutated
 module is written into a copy of `src/` and the given tests run in a fresh `python -m pytest -x`
-process with that copy first on PYTHONPATH; a mutant is killed when the tests fail (or time out),
+process (cpkit.pytest_runner) with that copy first on PYTHONPATH; a mutant is killed when the tests fail (or time out),
 and survives when they pass. A fresh process per mutant is slower than forking (mostly imports),
 but forking workers with torch and gloo loaded hang.
 
@@ -21,15 +21,15 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import os
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from cpkit.pytest_runner import run_pytest
 
 __all__ = ["Mutant", "find_mutants", "apply_mutant", "run", "main"]
 
@@ -149,19 +149,16 @@ def apply_mutant(source: str, mutant: Mutant) -> str:
 
 
 def _pytest(src_copy: Path, root: Path, tests: list[str], timeout: float) -> tuple[str, float]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src_copy), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *tests]
     start = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return "killed (timeout)", time.perf_counter() - start
+    result = run_pytest(root, ["-x", "-p", "no:randomly", *tests], output="capture", timeout=timeout,
+                        pythonpath=src_copy)
     seconds = time.perf_counter() - start
-    if proc.returncode == 0:
+    code = result.exit_code
+    if code == 0:
         return "survived", seconds
-    if proc.returncode in (1, 2, 3):
-        return "killed", seconds
-    return f"killed (exit {proc.returncode})", seconds
+    if isinstance(code, str):
+        return f"killed ({code})", seconds
+    return ("killed" if code in (1, 2, 3) else f"killed (exit {code})"), seconds
 
 
 def run(module: str, tests: list[str], *, root: Path, sample: int | None = None, seed: int = 0,
