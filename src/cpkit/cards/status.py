@@ -36,8 +36,8 @@ def status_report(
 ) -> dict:
     """Follow-up status of every card (or one `feature`), as a JSON-able report.
 
-    With `run=True`, the covering tests that fit this machine (unit and dist always; gpu2/gpu4 when
-    at least 2/4 CUDA devices are visible) run in ONE pytest subprocess with --junitxml; each row's
+    With `run=True`, the covering tests that fit this machine (unit and dist always; gpu1/gpu2/gpu4
+    when at least 1/2/4 CUDA devices are visible) run in ONE pytest subprocess; each row's
     `result` is then passed, failed, error, skipped, "not collected", "no tests" or "needs gpuN".
     Raises KeyError for an unknown feature and CardError when a card does not load.
     """
