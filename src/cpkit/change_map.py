@@ -54,8 +54,10 @@ CHANGE_MAP: tuple[Row, ...] = (
     Row(("src/cpkit/attention/",), ("tests/test_attention_module.py", "tests/test_attention_unit.py"),
         ("functional/test_attention_module.py", "functional/test_attention.py", "functional/test_hierarchical.py",
          "functional/test_gpt.py", "functional/test_te_backend.py", "functional/test_device.py"),
-        "unit, dist, gpu1, gpu2, gpu4; a2a and a2a+p2p: the `a2a` cases of functional/test_attention.py and "
-        "functional/test_hierarchical.py"),
+        "unit, dist, gpu1, gpu2, gpu4; for a2a and a2a+p2p also "
+        "`functional/test_attention.py::test_a2a_head_chunks_match_full_attention`, "
+        "`functional/test_hierarchical.py::test_hierarchical_gpt_trains_like_cp1` and "
+        "`functional/test_te_backend.py::test_te_hierarchical_cp`"),
     Row(("src/cpkit/eval_cp.py", "src/cpkit/eval_plan.py", "src/cpkit/commands/plan.py"),
         ("tests/test_eval_cp.py", "tests/test_eval_plan.py"), ("functional/test_eval_cp.py",),
         "unit, dist, gpu2, gpu4"),
