@@ -173,3 +173,11 @@ def test_thd_partition_rejects_a_cp_rank_outside_the_group(cp_rank):
     v = err.value.violations[0]
     assert (v.field, v.value) == ("cp_rank", cp_rank)
     assert "must be an int in [0, cp_size=2)" in v.constraint
+
+
+def test_decreasing_offsets_are_named_as_such():
+    with pytest.raises(CPConfigError) as err:
+        check_cu_seqlens(torch.tensor([0, 8, 4]), 2)
+    v = err.value.violations[0]
+    assert (v.field, v.value) == ("cu_seqlens (sequence 1)", -4)
+    assert v.constraint == "offsets must not decrease (8 -> 4)" and "cumulative" in v.fix

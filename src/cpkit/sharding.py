@@ -160,8 +160,13 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, cp_size: int) -> list[int]:
     mult = 2 * cp_size if cp_size > 1 else 1
     for i in range(len(cu) - 1):
         length = cu[i + 1] - cu[i]
-        if length < 0 or length % mult:
-            pad = -length % mult if length >= 0 else 0
+        if length < 0:
+            raise CPConfigError.single(
+                f"cu_seqlens (sequence {i})", length, f"offsets must not decrease ({cu[i]} -> {cu[i + 1]})",
+                "pass cumulative sequence lengths [0, l0, l0 + l1, ...]",
+            )
+        if length % mult:
+            pad = -length % mult
             raise CPConfigError.single(
                 f"cu_seqlens (sequence {i})",
                 length,
