@@ -25,15 +25,15 @@ SOURCE = textwrap.dedent('''
 
 def test_sites_in_a_fixed_order_and_the_export_list_left_alone():
     assert [m.key for m in find_mutants(SOURCE)] == [
-        "8: < -> >=", "8: drop not", "8: and -> or", "9: delete expr", "10: + -> -", "10: return None",
-        "14: 1 -> 2", "14: return None",
+        "8:11: < -> >=", "8:7: drop not", "8:7: and -> or", "9:8: delete expr", "10:11: + -> -",
+        "10:4: return None", "14:11: 1 -> 2", "14:4: return None",
     ]
 
 
 def test_apply_mutant_changes_exactly_one_site():
-    mutated = apply_mutant(SOURCE, Mutant(4, 10, "+ -> -"))
+    mutated = apply_mutant(SOURCE, Mutant(4, 10, 11, "+ -> -"))
     assert "return a - b" in mutated and "not a < b and b" in mutated and "return 1" in mutated
-    assert "return a" not in apply_mutant(SOURCE, Mutant(5, 10, "return None")).replace("return a +", "")
+    assert "return a" not in apply_mutant(SOURCE, Mutant(5, 10, 4, "return None")).replace("return a +", "")
 
 
 def test_run_tells_killed_from_survived_and_skips_equivalent_ones(tmp_path):
@@ -43,9 +43,9 @@ def test_run_tells_killed_from_survived_and_skips_equivalent_ones(tmp_path):
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_mod.py").write_text("from pkg.mod import add\n\n\ndef test_add():\n"
                                                     "    assert add(3, 2) == 5\n")
-    keys = {"10: + -> -", "14: return None", "14: 1 -> 2"}
-    report = run("src/pkg/mod.py", ["tests/test_mod.py"], root=tmp_path, only=keys, equivalent={"14: 1 -> 2"},
+    keys = {"10:11: + -> -", "14:4: return None", "14:11: 1 -> 2"}
+    report = run("src/pkg/mod.py", ["tests/test_mod.py"], root=tmp_path, only=keys, equivalent={"14:11: 1 -> 2"},
                  out=io.StringIO())
-    outcome = {f"{r['line']}: {r['change']}": r["outcome"] for r in report["results"]}
-    assert outcome == {"10: + -> -": "killed", "14: return None": "survived", "14: 1 -> 2": "equivalent"}
+    outcome = {f"{r['line']}:{r['col']}: {r['change']}": r["outcome"] for r in report["results"]}
+    assert outcome == {"10:11: + -> -": "killed", "14:4: return None": "survived", "14:11: 1 -> 2": "equivalent"}
     assert (report["mutants"], report["killed"], report["equivalent"], report["score"]) == (3, 1, 1, 0.5)

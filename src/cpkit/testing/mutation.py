@@ -11,8 +11,8 @@ and survives when they pass. A fresh process per mutant is slower than forking (
 but forking workers with torch and gloo loaded hang.
 
 Prints, per mutant, the outcome, line and change, and the score: killed / (mutants - equivalent).
-`--equivalent FILE` names mutants known not to change behaviour (one `line: change` per line, as
-printed), which are left out of the score. `--json PATH` writes the report. CPU time adds up fast
+`--equivalent FILE` names mutants known not to change behaviour (one `line:col: change` per line,
+as printed), which are left out of the score. `--json PATH` writes the report. CPU time adds up fast
 (5-10 s per mutant on 2 cores): sample with `--sample N` (a fixed `--seed` gives the same sample).
 """
 
@@ -43,16 +43,18 @@ _SYMBOL = {ast.Lt: "<", ast.GtE: ">=", ast.Gt: ">", ast.LtE: "<=", ast.Eq: "==",
 
 @dataclass(frozen=True)
 class Mutant:
-    """One fault: the `index`-th mutation site of its kind order, at `line`, described by `change`."""
+    """One fault: the `index`-th mutation site in walk order, at `line` and `col`, described by
+    `change`."""
 
     index: int
     line: int
+    col: int
     change: str
 
     @property
     def key(self) -> str:
-        """`line: change`, the form --equivalent files use."""
-        return f"{self.line}: {self.change}"
+        """`line:col: change`, the form --only and --equivalent take."""
+        return f"{self.line}:{self.col}: {self.change}"
 
 
 class _Sites(ast.NodeTransformer):
@@ -67,7 +69,7 @@ class _Sites(ast.NodeTransformer):
     def _site(self, node: ast.AST, change: str) -> bool:
         index = self.count
         self.count += 1
-        self.found.append(Mutant(index, getattr(node, "lineno", 0), change))
+        self.found.append(Mutant(index, getattr(node, "lineno", 0), getattr(node, "col_offset", 0), change))
         return index == self.target
 
     def _docstring(self, node: ast.AST) -> bool:
@@ -193,7 +195,7 @@ def run(module: str, tests: list[str], *, root: Path, sample: int | None = None,
                 outcome = "equivalent"
             results.append({**asdict(mutant), "outcome": outcome, "seconds": round(took, 1),
                             "code": source.splitlines()[mutant.line - 1].strip() if mutant.line else ""})
-            print(f"  {outcome:<18} {mutant.key:<32} {results[-1]['code'][:60]}", file=out, flush=True)
+            print(f"  {outcome:<18} {mutant.key:<34} {results[-1]['code'][:60]}", file=out, flush=True)
     killed = sum(r["outcome"].startswith("killed") for r in results)
     counted = sum(r["outcome"] != "equivalent" for r in results)
     report = {"module": module, "tests": tests, "sites": len(find_mutants(source)), "mutants": len(results),
@@ -213,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample", type=int, default=None, help="mutate only N sites, chosen at random")
     parser.add_argument("--seed", type=int, default=0, help="the sample's random seed (default 0)")
     parser.add_argument("--only", action="append", metavar="KEY",
-                        help="run only the mutant `line: change` (repeatable), e.g. to re-check survivors")
-    parser.add_argument("--equivalent", type=Path, help="file of `line: change` mutants known to be equivalent")
+                        help="run only the mutant `line:col: change` (repeatable), e.g. to re-check survivors")
+    parser.add_argument("--equivalent", type=Path, help="file of `line:col: change` mutants known to be equivalent")
     parser.add_argument("--json", type=Path, help="write the report as JSON to this path")
     parser.add_argument("--list", action="store_true", help="only list the mutation sites")
     args = parser.parse_args(argv)
