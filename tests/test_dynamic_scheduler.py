@@ -500,3 +500,10 @@ def test_too_long_samples_are_listed_up_to_the_cap_then_counted():
     fields = [v.field for v in err.value.violations]
     assert fields == [f"seq_lens[{i}]" for i in range(5)] + ["seq_lens"]
     assert err.value.violations[-1].value == "3 more"
+
+
+@pytest.mark.parametrize("bad", [0, -4, 2.0])
+def test_aligned_roots_rejects_a_dp_cp_size_that_is_not_a_positive_int(bad):
+    with pytest.raises(CPConfigError) as err:
+        aligned_roots(bad)
+    assert err.value.violations[0].field == "dp_cp_size"
