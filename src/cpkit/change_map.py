@@ -3,9 +3,11 @@ files that `cpkit validate --changed` runs, and the table the validating skill s
 from this map, checked by `cpkit skills check`).
 
 A row's `changed` entries are repository paths: a file, a folder ending in `/` (everything under
-it) or a glob. A path that no row names selects nothing when it is documentation or evidence,
-selects its own file when it is a test, and selects every test when it is code or configuration
-(an unmapped module could be imported by anything): add a row for a new module.
+it) or a glob; where several rows name a path, the most specific wins. A path that no row names
+selects only the text check when it is documentation or evidence, its own file when it is a
+test, and every test when it is code or configuration (an unmapped module could be imported by
+anything): add a row for a new module. Any change also selects the text check (ALWAYS), any
+module change the import-graph check (ANY_MODULE).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from pathlib import PurePosixPath
 __all__ = [
     "Row",
     "CHANGE_MAP",
+    "ALWAYS",
+    "ANY_MODULE",
     "EVERYTHING",
     "DOC_PATHS",
     "Selection",
@@ -42,10 +46,9 @@ class Row:
 
 
 CHANGE_MAP: tuple[Row, ...] = (
-    Row(("src/cpkit/layout.py", "src/cpkit/rank_layout.py"),
-        ("tests/test_layout.py", "tests/test_layout_cli.py", "tests/test_groups.py"),
+    Row(("src/cpkit/layout.py",), ("tests/test_layout.py", "tests/test_layout_cli.py", "tests/test_groups.py"),
         ("functional/test_groups.py",), "unit, dist"),
-    Row(("src/cpkit/groups.py", "src/cpkit/process_groups.py"), ("tests/test_groups.py",),
+    Row(("src/cpkit/groups.py", "src/cpkit/group_info.py", "src/cpkit/testing/groups.py"), ("tests/test_groups.py",),
         ("functional/test_groups.py", "functional/test_hierarchical.py", "functional/test_eval_cp.py"),
         "unit, dist, gpu4"),
     Row(("src/cpkit/sharding.py",), ("tests/test_sharding.py", "tests/test_attention_unit.py"),
@@ -58,30 +61,37 @@ CHANGE_MAP: tuple[Row, ...] = (
         "`functional/test_attention.py::test_a2a_head_chunks_match_full_attention`, "
         "`functional/test_hierarchical.py::test_hierarchical_gpt_trains_like_cp1` and "
         "`functional/test_te_backend.py::test_te_hierarchical_cp`"),
-    Row(("src/cpkit/eval_cp.py", "src/cpkit/eval_plan.py", "src/cpkit/commands/plan.py"),
-        ("tests/test_eval_cp.py", "tests/test_eval_plan.py"), ("functional/test_eval_cp.py",),
-        "unit, dist, gpu2, gpu4"),
+    Row(("src/cpkit/eval_cp.py", "src/cpkit/rebind.py", "src/cpkit/eval_loop.py", "src/cpkit/eval_plan.py",
+         "src/cpkit/testing/eval_cp_impls.py", "src/cpkit/commands/plan.py"),
+        ("tests/test_eval_cp.py", "tests/test_eval_cp_protocol.py", "tests/test_eval_plan.py"),
+        ("functional/test_eval_cp.py",), "unit, dist, gpu2, gpu4"),
     Row(("src/cpkit/dynamic/", "src/cpkit/commands/schedule.py"),
-        ("tests/test_dynamic_scheduler.py", "tests/test_dynamic_registry.py", "tests/test_schedule_cli.py",
-         "tests/test_dynamic_runtime.py"),
+        ("tests/test_dynamic_scheduler.py", "tests/test_dynamic_cost.py", "tests/test_dynamic_mcore.py",
+         "tests/test_dynamic_registry.py", "tests/test_schedule_cli.py", "tests/test_dynamic_runtime.py"),
         ("functional/test_dynamic_cp.py", "functional/test_dynamic_failures.py"), "unit, dist, gpu4"),
-    Row(("src/cpkit/models.py",), ("tests/test_models.py", "tests/test_eval_cp.py", "tests/test_dynamic_runtime.py"),
+    Row(("src/cpkit/testing/models.py", "src/cpkit/loss.py"),
+        ("tests/test_models.py", "tests/test_eval_cp.py", "tests/test_dynamic_runtime.py"),
         ("functional/test_gpt.py", "functional/test_hierarchical.py", "functional/test_eval_cp.py",
-         "functional/test_dynamic_cp.py"), "unit, dist, gpu2, gpu4"),
-    Row(("src/cpkit/bench/",), ("tests/test_attention_module.py", "tests/test_eval_plan.py"),
+         "functional/test_dynamic_cp.py", "functional/test_te_backend.py"), "unit, dist, gpu2, gpu4"),
+    Row(("src/cpkit/bench/",), ("tests/test_attention_module.py", "tests/test_eval_plan.py", "tests/test_dynamic_cost.py"),
         ("functional/test_bench.py",), "unit, dist"),
     Row(("src/cpkit/commands/layout.py",), ("tests/test_layout_cli.py",), (), "unit"),
     Row(("src/cpkit/cards/", "src/cpkit/skills/", "src/cpkit/anchors.py", "src/cpkit/strict_yaml.py",
          "src/cpkit/repo.py", "src/cpkit/pytest_runner.py", "src/cpkit/change_map.py", "src/cpkit/cli.py",
          "src/cpkit/commands/__init__.py", "src/cpkit/commands/cards.py", "src/cpkit/commands/skills.py",
-         "src/cpkit/commands/validate.py", "src/cpkit/devices.py",
+         "src/cpkit/commands/validate.py", "src/cpkit/devices.py", "src/cpkit/testing/mutation.py",
          "cards/", "skills/"),
         ("tests/test_cards.py", "tests/test_skills.py", "tests/test_repo_cards_skills.py", "tests/test_validate.py",
-         "tests/test_change_map.py", "tests/test_cli_output.py", "tests/test_repo_text.py"), (), "unit"),
+         "tests/test_change_map.py", "tests/test_cli_output.py", "tests/test_mutation.py"), (), "unit"),
     Row(("src/cpkit/testing/", "src/cpkit/compat.py", "src/cpkit/errors.py", "src/cpkit/__init__.py",
          "tests/conftest.py", "functional/__init__.py", "pyproject.toml", ".ci/"),
         EVERYTHING[:1], EVERYTHING[1:], "everything: the harness, MCore compatibility and errors reach every test"),
 )
+
+#: Selected with any change: the checks that read every tracked text file or every module.
+ALWAYS = ("tests/test_repo_text.py",)
+#: Selected with any change under src/cpkit/: library modules import nothing from the test models.
+ANY_MODULE = ("tests/test_import_graph.py",)
 
 #: Changes to these select no test (documentation, evidence, scripts run on GPU machines).
 DOC_PATHS = ("*.md", "evidence/*", "scripts/*", ".gitignore", "LICENSE*", "docs/*")
@@ -108,33 +118,49 @@ class Selection:
         return {"files": self.files, "reasons": self.reasons, "everything": self.everything}
 
 
+def _specificity(pattern: str) -> int:
+    """Longer patterns name less: a file beats its folder, a folder its parent."""
+    return len(pattern.rstrip("*"))
+
+
 def select_tests(changed: list[str]) -> Selection:
-    """Test files covering the `changed` repository paths, per the rules in the module docstring."""
+    """Test files covering the `changed` repository paths, per the rules in the module docstring.
+    Where several rows name a path, the most specific pattern wins (`src/cpkit/testing/models.py`
+    over `src/cpkit/testing/`)."""
     files: dict[str, None] = {}
     reasons: dict[str, str] = {}
     everything = False
     for path in changed:
-        rows = [row for row in CHANGE_MAP if any(matches(p, path) for p in row.changed)]
+        scored = [(max(_specificity(p) for p in row.changed if matches(p, path)), row)
+                  for row in CHANGE_MAP if any(matches(p, path) for p in row.changed)]
+        best = max((score for score, _ in scored), default=None)
+        rows = [row for score, row in scored if score == best]
         is_test = path.startswith(("tests/", "functional/")) and PurePosixPath(path).name.startswith("test_")
         if rows:
             picked = [f for row in rows for f in (*row.unit, *row.functional)]
-            everything |= any(f in EVERYTHING for f in picked)
-            reasons[path] = "everything" if any(f in EVERYTHING for f in picked) else ", ".join(dict.fromkeys(picked)) or "checks only"
-            files.update(dict.fromkeys(picked))
+            if any(f in EVERYTHING for f in picked):
+                everything = True
+                reasons[path] = "everything"
+            else:
+                reasons[path] = ", ".join(dict.fromkeys(picked))
+                files.update(dict.fromkeys(picked))
         elif is_test:
             files[path] = None
             reasons[path] = "its own file"
-        elif any(fnmatch.fnmatch(path, p) for p in DOC_PATHS) or path.startswith(("tests/fixtures/",)):
-            if path.startswith("tests/fixtures/"):
-                reasons[path] = "tests/test_cards.py, tests/test_skills.py"
-                files.update(dict.fromkeys(("tests/test_cards.py", "tests/test_skills.py")))
-            else:
-                reasons[path] = "no tests (documentation or evidence)"
+        elif path.startswith("tests/fixtures/"):
+            reasons[path] = "tests/test_cards.py, tests/test_skills.py"
+            files.update(dict.fromkeys(("tests/test_cards.py", "tests/test_skills.py")))
+        elif any(fnmatch.fnmatch(path, p) for p in DOC_PATHS):
+            reasons[path] = "the text check only (documentation or evidence)"
         else:
             everything = True
             reasons[path] = "everything (no row of src/cpkit/change_map.py::CHANGE_MAP names it)"
+        if path.startswith("src/cpkit/"):
+            files.update(dict.fromkeys(ANY_MODULE))
     if everything:
         return Selection(list(EVERYTHING), reasons, True)
+    if changed:
+        files.update(dict.fromkeys(ALWAYS))
     return Selection(sorted(files), reasons, False)
 
 

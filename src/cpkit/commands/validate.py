@@ -192,6 +192,7 @@ def run(args) -> int:
         selection = select_tests(changed)
         report["changed"] = {"base": base, "paths": changed, **selection.to_dict()}
         paths = [p for p in selection.files if (root / p).exists()]
+        report["changed"]["run"] = paths
         print(f"changed since {base[:12]}: {len(changed)} paths; running {', '.join(paths) or 'no tests'}",
               file=out)
     rows: list[dict] = []
