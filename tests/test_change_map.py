@@ -8,7 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from cpkit.change_map import CHANGE_MAP, EVERYTHING, SKILL_TABLE_BEGIN, matches, select_tests, skill_table
+from cpkit.change_map import (
+    ALWAYS,
+    ANY_MODULE,
+    CHANGE_MAP,
+    EVERYTHING,
+    SKILL_TABLE_BEGIN,
+    matches,
+    select_tests,
+    skill_table,
+)
 from cpkit.cli import build_parser
 from cpkit.commands.validate import changed_paths
 from cpkit.skills import check_skills
@@ -30,10 +39,12 @@ CHECKS = ["tests/test_import_graph.py", "tests/test_repo_text.py"]  # with every
                                         "tests/test_dynamic_cost.py", "tests/test_dynamic_mcore.py",
                                         "tests/test_dynamic_registry.py", "tests/test_dynamic_runtime.py",
                                         "tests/test_dynamic_scheduler.py", "tests/test_schedule_cli.py"]),
-    ("src/cpkit/attention/a2a.py", ["functional/test_attention.py", "functional/test_attention_module.py",
-                                    "functional/test_device.py", "functional/test_gpt.py",
+    ("src/cpkit/attention/a2a.py", ["functional/test_attention.py", "functional/test_attention_features.py",
+                                    "functional/test_attention_module.py", "functional/test_device.py",
+                                    "functional/test_gpt.py", "functional/test_gpt_features.py",
                                     "functional/test_hierarchical.py", "functional/test_te_backend.py",
-                                    "tests/test_attention_module.py", "tests/test_attention_unit.py"]),
+                                    "tests/test_attention_features.py", "tests/test_attention_module.py",
+                                    "tests/test_attention_unit.py"]),
     ("src/cpkit/cards/status.py", ["tests/test_cards.py", "tests/test_change_map.py", "tests/test_cli_output.py",
                                    "tests/test_mutation.py", "tests/test_repo_cards_skills.py",
                                    "tests/test_skills.py", "tests/test_validate.py"]),
@@ -72,6 +83,14 @@ def test_every_module_is_named_by_a_row():
     modules = [p.relative_to(ROOT).as_posix() for p in (ROOT / "src" / "cpkit").rglob("*.py")]
     unnamed = [m for m in modules if not any(matches(p, m) for row in CHANGE_MAP for p in row.changed)]
     assert unnamed == [], f"add these to src/cpkit/change_map.py::CHANGE_MAP: {unnamed}"
+
+
+def test_every_test_file_is_selected_by_some_change():
+    # A test file no row names runs only when it changes itself (or with everything).
+    named = {f for row in CHANGE_MAP for f in (*row.unit, *row.functional)} | set(ALWAYS) | set(ANY_MODULE)
+    files = [p.relative_to(ROOT).as_posix() for folder in ("tests", "functional") for p in (ROOT / folder).glob("test_*.py")]
+    harness = {"functional/test_launcher.py", "tests/test_pytest_plugin.py"}  # selected with the harness: everything
+    assert sorted(f for f in files if f not in named and f not in harness) == []
 
 
 def test_every_path_the_map_names_exists():
