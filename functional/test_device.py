@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpkit.attention.kernels import KERNEL_ENV, attn_fwd
+from cpkit.attention.kernels import attn_fwd
 from cpkit.attention.merge import merge, merge_
 from cpkit.sharding import gather_seq, gather_thd, pad_cu_seqlens, position_ids, shard_seq, shard_thd
 
@@ -42,7 +42,7 @@ def _randn(*shape, dtype, gen):
 
 @pytest.mark.parametrize("layout", ["sbhd", "thd"])
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
-def test_merge_of_key_blocks_matches_full_attention(dtype_name, layout, monkeypatch):
+def test_merge_of_key_blocks_matches_full_attention(dtype_name, layout):
     """Attention over three key blocks, merged by their LSEs (merge and the in-place merge_ the
     ring uses, with a running output in the input dtype), equals attention over all keys."""
     dtype = DTYPES[dtype_name]
@@ -55,19 +55,17 @@ def test_merge_of_key_blocks_matches_full_attention(dtype_name, layout, monkeypa
         q = _randn(tokens, 8, 64, dtype=dtype, gen=gen)
         k, v = (_randn(tokens, 2, 64, dtype=dtype, gen=gen) for _ in range(2))
 
-    def attend(kb, vb, inputs_dtype):
+    def attend(kb, vb, inputs_dtype, kernel=None):
         args = [x.to(inputs_dtype) for x in (q, kb, vb)]
         if layout == "sbhd":
-            return attn_fwd(*args, False, SCALE)
+            return attn_fwd(*args, False, SCALE, kernel=kernel)
         cu_q = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
         cu_k = torch.tensor([0, kb.shape[0]], dtype=torch.int32, device="cuda")
         return attn_fwd(*args, False, SCALE, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                        max_seqlen_q=tokens, max_seqlen_k=kb.shape[0])
+                        max_seqlen_q=tokens, max_seqlen_k=kb.shape[0], kernel=kernel)
 
     blocks = [attend(k[a:b], v[a:b], dtype) for a, b in zip(bounds[:-1], bounds[1:])]
-    monkeypatch.setenv(KERNEL_ENV, "math")
-    want_out, want_lse = attend(k, v, torch.float32)
-    monkeypatch.delenv(KERNEL_ENV)
+    want_out, want_lse = attend(k, v, torch.float32, kernel="math")
 
     out, lse = merge([o for o, _ in blocks], [l for _, l in blocks])
     assert out.dtype == lse.dtype == torch.float32 and out.device.type == "cuda"
