@@ -374,3 +374,17 @@ def test_evaluate_pipeline_transfers_skip_the_device_sync_and_leave_the_model_co
     assert quiet.batch_p2p_comm and quiet.pipeline_dtype == model.config.pipeline_dtype
     model.config.batch_p2p_sync = False
     assert eval_loop._no_p2p_sync(model.config) is model.config  # nothing to turn off: no copy
+
+
+def test_a_replica_without_samples_runs_only_loss_masked_filler():
+    # More eval replicas than samples: a replica's shard is empty, yet it must take part in every
+    # micro-batch of the pipeline; its one row (copied from the data) is the filler's source.
+    from cpkit.eval_loop import _micro_batches
+
+    one_row = make_batch(CFG, batch_size=1, seed=6)
+    mbs = _micro_batches(one_row, range(0), 2, pad=True, at_least=3)
+    assert len(mbs) == 3
+    for mb in mbs:
+        assert mb["tokens"].shape[0] == 2 and torch.equal(mb["tokens"][0], one_row["tokens"][0])
+        assert float(mb["loss_mask"].sum()) == 0.0
+    assert _micro_batches(one_row, range(0), 2, pad=False, at_least=0) == []
