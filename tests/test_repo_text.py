@@ -52,10 +52,15 @@ def development_words(text: str) -> list[tuple[int, str, str]]:
     return hits
 
 
+# The planted phrases are joined from pieces (S, L, SH) so that this file itself stays clean
+# for the text checks that grep the tracked files.
+S, L, SH = "sess" + "ion", "le" + "ase", "../sha" + "red"
+
+
 @pytest.mark.parametrize("text, flagged", [
-    ("Measured in session 6 on one machine lease", ["session 6", "machine lease"]),
-    ("see evidence/2026-11-21-4xH200-session4/ and issue 9's target", ["session4", "issue 9"]),
-    ("run ../shared/gpu/te-install.sh as the brief says", ["../shared", "brief"]),
+    (f"Measured in {S} 6 on one machine {L}", [f"{S} 6", f"machine {L}"]),
+    (f"see evidence/2026-11-21-4xH200-{S}4/ and issue 9's target", [f"{S}4", "issue 9"]),
+    (f"run {SH}/gpu/te-install.sh as the brief says", [SH, "brief"]),
     ("@pytest.fixture(scope=\"session\")\ndef pytest_collection_finish(session):", []),
     ("2026-11-22, 4x H200, commit 1ec52e4: 57 of 57", []),
     ("accepted and rounded down (TE issue 1930); see issue 12", ["issue 12"]),

@@ -41,6 +41,7 @@ from cpkit.compat import get_pg, schedule_pg_collection
 from cpkit.dynamic.plan import CPGroupAssignment, Microbatch, Plan
 from cpkit.dynamic.registry import GroupRegistry
 from cpkit.dynamic.runtime import (
+    agree_on_tokens,
     DynamicStepResult,
     LocalMicrobatch,
     SampleFn,
@@ -250,16 +251,8 @@ def dynamic_cp_forward_backward(
                             registry, position, cp_comm_type, device) for m in range(num)]
     except Exception as exc:  # noqa: BLE001 - shared with the other ranks below, then re-raised
         failure, micro = exc, []
-    stats = torch.tensor([sum(mb.local.num_tokens for mb in micro), failure is not None],
-                         dtype=torch.float64, device=device)
-    if group_size(group) > 1:
-        dist.all_reduce(stats, group=group)
-    if failure is not None:
-        raise failure
-    if stats[1].item() > 0:
-        raise RuntimeError(f"dynamic_cp_forward_backward: {int(stats[1].item())} other rank(s) of the DPxCP "
-                           "group failed to prepare their micro-batches (get_sample or packing); see their errors")
-    total = stats[0].item()
+    total = agree_on_tokens(sum(mb.local.num_tokens for mb in micro), failure, group, device,
+                            "dynamic_cp_forward_backward")
     divisor = max(total, 1.0)
 
     def forward_step(data_iterator, chunk):

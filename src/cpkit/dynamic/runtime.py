@@ -57,6 +57,7 @@ __all__ = [
     "use_cp_group",
     "zero_loss",
     "dp_cp_position",
+    "agree_on_tokens",
     "LocalMicrobatch",
     "prepare_microbatch",
     "forward_backward_local",
@@ -66,6 +67,24 @@ __all__ = [
 
 SampleFn = Callable[[int], Mapping[str, torch.Tensor]]
 LossFn = Callable[..., torch.Tensor]
+
+
+def agree_on_tokens(local_tokens: int, failure: Optional[BaseException], group: Any, device: Any,
+                    caller: str) -> float:
+    """The token count of the whole step over the DPxCP `group` (each token is held by exactly
+    one rank of its CP group), and in the same all-reduce the number of ranks that failed to
+    prepare their data: every rank then raises together (`failure` itself where it is this
+    rank's, else RuntimeError naming `caller`) instead of the healthy ones waiting in a later
+    collective."""
+    stats = torch.tensor([local_tokens, failure is not None], dtype=torch.float64, device=device)
+    if group_size(group) > 1:
+        dist.all_reduce(stats, group=group)
+    if failure is not None:
+        raise failure
+    if stats[1].item() > 0:
+        raise RuntimeError(f"{caller}: {int(stats[1].item())} other rank(s) of the DPxCP group failed "
+                           "to prepare their micro-batches (get_sample or packing); see their errors")
+    return stats[0].item()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,19 +420,8 @@ def dynamic_cp_step(
     except Exception as exc:  # noqa: BLE001 - shared with the other ranks below, then re-raised
         failure, local = exc, []
 
-    # One count for the whole step (each token is held by exactly one rank of its group), and
-    # in the same all-reduce the number of ranks that failed to prepare their data: every rank
-    # then raises together instead of the healthy ones waiting in a collective.
-    stats = torch.tensor([sum(mb.num_tokens for mb in local if mb is not None), failure is not None],
-                         dtype=torch.float64, device=device)
-    if group_size(group) > 1:
-        dist.all_reduce(stats, group=group)
-    if failure is not None:
-        raise failure
-    if stats[1].item() > 0:
-        raise RuntimeError(f"dynamic_cp_step: {int(stats[1].item())} other rank(s) of the DPxCP group failed "
-                           "to prepare their micro-batches (get_sample or packing); see their errors")
-    total = stats[0].item()
+    total = agree_on_tokens(sum(mb.num_tokens for mb in local if mb is not None), failure, group,
+                            device, "dynamic_cp_step")
 
     shares = forward_backward_local(model, local, total_tokens=total, pg_collection=pg_collection,
                                     loss_fn=loss_fn, cp_comm_type=cp_comm_type)
