@@ -60,6 +60,23 @@ class GPTConfig:
         return replace(self, **changes)
 
 
+def _block_spec(layer_spec, attention: AttentionBackend, config, vp_stage, pp_rank: int):
+    """The decoder block of `layer_spec` with the layer's own norm class as its final norm.
+
+    Given a bare layer spec, MCore's TransformerBlock takes TENorm for the final norm whenever
+    Transformer Engine is importable, and TE's norm cannot run a CPU model (a CPU test on a GPU
+    host with TE failed with "CUDAGuardImpl initialized with non-CUDA DeviceType: cpu"). The TE
+    spec keeps MCore's choice: its layers fuse their norms, so TENorm is what it would pick.
+    """
+    if attention == "te":
+        return layer_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * layers,
+                                      layer_norm=layer_spec.submodules.input_layernorm)
+
+
 def _layer_spec(attention: AttentionBackend, num_layers: int, device: torch.device, mla: bool = False):
     if mla and attention != "cpkit":
         raise ValueError(f"attention={attention!r}: multi-latent attention is built with 'cpkit' only")
@@ -165,7 +182,7 @@ def build_gpt(
     chunk = {} if vp_stage is None else {"vp_stage": vp_stage}
     model = GPTModel(
         config,
-        _layer_spec(attention, cfg.num_layers, device, mla),
+        _block_spec(_layer_spec(attention, cfg.num_layers, device, mla), attention, config, vp_stage, pp_rank),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.seq_length,
         pre_process=pp_rank == 0 and (vp_stage or 0) == 0,
