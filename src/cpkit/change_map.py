@@ -76,7 +76,7 @@ CHANGE_MAP: tuple[Row, ...] = (
          "tests/test_dynamic_registry.py", "tests/test_schedule_cli.py", "tests/test_dynamic_runtime.py",
          "tests/test_dynamic_pipeline.py"),
         ("functional/test_dynamic_cp.py", "functional/test_dynamic_failures.py", "functional/test_dynamic_pipeline.py",
-         "functional/test_mcore_hybrid_cp.py"), "unit, dist, gpu4 (`functional/test_mcore_hybrid_cp.py` is gpu4 only)"),
+         "functional/test_dynamic_p2p_shapes.py", "functional/test_mcore_hybrid_cp.py"), "unit, dist, gpu2, gpu4 (`functional/test_mcore_hybrid_cp.py` is gpu4 only)"),
     Row(("src/cpkit/testing/models.py", "src/cpkit/loss.py"),
         ("tests/test_models.py", "tests/test_eval_cp.py", "tests/test_dynamic_runtime.py"),
         ("functional/test_gpt.py", "functional/test_hierarchical.py", "functional/test_eval_cp.py",
