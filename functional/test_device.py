@@ -118,14 +118,20 @@ def _config(dtype, **overrides):
 def test_module_at_cp1_matches_mcore_local_attention(world1, dtype_name, causal):
     """ContextParallelAttention at cp=1 on the GPU: MCore's DotProductAttention's output and
     gradients (sbhd, GQA)."""
+    from cpkit.testing.cpu_shim import mcore_on_cuda
+
+    with mcore_on_cuda():  # this process may have run CPU tests under the shim before
+        _module_at_cp1_matches_mcore_local_attention(dtype_name, causal)
+
+
+def _module_at_cp1_matches_mcore_local_attention(dtype_name, causal):
     import torch.distributed as dist
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
     from cpkit.attention.module import ContextParallelAttention
-    from cpkit.compat import ensure_global_memory_buffer, new_pg_collection
+    from cpkit.compat import new_pg_collection
 
-    ensure_global_memory_buffer()
     dtype = DTYPES[dtype_name]
     mask = AttnMaskType.causal if causal else AttnMaskType.no_mask
     config = _config(dtype)

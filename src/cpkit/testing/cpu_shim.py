@@ -38,7 +38,7 @@ from functools import reduce
 
 import torch
 
-__all__ = ["device_in_use", "install_mcore_cpu_shim", "mcore_cpu_shim", "shim_installed"]
+__all__ = ["device_in_use", "install_mcore_cpu_shim", "mcore_cpu_shim", "mcore_on_cuda", "shim_installed"]
 
 _saved: list[tuple[object, str, object]] = []
 
@@ -226,3 +226,27 @@ def mcore_cpu_shim(device: torch.device | str | None = None):
     finally:
         if installed_here:
             uninstall_mcore_cpu_shim()
+
+
+@contextlib.contextmanager
+def mcore_on_cuda():
+    """For a test that runs MCore on CUDA in a process where the shim may be installed (an xdist
+    worker that ran CPU tests first): the shim's patches and MCore's global memory buffer (whose
+    cached scratch tensors are then CPU tensors) are set aside for the block, a fresh buffer and
+    MCore's CUDA RNG state are provided, and what was there is put back afterwards."""
+    from megatron.core import parallel_state
+
+    from cpkit.compat import ensure_cuda_rng_tracker, ensure_global_memory_buffer
+
+    had_shim = shim_installed()
+    uninstall_mcore_cpu_shim()
+    buffer = parallel_state._GLOBAL_MEMORY_BUFFER
+    parallel_state._GLOBAL_MEMORY_BUFFER = None
+    try:
+        ensure_global_memory_buffer()
+        ensure_cuda_rng_tracker()
+        yield
+    finally:
+        parallel_state._GLOBAL_MEMORY_BUFFER = buffer
+        if had_shim:
+            install_mcore_cpu_shim("cpu")
