@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from cpkit import rebind
 from cpkit.compat import get_pg, new_pg_collection
 from cpkit.errors import CPConfigError
 from cpkit.eval_cp import (
@@ -388,3 +389,107 @@ def test_a_replica_without_samples_runs_only_loss_masked_filler():
         assert mb["tokens"].shape[0] == 2 and torch.equal(mb["tokens"][0], one_row["tokens"][0])
         assert float(mb["loss_mask"].sum()) == 0.0
     assert _micro_batches(one_row, range(0), 2, pad=False, at_least=0) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Rebinding internals the GPT models above do not reach
+
+
+def test_model_roots_names_the_type_that_is_not_a_module():
+    with pytest.raises(CPConfigError, match="int") as info:
+        rebind.model_roots([torch.nn.Linear(2, 2), 3])
+    assert info.value.violations[0].value == ["int"]
+    with pytest.raises(CPConfigError) as info:
+        rebind.model_roots([])
+    assert info.value.violations[0].value == "[]"
+
+
+class _GroupHolder(torch.nn.Module):
+    """A module on MCore's global groups (pg_collection None) that caches a cp_group of its own."""
+
+    def __init__(self, cp_group):
+        super().__init__()
+        self.pg_collection = None
+        self.cp_group = cp_group
+
+
+def test_a_module_on_the_global_groups_keeps_its_collection_and_rebinds_its_group(pgc):
+    module = _GroupHolder(pgc.cp)
+    target = fake_target(pgc)
+    with eval_cp_context(module, target) as rebinding:
+        assert module.pg_collection is None
+        assert module.cp_group is target.cp
+        assert rebinding.rebound == ["<model>.cp_group"]
+    assert module.cp_group is pgc.cp
+
+
+def test_side_stream_is_one_stream_per_switch(monkeypatch):
+    made = []
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: made.append(object()) or made[-1])
+    rebinding = rebind.Rebinding(None, [])
+    try:
+        first = rebinding.side_stream()
+        assert first is not None and first is made[0]
+        assert rebinding.side_stream() is first
+        assert len(made) == 1
+    finally:
+        rebinding.restore()
+
+
+def test_every_derived_cache_attribute_a_rebuild_writes_is_put_back(pgc):
+    yarn = YarnLike(pgc.cp)
+    before = {attr: getattr(yarn, attr) for attr in
+              ("offset_cached", "dtype_cached", "packed_seq_cached", "cos_cached", "sin_cached")}
+    with eval_cp_context(yarn, fake_target(pgc, cp_ranks=(0, 1, 2, 3))):
+        # what YaRN's get_cached_cos_sin writes when it rebuilds at the eval CP
+        yarn.offset_cached, yarn.dtype_cached, yarn.packed_seq_cached = 3, torch.bfloat16, True
+        yarn.cos_cached, yarn.sin_cached = torch.full((8,), 2.0), torch.full((8,), 3.0)
+    for attr, value in before.items():
+        assert getattr(yarn, attr) is value, attr
+
+
+def test_a_given_comm_type_reaches_the_config_only_when_given(pgc):
+    model = build_gpt(CFG, pgc, attention="cpkit")
+    config = model.config
+    trained = config.cp_comm_type
+    with eval_cp_context(model, fake_target(pgc)):
+        assert config.cp_comm_type == trained
+    with eval_cp_context(model, fake_target(pgc), cp_comm_type="all_gather"):
+        assert config.cp_comm_type == "all_gather"
+    assert config.cp_comm_type == trained
+
+
+class _NoStrategyAttention(TELikeAttention):
+    """TE before load-balancing strategies: set_context_parallel_group takes no strategy."""
+
+    def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream, cp_comm_type="p2p"):
+        self.calls.append((cp_group, cp_global_ranks, cp_stream, cp_comm_type))
+        self.cp_group, self.cp_global_ranks, self.cp_comm_type = cp_group, cp_global_ranks, cp_comm_type
+
+
+def test_the_strategy_is_passed_only_to_a_set_context_parallel_group_that_takes_it(pgc):
+    old = _NoStrategyAttention()  # keeps a load_balancing_strategy it cannot be given
+    target = fake_target(pgc)
+    with eval_cp_context(Holder(pgc, old), target):
+        assert old.calls == [(target.cp, [0, 1], TELikeAttention.cp_stream, "p2p")]
+    new = TELikeAttention()
+    new.load_balancing_strategy = None  # none set: the callee's own default applies
+    with eval_cp_context(Holder(pgc, new), fake_target(pgc)):
+        assert new.calls[0][4] == "default"
+
+
+class _RefusesOtherSizes(torch.nn.Module):
+    """A module that cannot change its CP size and knows it only through its cp_group."""
+
+    def __init__(self, cp_group):
+        super().__init__()
+        self.cp_group = cp_group
+
+
+def test_a_module_that_cannot_change_cp_size_is_measured_by_its_cp_group(pgc, monkeypatch):
+    monkeypatch.setitem(rebind.UNSUPPORTED_MODULES, rebind._qualname(_RefusesOtherSizes), "built for one size")
+    module = _RefusesOtherSizes(fake_group([0, 1]))
+    with eval_cp_context(module, fake_target(pgc, cp_ranks=(0, 1))):
+        assert module.cp_group.size() == 2
+    with pytest.raises(CPConfigError, match=r"cannot change CP size 2 -> 4: built for one size"):
+        install_pg_collection(module, fake_target(pgc, cp_ranks=(0, 1, 2, 3)))
