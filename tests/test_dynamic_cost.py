@@ -184,3 +184,50 @@ def test_calibrate_writes_a_file_the_model_reads(tmp_path, capsys):
     assert "calibrate" in data["attention"]["source"] and "kept from" in data["link"]["source"]
     assert CostModel(calibration=cal).sample_time(1000, 2) > 0
     assert f"calibration: {out}" in capsys.readouterr().out
+
+
+SMALL = ModelDims(hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4, num_layers=3, ffn_hidden_size=16,
+                  bytes_per_element=2)
+
+
+def test_linear_flops_count_every_projection_and_the_mlp():
+    # q (8 x 2*4), k and v (8 x 1*4 each), o (2*4 x 8), MLP up and down (8 x 16 and 16 x 8)
+    params = 8 * 8 + 2 * (8 * 4) + 8 * 8 + 2 * 8 * 16
+    assert SMALL.linear_flops_per_token == 6.0 * params
+    assert ModelDims(hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4).linear_flops_per_token \
+        == 6.0 * (64 + 64 + 64 + 2 * 8 * 32)  # the MLP defaults to 4 x hidden
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("comm_type", COMM_TYPES)
+def test_a_group_time_is_its_layers_compute_plus_the_bytes_its_ranks_move(comm_type, cp):
+    model = CostModel(SMALL, comm_type=comm_type)
+    lens = (4096, 1000)
+    chunks = [4096 // cp, 1000 // cp]
+    tokens = sum(chunks)
+    kv_bytes = 2 * 1 * 4 * 2  # K and V, one KV head of 4, bf16
+    qkvo_bytes = (2 * 2 + 2 * 1) * 4 * 2  # Q, O of 2 heads and K, V of one, bf16
+    step = model.call_time(chunks)  # one ring step: one call over both chunks
+    fwd, bwd = model.link_time(tokens * kv_bytes), model.link_time(2 * tokens * kv_bytes)
+    if comm_type == "p2p":  # the forward transfer hides behind 1/3.5 of a step, the backward's behind the rest
+        hidden = max(0.0, fwd - step / 3.5) + max(0.0, bwd - step * 2.5 / 3.5)
+        assert hidden > 0, "the test needs transfers that show"
+        per_layer = model.gemm_time(tokens) + cp * step + (cp - 1) * hidden
+    elif comm_type == "all_gather":
+        per_layer = model.gemm_time(tokens) + cp * step + (cp - 1) * (fwd + bwd)
+    else:
+        per_layer = (model.gemm_time(tokens) + model.call_time(list(lens), heads_share=1 / cp)
+                     + 2 * model.link_time((cp - 1) / cp * tokens * qkvo_bytes))
+    assert model.group_time(lens, cp) == pytest.approx(3 * per_layer, rel=1e-12)
+
+
+def test_step_time_waits_for_a_group_over_ranks_that_are_not_adjacent():
+    from cpkit.dynamic.plan import CPGroupAssignment, Microbatch, Plan
+
+    model = CostModel()
+    # ranks 0 and 2 share a group, then rank 0 runs a sample alone: it starts when the group ends
+    mbs = (Microbatch((CPGroupAssignment((0, 2), (0,), 2), CPGroupAssignment((1,), (1,), 1))),
+           Microbatch((CPGroupAssignment((0,), (2,), 1),)))
+    lens = (8192, 512, 4096)
+    plan = Plan(mbs, lens, 3, 8192, (1.0,) * 3, (1,) * 3)
+    assert model.step_time(plan) == pytest.approx(model.sample_time(8192, 2) + model.sample_time(4096, 1))
