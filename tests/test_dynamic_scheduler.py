@@ -26,6 +26,7 @@ from cpkit.dynamic import (
     workload_for_model,
 )
 from cpkit.dynamic.cost import default_cost_model
+from cpkit.dynamic.earliest_finish import _ReadyTimes, earliest_finish_plan
 from cpkit.dynamic.plan import assign_slots
 from cpkit.dynamic.scheduler import balanced_plan, needed_cp_sizes
 from cpkit.dynamic.static import static_cp_plan
@@ -507,3 +508,31 @@ def test_aligned_roots_rejects_a_dp_cp_size_that_is_not_a_positive_int(bad):
     with pytest.raises(CPConfigError) as err:
         aligned_roots(bad)
     assert err.value.violations[0].field == "dp_cp_size"
+
+
+def test_a_block_is_ready_when_its_latest_rank_is():
+    times = _ReadyTimes([(0, 4)], 4)
+    times.set(1, 1, 5.0)
+    assert times.earliest(1) == (0.0, 0)
+    assert times.earliest(2) == (0.0, 2)
+    assert times.earliest(4) == (5.0, 0)
+
+
+def _plan(lens, needs, n, M=4096, widest=None):
+    return earliest_finish_plan(lens, needs, widest or (lambda L, need: n), roots=[(0, n)], dp_cp_size=n,
+                                max_seq_len_per_rank=M, cost_model=default_cost_model())
+
+
+def test_slow_samples_spread_over_the_same_block_share_one_group():
+    plan = _plan([4000, 4000, 100], [1, 1, 1], 4)
+    groups = [g for mb in plan.microbatches for g in mb.groups if 2 not in g.samples]
+    assert [(g.ranks, g.samples) for g in groups] == [((0, 1, 2, 3), (0, 1))]
+
+
+def test_a_slow_sample_gets_its_fastest_power_of_two_size():
+    model = default_cost_model()
+    fastest = min((1, 2, 4, 8), key=lambda c: model.sample_time(8000, c))
+    assert fastest > 2, "the test needs a sample that is fastest on a wide group"
+    plan = _plan([8000, 100], [1, 1], 8, M=8192)
+    (group,) = [g for mb in plan.microbatches for g in mb.groups if 0 in g.samples]
+    assert group.cp_size == fastest
