@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cpkit.dynamic import CPGroupAssignment, Microbatch, Plan, build_group_registry, cp_size_for
+from cpkit.dynamic import CPGroupAssignment, Microbatch, Plan, build_group_registry, cp_size_for, runtime
 from cpkit.dynamic.runtime import (
     dp_cp_position,
     dynamic_cp_step,
@@ -314,3 +314,64 @@ def test_step_reraises_the_get_sample_error_of_this_rank(pgc, model):
 
     with pytest.raises(KeyError, match="sample 0 is missing"):
         dynamic_cp_step(model, plan, registry, broken, pg_collection=pgc)
+
+
+# --------------------------------------------------------------------------------- details
+
+def _two_rank_all_reduce(monkeypatch, peer_tokens, peer_failed):
+    """agree_on_tokens over a DPxCP group of two, the other rank's stats added by the all-reduce."""
+    monkeypatch.setattr(runtime, "group_size", lambda group: 2)
+    monkeypatch.setattr(runtime.dist, "all_reduce",
+                        lambda t, group=None: t.add_(torch.tensor([peer_tokens, peer_failed], dtype=t.dtype)))
+
+
+def test_agree_on_tokens_sums_the_ranks_tokens(monkeypatch):
+    _two_rank_all_reduce(monkeypatch, peer_tokens=7, peer_failed=0)
+    assert runtime.agree_on_tokens(5, None, object(), "cpu", "step") == 12
+
+
+def test_a_healthy_rank_raises_when_one_peer_failed(monkeypatch):
+    _two_rank_all_reduce(monkeypatch, peer_tokens=0, peer_failed=1)
+    with pytest.raises(RuntimeError, match=r"step: 1 other rank\(s\) of the DPxCP group failed"):
+        runtime.agree_on_tokens(5, None, object(), "cpu", "step")
+
+
+def test_the_failing_rank_raises_its_own_error_after_the_all_reduce(monkeypatch):
+    calls = []
+    monkeypatch.setattr(runtime, "group_size", lambda group: 2)
+    monkeypatch.setattr(runtime.dist, "all_reduce", lambda t, group=None: calls.append(t.tolist()))
+    error = KeyError("sample 3")
+    with pytest.raises(KeyError) as info:
+        runtime.agree_on_tokens(0, error, object(), "cpu", "step")
+    assert info.value is error and calls == [[0.0, 1.0]]
+
+
+def test_use_cp_group_sets_tp_cp_to_the_block_at_tp1_and_to_the_given_group_otherwise(model, pgc):
+    group = fake_group([0, 1])
+    with use_cp_group(model, group, pg_collection=pgc) as rebinding:
+        assert rebinding.target.tp_cp is group  # tp x cp is cp itself at tp == 1
+    given = fake_group([0, 1])
+    with use_cp_group(model, group, pg_collection=pgc, tp_cp_group=given) as rebinding:
+        assert rebinding.target.tp_cp is given and rebinding.target.cp is group
+
+
+def test_step_gives_every_trainable_parameter_a_gradient(pgc, model):
+    """Parameters the loss does not reach get zero gradients: every rank then sends the same
+    buffers in the DPxCP gradient all-reduce."""
+    registry = build_group_registry([[0]], 0)
+    plan = _plan([[((0,), (0,))]], [4], dp_cp_size=1)
+    first = next(model.parameters())
+    model.zero_grad(set_to_none=True)
+    dynamic_cp_step(model, plan, registry, lambda i: _sample(4, i), pg_collection=pgc,
+                    loss_fn=lambda m, batch, pgs, total_tokens, packed_seq_params: first.sum())
+    assert torch.equal(first.grad, torch.ones_like(first))
+    rest = [p for p in model.parameters() if p.requires_grad and p is not first]
+    assert rest and all(p.grad is not None and not p.grad.any() for p in rest)
+
+
+def test_step_rejects_a_plan_for_another_dp_cp_size_before_any_collective(pgc, model):
+    registry = build_group_registry([[0]], 0)
+    plan = Plan((), (), 2, 64, (), ())  # no micro-batches: nothing else would look at its size
+    with pytest.raises(CPConfigError) as info:
+        dynamic_cp_step(model, plan, registry, lambda i: _sample(4, i), pg_collection=pgc)
+    assert info.value.field == "plan.dp_cp_size"
