@@ -8,13 +8,15 @@ the other implementations."""
 
 from __future__ import annotations
 
+import math
+
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from cpkit import rebind
+from cpkit import eval_loop, rebind
 from cpkit.compat import get_pg, new_pg_collection
 from cpkit.errors import CPConfigError
 from cpkit.eval_cp import (
@@ -26,6 +28,7 @@ from cpkit.eval_cp import (
     eval_layout,
     eval_shard,
     evaluate,
+    reduce_eval_loss,
     install_pg_collection,
 )
 from cpkit.layout import CPLayout
@@ -493,3 +496,41 @@ def test_a_module_that_cannot_change_cp_size_is_measured_by_its_cp_group(pgc, mo
         assert module.cp_group.size() == 2
     with pytest.raises(CPConfigError, match=r"cannot change CP size 2 -> 4: built for one size"):
         install_pg_collection(module, fake_target(pgc, cp_ranks=(0, 1, 2, 3)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Eval loop details
+
+def test_reduce_eval_loss_of_a_single_token_is_its_loss(pgc):
+    assert reduce_eval_loss(torch.tensor(2.5), torch.tensor(1), pgc) == (2.5, 1.0)
+    mean, count = reduce_eval_loss(torch.tensor(0.0), torch.tensor(0), pgc)
+    assert math.isnan(mean) and count == 0.0
+
+
+def test_reduce_eval_loss_sums_loss_and_tokens_over_the_dp_cp_group(pgc, monkeypatch):
+    """A stand-in dp x cp group of two whose other rank holds loss 6 over 3 tokens."""
+    seen = []
+    monkeypatch.setattr(eval_loop, "group_size", lambda group: 2)
+
+    def all_reduce(buf, group=None):
+        seen.append(group)
+        buf.add_(torch.tensor([6.0, 3.0], dtype=buf.dtype))
+
+    monkeypatch.setattr(eval_loop.dist, "all_reduce", all_reduce)
+    assert reduce_eval_loss(torch.tensor(2.0), torch.tensor(1), pgc) == (2.0, 4.0)
+    assert seen == [pgc.dp_cp]
+
+
+def test_the_pipeline_schedule_sums_what_the_plain_loop_sums(pgc):
+    """_pipeline_sums through MCore's schedule at pp = 1 (its no-pipelining function) gives the
+    loss sum and token count of the forward loop evaluate() runs at pp = 1."""
+    from cpkit.eval_loop import _micro_batches, _pipeline_sums
+
+    model = build_gpt(CFG, pgc, attention="cpkit").eval()
+    data = make_batch(CFG, batch_size=3, seed=7)
+    local = eval_loop._micro_batches(data, range(3), 2, pad=True, at_least=0)
+    with torch.no_grad():
+        sums = eval_loop._pipeline_sums(model, local, pgc, 2, torch.device("cpu"))
+    plain = evaluate(model, data, pgc, micro_batch_size=2)
+    assert float(sums[1]) == plain.num_tokens == 3 * CFG.seq_length
+    assert abs(float(sums[0]) / float(sums[1]) - plain.loss) < 1e-6
