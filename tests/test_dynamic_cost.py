@@ -186,16 +186,16 @@ def test_calibrate_writes_a_file_the_model_reads(tmp_path, capsys):
     assert f"calibration: {out}" in capsys.readouterr().out
 
 
-SMALL = ModelDims(hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4, num_layers=3, ffn_hidden_size=16,
+SMALL = ModelDims(hidden_size=8, num_heads=4, num_kv_heads=2, head_dim=4, num_layers=3, ffn_hidden_size=16,
                   bytes_per_element=2)
 
 
 def test_linear_flops_count_every_projection_and_the_mlp():
-    # q (8 x 2*4), k and v (8 x 1*4 each), o (2*4 x 8), MLP up and down (8 x 16 and 16 x 8)
-    params = 8 * 8 + 2 * (8 * 4) + 8 * 8 + 2 * 8 * 16
+    # q (8 x 4*4), k and v (8 x 2*4 each), o (4*4 x 8), MLP up and down (8 x 16 and 16 x 8)
+    params = 8 * 16 + 2 * (8 * 8) + 16 * 8 + 2 * 8 * 16
     assert SMALL.linear_flops_per_token == 6.0 * params
-    assert ModelDims(hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4).linear_flops_per_token \
-        == 6.0 * (64 + 64 + 64 + 2 * 8 * 32)  # the MLP defaults to 4 x hidden
+    assert ModelDims(hidden_size=8, num_heads=4, num_kv_heads=2, head_dim=4).linear_flops_per_token \
+        == 6.0 * (128 + 128 + 128 + 2 * 8 * 32)  # the MLP defaults to 4 x hidden
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -205,8 +205,8 @@ def test_a_group_time_is_its_layers_compute_plus_the_bytes_its_ranks_move(comm_t
     lens = (4096, 1000)
     chunks = [4096 // cp, 1000 // cp]
     tokens = sum(chunks)
-    kv_bytes = 2 * 1 * 4 * 2  # K and V, one KV head of 4, bf16
-    qkvo_bytes = (2 * 2 + 2 * 1) * 4 * 2  # Q, O of 2 heads and K, V of one, bf16
+    kv_bytes = 2 * 2 * 4 * 2  # K and V, two KV heads of 4, bf16
+    qkvo_bytes = (2 * 4 + 2 * 2) * 4 * 2  # Q, O of 4 heads and K, V of 2, bf16
     step = model.call_time(chunks)  # one ring step: one call over both chunks
     fwd, bwd = model.link_time(tokens * kv_bytes), model.link_time(2 * tokens * kv_bytes)
     if comm_type == "p2p":  # the forward transfer hides behind 1/3.5 of a step, the backward's behind the rest
