@@ -9,7 +9,6 @@ the other implementations."""
 from __future__ import annotations
 
 import math
-
 import warnings
 
 import pytest
