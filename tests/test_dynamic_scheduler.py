@@ -28,7 +28,7 @@ from cpkit.dynamic import (
 from cpkit.dynamic.cost import default_cost_model
 from cpkit.dynamic.earliest_finish import _ReadyTimes, earliest_finish_plan
 from cpkit.dynamic.plan import assign_slots
-from cpkit.dynamic.scheduler import balanced_plan, needed_cp_sizes
+from cpkit.dynamic.scheduler import balanced_plan, fastest_cp_size, needed_cp_sizes
 from cpkit.dynamic.static import static_cp_plan
 from cpkit.errors import CPConfigError
 
@@ -536,3 +536,44 @@ def test_a_slow_sample_gets_its_fastest_power_of_two_size():
     plan = _plan([8000, 100], [1, 1], 8, M=8192)
     (group,) = [g for mb in plan.microbatches for g in mb.groups if 0 in g.samples]
     assert group.cp_size == fastest
+
+
+@pytest.mark.parametrize("L, need", [(100, 1), (1000, 1), (4000, 1), (4000, 2), (16000, 1)])
+def test_fastest_cp_size_is_the_power_of_two_with_the_least_modeled_time(L, need):
+    model = default_cost_model()
+    sizes = [c for c in (1, 2, 4, 8) if c >= need]
+    expected = min(sizes, key=lambda c: (model.estimate_sample_time(L, c), c))
+    assert fastest_cp_size(model, L, need, 8) == expected
+
+
+def test_the_balancer_puts_short_samples_in_one_micro_batch():
+    # Eight 10-token samples on 2 ranks of 1024 tokens: no sample holds ranks exclusively, and no
+    # micro-batch count is imposed without microbatch_group_size.
+    plan = _balanced([10] * 8, 2, 1024)
+    check_invariants(plan, [10] * 8, 2, 1024)
+    assert len(plan.microbatches) == 1
+
+
+def test_samples_filling_at_most_half_a_rank_share_a_group_after_an_exclusive_one():
+    # At need 2 on 2 ranks of 64 tokens, 73 tokens fill 37 per rank (more than half: exclusive);
+    # 36 and 25 fill 18 and 13, so they share one group: the fewest micro-batches, 2.
+    plan = _balanced([73, 36, 25], 2, 64, min_cp=2)
+    check_invariants(plan, [73, 36, 25], 2, 64, min_cp=2)
+    assert sorted(g.samples for mb in plan.microbatches for g in mb.groups) == [(0,), (1, 2)]
+    assert len(plan.microbatches) == 2
+
+
+def test_a_micro_batch_without_room_for_one_sample_stays_open_for_the_next():
+    # 101 tokens on 4 ranks of 16: 2 micro-batches is the fewest that hold them.
+    lens = [1, 23, 30, 1, 20, 14, 12]
+    plan = _balanced(lens, 4, 16)
+    check_invariants(plan, lens, 4, 16)
+    assert len(plan.microbatches) == 2
+
+
+def test_after_an_overflow_the_balancer_adds_a_few_micro_batches_not_one_per_sample():
+    # The first count does not pack (119 and 105 tokens fill both ranks alone): re-planned by ~1/8.
+    lens = [36, 119, 36, 105, 91, 82, 32]
+    plan = _balanced(lens, 2, 64)
+    check_invariants(plan, lens, 2, 64)
+    assert len(plan.microbatches) < len(lens)
