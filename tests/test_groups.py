@@ -257,6 +257,19 @@ def test_gate_fails_when_the_a2a_group_is_strided(world1):
         require_hierarchical_groups(pgc(cp=group_of(4), hcp=[a2a, p2p]), "a2a+p2p")
 
 
+def test_gate_passes_on_a_rank_that_is_not_the_first_of_its_a2a_block(monkeypatch, world1):
+    # Seen from global rank 1 of a 2x2 layout: CP position 1, a2a block positions 0..1 (ranks 0, 1),
+    # p2p positions 1, 3 (ranks 1, 3).
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    a2a, p2p = fake_group([0, 1], rank=1), fake_group([1, 3], rank=0)
+    out = require_hierarchical_groups(pgc(cp=fake_group([0, 1, 2, 3], rank=1), hcp=[a2a, p2p]), "a2a+p2p")
+    assert out == (a2a, p2p)
+    with pytest.raises(CPConfigError, match="p2p group \\(level 1\\) must be CP positions 1, 1\\+2"):
+        require_hierarchical_groups(pgc(cp=fake_group([0, 1, 2, 3], rank=1),
+                                        hcp=[a2a, fake_group([0, 1], rank=1)]), "a2a+p2p")
+
 def test_the_layout_validates_and_hands_out_its_groups(world1):
     pgc = CPLayout(world_size=1).build_pg_collection()
     assert (pgc.tp.size(), pgc.cp.size(), pgc.dp.size(), pgc.pp.size()) == (1, 1, 1, 1)
@@ -264,3 +277,80 @@ def test_the_layout_validates_and_hands_out_its_groups(world1):
         CPLayout(world_size=2, cp=2).build_pg_collection()  # a layout for another world
     with pytest.raises(CPConfigError, match="hierarchical_context_parallel_sizes"):
         CPLayout(world_size=1, cp_comm_type="a2a+p2p").build_pg_collection()
+
+
+# ---------------------------------------------------------------------------------------------
+# build_pg_collection and describe_groups at world size 1 (a real gloo group over one process)
+
+_SET_FIELDS = ("tp", "cp", "dp", "pp", "mp", "tp_cp", "dp_cp", "tp_dp_cp", "embd", "pos_embd", "ep",
+               "intra_dist_opt", "intra_dp_cp", "expt_dp", "intra_expt_dp", "expt_tp", "tp_ep",
+               "tp_ep_pp")
+
+
+@pytest.mark.parametrize("use_grid", [True, False])
+def test_build_pg_collection_sets_every_documented_field(use_grid, world1):
+    from cpkit.compat import get_pg
+    from cpkit.group_info import members
+    from cpkit.groups import build_pg_collection
+
+    pgs = build_pg_collection(CPLayout(world_size=1), use_hyper_comm_grid=use_grid)
+    assert {f: members(get_pg(pgs, f)) for f in _SET_FIELDS} == {f: (0,) for f in _SET_FIELDS}
+    assert get_pg(pgs, "hcp") is None
+    hier = build_pg_collection(hcp(1, [1, 1]), use_hyper_comm_grid=use_grid)
+    assert members(get_pg(hier, "hcp")) == ((0,), (0,))
+
+
+def test_the_axis_groups_come_from_hyper_comm_grid_unless_turned_off(monkeypatch, caplog, world1):
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+
+    from cpkit.groups import build_pg_collection
+
+    made = []
+    create_pg = HyperCommGrid.create_pg
+
+    def recording(self, dims, **kwargs):
+        made.append(tuple(dims))
+        return create_pg(self, dims, **kwargs)
+
+    monkeypatch.setattr(HyperCommGrid, "create_pg", recording)
+    with caplog.at_level("WARNING", logger="cpkit.groups"):
+        build_pg_collection(CPLayout(world_size=1))
+        assert sorted(made) == sorted([("tp",), ("cp",), ("dp",), ("pp",), ("tp", "pp"),
+                                       ("tp", "cp"), ("cp", "dp"), ("tp", "cp", "dp")])
+        made.clear()
+        build_pg_collection(CPLayout(world_size=1), use_hyper_comm_grid=False)
+        assert made == []
+    assert caplog.records == []  # no "groups differ" warning when no grid is asked for
+
+
+def test_describe_groups_names_every_set_group_and_the_hierarchical_levels(world1):
+    from cpkit.groups import HCP_LOG_PREFIX, build_pg_collection, describe_groups
+
+    lines = describe_groups(build_pg_collection(hcp(1, [1, 1])))
+    assert lines == [
+        "PROCESS_GROUPS rank=0 world_size=1",
+        "tp TENSOR_MODEL_PARALLEL_GROUP ranks=[0]",
+        "cp CONTEXT_PARALLEL_GROUP ranks=[0]",
+        "dp DATA_PARALLEL_GROUP ranks=[0]",
+        "pp PIPELINE_MODEL_PARALLEL_GROUP ranks=[0]",
+        "mp MODEL_PARALLEL_GROUP ranks=[0]",
+        "tp_cp TENSOR_AND_CONTEXT_PARALLEL_GROUP ranks=[0]",
+        "dp_cp DATA_PARALLEL_GROUP_WITH_CP ranks=[0]",
+        "tp_dp_cp TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP ranks=[0]",
+        "embd EMBEDDING_GROUP ranks=[0]",
+        "pos_embd POSITION_EMBEDDING_GROUP ranks=[0]",
+        f"{HCP_LOG_PREFIX} a2a=[0] p2p=[0]",
+    ]
+
+
+def test_log_groups_logs_the_lines_at_info_on_rank_0(caplog, world1):
+    import logging
+
+    from cpkit.groups import build_pg_collection, describe_groups, log_groups
+
+    pgs = build_pg_collection(CPLayout(world_size=1))
+    log = logging.getLogger("cpkit.test_log_groups")
+    with caplog.at_level("INFO", logger=log.name):
+        lines = log_groups(pgs, log)
+    assert lines == describe_groups(pgs) and len(lines) == 11
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [("INFO", line) for line in lines]
