@@ -285,6 +285,16 @@ def test_eval_layout_moves_cp_and_dp_only():
     assert back.cp == 1 and back.dp == 4
 
 
+def test_eval_layout_comm_type_override_keeps_the_levels_only_for_a2a_p2p():
+    train = CPLayout(world_size=8, cp=8, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 4])
+    kept = eval_layout(train, 4, cp_comm_type="a2a+p2p")
+    assert (kept.cp, kept.cp_comm_type, kept.hierarchical_context_parallel_sizes) == (4, "a2a+p2p", [2, 2])
+    flat = eval_layout(train, 4, cp_comm_type="p2p")
+    assert (flat.cp, flat.cp_comm_type, flat.hierarchical_context_parallel_sizes) == (4, "p2p", None)
+    a2a = eval_layout(CPLayout(world_size=4), 4, cp_comm_type="a2a")
+    assert (a2a.cp_comm_type, a2a.hierarchical_context_parallel_sizes) == ("a2a", None)
+
+
 def test_eval_layout_errors_name_the_eval_field():
     with pytest.raises(CPConfigError) as info:
         eval_layout(CPLayout(world_size=8, tp=2, seq_length=100), 8)
@@ -302,6 +312,15 @@ def test_build_eval_pg_collection_reuses_training_groups_of_the_same_members(pgc
     assert fresh.tp is not train.tp
     for field in ("tp", "pp", "cp", "dp", "dp_cp", "tp_cp", "tp_dp_cp", "mp"):
         assert get_pg(reused, field) is get_pg(train, field), field
+
+
+def test_build_eval_pg_collection_keeps_its_own_group_where_the_training_one_differs_or_is_unset(pgc):
+    from cpkit.group_info import members
+
+    train = new_pg_collection(tp=fake_group([0, 1]), cp=fake_group([0, 1]))  # other members, no hcp
+    ev = build_eval_pg_collection(CPLayout(world_size=1), 1, hierarchical_sizes=[1, 1], train_pgs=train)
+    assert (members(ev.tp), members(ev.cp)) == ((0,), (0,))
+    assert members(get_pg(ev, "hcp")) == ((0,), (0,))
 
 
 @pytest.mark.parametrize("num_samples,dp_size", [(0, 1), (1, 4), (7, 3), (12, 4), (1024, 256), (13, 8)])
