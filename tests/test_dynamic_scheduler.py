@@ -577,3 +577,14 @@ def test_after_an_overflow_the_balancer_adds_a_few_micro_batches_not_one_per_sam
     plan = _balanced(lens, 2, 64)
     check_invariants(plan, lens, 2, 64)
     assert len(plan.microbatches) < len(lens)
+
+
+def test_a_sample_goes_past_the_least_loaded_micro_batch_when_its_tokens_do_not_fit():
+    # One rank of 100 tokens. The 100-token sample (work 2) fills micro-batch A; B gets the 27 and
+    # a 1 (work 1 each); the last 1 finds A first among the least loaded, but full: it goes to B.
+    lens = [1, 1, 27, 100]
+    plan = balanced_plan(lens, [1, 1, 1, 1], [1.0, 1.0, 1.0, 2.0], dp_cp_size=1,
+                         max_seq_len_per_rank=100, min_cp_size=1, microbatch_group_size=None,
+                         balance_tolerance=0.03)
+    check_invariants(plan, lens, 1, 100)
+    assert sorted(g.samples for mb in plan.microbatches for g in mb.groups) == [(0, 1, 2), (3,)]
