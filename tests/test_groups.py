@@ -1,5 +1,6 @@
 """Rank groups as pure arithmetic (no processes): literal hand-checked layouts, cross-checked with
-MCore's RankGenerator, create_hierarchical_groups and HyperCommGrid; the a2a+p2p build gate."""
+MCore's RankGenerator, create_hierarchical_groups and HyperCommGrid; the a2a+p2p build gate; the
+group builder and its log lines at world size 1."""
 
 import itertools
 import math
@@ -354,3 +355,30 @@ def test_log_groups_logs_the_lines_at_info_on_rank_0(caplog, world1):
         lines = log_groups(pgs, log)
     assert lines == describe_groups(pgs) and len(lines) == 11
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [("INFO", line) for line in lines]
+
+
+def test_a_hyper_comm_grid_that_disagrees_is_not_used_and_the_kind_is_logged(monkeypatch, caplog, world1):
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+
+    from cpkit.group_info import members
+    from cpkit.groups import build_pg_collection
+
+    monkeypatch.setattr(HyperCommGrid, "get_rank_enum", lambda self, dims: [[0, 1]])  # not [[0]]
+    monkeypatch.setattr(HyperCommGrid, "create_pg", lambda self, dims, **kwargs: pytest.fail("grid used"))
+    with caplog.at_level("WARNING", logger="cpkit.groups"):
+        pgs = build_pg_collection(CPLayout(world_size=1))
+    assert (members(pgs.tp), members(pgs.cp), members(pgs.dp_cp)) == ((0,), (0,), (0,))
+    warned = [r.getMessage().split()[1] for r in caplog.records]
+    assert warned == ["tp", "cp", "dp", "pp", "mp", "tp_cp", "dp_cp", "tp_dp_cp"]
+
+
+def test_log_groups_on_another_rank_logs_nothing_and_returns_an_empty_list(monkeypatch, caplog, world1):
+    import torch.distributed as dist
+
+    from cpkit.groups import build_pg_collection, log_groups
+
+    pgs = build_pg_collection(CPLayout(world_size=1))
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    with caplog.at_level("INFO", logger="cpkit.groups"):
+        assert log_groups(pgs) == []
+    assert caplog.records == []
