@@ -113,6 +113,23 @@ def _config(dtype, **overrides):
     return TransformerConfig(**kw)
 
 
+def _assert_module_matches(ours, theirs, dtype, seed):
+    """`ours(q, k, v)` against `theirs(q, k, v)` on the same sbhd GQA inputs (8 q / 2 kv heads of
+    64, 512 x 2 tokens): the output and dq, dk, dv within the dtype's tolerance."""
+    gen = torch.Generator().manual_seed(seed)
+    q = _randn(512, 2, 8, 64, dtype=dtype, gen=gen).requires_grad_()
+    k, v = (_randn(512, 2, 2, 64, dtype=dtype, gen=gen).requires_grad_() for _ in range(2))
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, ref = ours(q, k, v), theirs(q2, k2, v2)
+    assert out.shape == ref.shape == (512, 2, 8 * 64)
+    _close(out, ref, dtype, "out")
+    dout = _randn(*out.shape, dtype=dtype, gen=gen)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_grads = torch.autograd.grad(ref, (q2, k2, v2), dout)
+    for name, got, want in zip("qkv", grads, ref_grads):
+        _close(got, want, dtype, f"d{name}")
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "no_mask"])
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 def test_module_at_cp1_matches_mcore_local_attention(world1, dtype_name, causal):
@@ -138,19 +155,8 @@ def _module_at_cp1_matches_mcore_local_attention(dtype_name, causal):
     group = dist.new_group([0])
     ours = ContextParallelAttention(config, 1, mask, "self", pg_collection=new_pg_collection(tp=group, cp=group))
     theirs = DotProductAttention(config, 1, mask, "self", pg_collection=new_pg_collection(tp=group))
-    gen = torch.Generator().manual_seed(13)
-    q = _randn(512, 2, 8, 64, dtype=dtype, gen=gen).requires_grad_()
-    k, v = (_randn(512, 2, 2, 64, dtype=dtype, gen=gen).requires_grad_() for _ in range(2))
-    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out = ours(q, k, v, None, attn_mask_type=mask)
-    ref = theirs(q2, k2, v2, None, attn_mask_type=mask)
-    assert out.shape == ref.shape == (512, 2, 8 * 64)
-    _close(out, ref, dtype, "out")
-    dout = _randn(*out.shape, dtype=dtype, gen=gen)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
-    ref_grads = torch.autograd.grad(ref, (q2, k2, v2), dout)
-    for name, got, want in zip("qkv", grads, ref_grads):
-        _close(got, want, dtype, f"d{name}")
+    _assert_module_matches(lambda q, k, v: ours(q, k, v, None, attn_mask_type=mask),
+                           lambda q, k, v: theirs(q, k, v, None, attn_mask_type=mask), dtype, seed=13)
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "no_mask"])
@@ -176,16 +182,4 @@ def test_module_at_cp1_matches_transformer_engine(world1, causal):
                                     pg_collection=new_pg_collection(tp=group, cp=group))
     theirs = te.DotProductAttention(8, 64, num_gqa_groups=2, attention_dropout=0.0, qkv_format="sbhd",
                                     attn_mask_type="causal" if causal else "no_mask", softmax_scale=SCALE)
-    gen = torch.Generator().manual_seed(14)
-    q = _randn(512, 2, 8, 64, dtype=dtype, gen=gen).requires_grad_()
-    k, v = (_randn(512, 2, 2, 64, dtype=dtype, gen=gen).requires_grad_() for _ in range(2))
-    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out = ours(q, k, v, None, attn_mask_type=mask)
-    ref = theirs(q2, k2, v2)
-    assert out.shape == ref.shape == (512, 2, 8 * 64)
-    _close(out, ref, dtype, "out")
-    dout = _randn(*out.shape, dtype=dtype, gen=gen)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
-    ref_grads = torch.autograd.grad(ref, (q2, k2, v2), dout)
-    for name, got, want in zip("qkv", grads, ref_grads):
-        _close(got, want, dtype, f"d{name}")
+    _assert_module_matches(lambda q, k, v: ours(q, k, v, None, attn_mask_type=mask), theirs, dtype, seed=14)
