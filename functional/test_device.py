@@ -183,3 +183,43 @@ def test_module_at_cp1_matches_transformer_engine(world1, causal):
     theirs = te.DotProductAttention(8, 64, num_gqa_groups=2, attention_dropout=0.0, qkv_format="sbhd",
                                     attn_mask_type="causal" if causal else "no_mask", softmax_scale=SCALE)
     _assert_module_matches(lambda q, k, v: ours(q, k, v, None, attn_mask_type=mask), theirs, dtype, seed=14)
+
+
+@pytest.mark.parametrize("layout", ["sbhd", "thd"])
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("causal", [True, False], ids=["causal_window", "two_sided_window"])
+def test_band_block_on_flex_attention_matches_dense_math(causal, dtype_name, layout):
+    """A sliding-window block of the ring (rank 1's queries against rank 0's keys at cp=2)
+    through FlexAttention (the CUDA path of band_fwd/band_bwd) equals the dense-mask math:
+    output, LSE and dq/dk/dv given the final out and LSE, with GQA and an MLA v head dim; and
+    FlexAttention really ran (no fallback to math)."""
+    from cpkit.attention import flex_band
+    from cpkit.attention.band import Band, Window, band_bwd, band_fwd
+    from cpkit.attention.chunks import local_seq
+
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator().manual_seed(5)
+    cu = torch.tensor([0, 256, 384, 1024], device="cuda") if layout == "thd" else None
+    seq = local_seq(512, 2, cu, 640 if cu is not None else None)
+    window = Window(100, None) if causal else Window(60, 90)
+    band = Band(window, causal, seq, 1, "cuda").block(0)
+    lead = (512,) if layout == "thd" else (512, 2)
+    q = _randn(*lead, 8, 64, dtype=dtype, gen=gen)
+    k = _randn(*lead, 2, 64, dtype=dtype, gen=gen)
+    v = _randn(*lead, 2, 32, dtype=dtype, gen=gen)
+    dout = _randn(*lead, 8, 32, dtype=dtype, gen=gen)
+    flex_band._FAILED.clear()
+
+    out, lse = band_fwd(q, k, v, band, SCALE)
+    want_out, want_lse = band_fwd(*(x.float() for x in (q, k, v)), band, SCALE, kernel="math")
+    assert not flex_band._FAILED, "FlexAttention fell back to math"
+    _close(out, want_out, dtype, "band out")
+    seen = torch.isfinite(want_lse)  # rows with no key in this block: -inf in both
+    assert torch.equal(torch.isfinite(lse), seen)
+    torch.testing.assert_close(lse[seen], want_lse[seen], rtol=1e-4 if dtype == torch.float32 else 2e-2, atol=1e-3)
+
+    grads = band_bwd(dout, q, k, v, want_out.to(dtype), want_lse, band, SCALE)
+    want = band_bwd(*(x.float() for x in (dout, q, k, v, want_out)), want_lse, band, SCALE, kernel="math")
+    assert not flex_band._FAILED, "FlexAttention fell back to math in the backward"
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, want):
+        _close(got, ref, dtype, name)

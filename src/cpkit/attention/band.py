@@ -7,9 +7,13 @@ their block, or None when the block lies wholly outside the band, so the ring sk
 compute (sbhd: decided on the host from the chunk ranges, no device sync; THD blocks are always
 computed, masked, because the chunk sizes differ per sequence and live on the device).
 
-Kernels: `band_fwd` / `band_bwd` are exact float32 math with the dense mask (O(s_q * s_k)
-memory per block), on CPU and CUDA. A CUDA kernel that takes the band itself (FlexAttention
-with a block mask, or flash's window arguments per contiguous sub-block) is not wired in yet.
+A block's band is a `BandMask`: the positions (and THD sequence ids) of its queries and keys
+plus the window, O(s_q + s_k), never the dense [s_q, s_k] mask until a kernel asks for it.
+
+Kernels: on CUDA, `band_fwd` / `band_bwd` run FlexAttention with the band as a block mask
+(`flex_band.py`: compute and memory follow the band; tiles wholly outside it are skipped); on
+CPU, with `kernel="math"`, or where FlexAttention fails for a shape (one warning, then exact
+math for that shape), exact float32 math with the dense mask (O(s_q * s_k) memory per block).
 """
 
 from __future__ import annotations
@@ -19,12 +23,13 @@ from typing import Optional
 
 import torch
 
+from cpkit.attention import flex_band
 from cpkit.attention.chunks import LocalSeq
 from cpkit.attention.kernels import _bhsd, _from_bhsd, _math_scores
 from cpkit.errors import CPConfigError
 from cpkit.sharding import segments_to_index
 
-__all__ = ["Window", "check_window", "Band", "band_fwd", "band_bwd"]
+__all__ = ["Window", "check_window", "Band", "BandMask", "band_fwd", "band_bwd"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,44 @@ class Window:
 
     left: Optional[int]
     right: Optional[int]
+
+
+class BandMask:
+    """The band of one block: query positions/sequence ids `q`, key positions/sequence ids `k`
+    (each (index [n], seq id [n] or None)), the window and whether the mask is causal."""
+
+    def __init__(self, q, k, window: Window, causal: bool):
+        self.q, self.k, self.window, self.causal = q, k, window, causal
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(s_q, s_k): the block's query and key counts."""
+        return self.q[0].numel(), self.k[0].numel()
+
+    def allows(self, q_idx, k_idx, q_seg=None, k_seg=None):
+        """Whether queries at `q_idx` see keys at `k_idx` (broadcasting tensors)."""
+        diff = q_idx - k_idx
+        ok = diff >= 0 if self.causal else diff == diff
+        if self.window.left is not None:
+            ok = ok & (diff <= self.window.left)
+        if self.window.right is not None:
+            ok = ok & (diff >= -self.window.right)
+        if q_seg is not None:
+            ok = ok & (q_seg == k_seg)
+        return ok
+
+    def dense(self) -> torch.Tensor:
+        """The boolean mask [s_q, s_k] (True: attend)."""
+        (q_idx, q_seg), (k_idx, k_seg) = self.q, self.k
+        segs = (None, None) if q_seg is None else (q_seg.view(-1, 1), k_seg.view(1, -1))
+        return self.allows(q_idx.view(-1, 1), k_idx.view(1, -1), *segs)
+
+    def mask_mod(self):
+        """The band as a FlexAttention mask_mod(b, h, q, kv)."""
+        (q_idx, q_seg), (k_idx, k_seg) = self.q, self.k
+        if q_seg is None:
+            return lambda b, h, i, j: self.allows(q_idx[i], k_idx[j])
+        return lambda b, h, i, j: self.allows(q_idx[i], k_idx[j], q_seg[i], k_seg[j])
 
 
 def check_window(window_size, causal: bool) -> Optional[Window]:
@@ -102,25 +145,16 @@ class Band:
                     return True
         return False
 
-    def block(self, src: int) -> Optional[torch.Tensor]:
-        """The mask [s_q, s_k] (True: attend) of this rank's queries against `src`'s tokens, or
-        None when the whole block lies outside the band."""
+    def block(self, src: int) -> Optional[BandMask]:
+        """The band of this rank's queries against `src`'s tokens, or None when the whole block
+        lies outside it."""
         if not self._live(src):
             return None
         return self.mask_for(self._tokens(src))
 
-    def mask_for(self, keys) -> torch.Tensor:
-        """The mask of this rank's queries against keys given as (global index, sequence id)."""
-        (q_idx, q_seg), (k_idx, k_seg) = self._q, keys
-        diff = q_idx.view(-1, 1) - k_idx.view(1, -1)
-        ok = diff >= 0 if self.causal else torch.ones_like(diff, dtype=torch.bool)
-        if self.window.left is not None:
-            ok &= diff <= self.window.left
-        if self.window.right is not None:
-            ok &= diff >= -self.window.right
-        if q_seg is not None:
-            ok &= q_seg.view(-1, 1) == k_seg.view(1, -1)
-        return ok
+    def mask_for(self, keys) -> BandMask:
+        """The band of this rank's queries against keys given as (global index, sequence id)."""
+        return BandMask(self._q, keys, self.window, self.causal)
 
     def natural_keys(self, total: int):
         """(global index, sequence id) of all `total` tokens of the level in natural order."""
@@ -134,9 +168,27 @@ def _dense(x):
     return x if x.dim() == 4 else x.unsqueeze(1)  # THD [t, h, d] -> [t, 1, h, d]
 
 
-def band_fwd(q, k, v, mask: torch.Tensor, scale: float):
-    """Attention of q over k/v where `mask` [s_q, s_k] allows it: (out like q, float32 LSE
-    [b, h, s] or [h, t]; -inf and zero output for rows that see no key)."""
+def band_fwd(q, k, v, band: BandMask, scale: float, kernel: Optional[str] = None):
+    """Attention of q over k/v where `band` allows it: (out like q, float32 LSE [b, h, s] or
+    [h, t]; -inf and zero output for rows that see no key). `kernel="math"` forces exact math."""
+    if flex_band.wanted(q, kernel):
+        got = flex_band.try_run(flex_band.fwd, q, k, v, band, scale)
+        if got is not None:
+            return got
+    return _math_band_fwd(q, k, v, band.dense(), scale)
+
+
+def band_bwd(dout, q, k, v, out, lse, band: BandMask, scale: float, kernel: Optional[str] = None):
+    """(dq, dk, dv) in the dtypes of q, k, v of one band-masked block, given the FINAL out and
+    LSE of the whole attention."""
+    if flex_band.wanted(q, kernel):
+        got = flex_band.try_run(flex_band.bwd, q, k, v, band, scale, dout, out, lse)
+        if got is not None:
+            return got
+    return _math_band_bwd(dout, q, k, v, out, lse, band.dense(), scale)
+
+
+def _math_band_fwd(q, k, v, mask: torch.Tensor, scale: float):
     thd = q.dim() == 3
     qd, kd, vd = _dense(q), _dense(k), _dense(v)
     s, b, h, _ = qd.shape
@@ -150,8 +202,7 @@ def band_fwd(q, k, v, mask: torch.Tensor, scale: float):
     return (out.squeeze(1), lse.squeeze(0)) if thd else (out, lse)
 
 
-def band_bwd(dout, q, k, v, out, lse, mask: torch.Tensor, scale: float):
-    """(dq, dk, dv) in the dtypes of q, k, v of one masked block, given the FINAL out and LSE."""
+def _math_band_bwd(dout, q, k, v, out, lse, mask: torch.Tensor, scale: float):
     thd = q.dim() == 3
     dout, q, k, v, out = (_dense(x) for x in (dout, q, k, v, out))
     if thd:

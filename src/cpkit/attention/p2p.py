@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from cpkit.attention.band import Band, band_bwd, band_fwd
+from cpkit.attention.band import Band, BandMask, band_bwd, band_fwd
 from cpkit.attention.chunks import LocalSeq
 from cpkit.attention.comm import RingComm, group_size
 from cpkit.attention.kernels import attn_bwd, attn_fwd
@@ -44,7 +44,7 @@ __all__ = ["ring_attention", "ring_forward", "ring_backward", "kv_to_save", "kv_
 def _block_case(src: int, rank: int, causal: bool, band: Optional[Band] = None):
     """"diag", "full" (no mask, everything), "kv_first" (src < rank) or "q_second" (src > rank)
     for this rank's queries against the KV of rank `src`; with a sliding window, the block's
-    band mask (a tensor) or "skip" when the block lies wholly outside the window."""
+    band (a `BandMask`) or "skip" when the block lies wholly outside the window."""
     if band is not None:
         mask = band.block(src)
         return "skip" if mask is None else mask
@@ -56,8 +56,8 @@ def _block_case(src: int, rank: int, causal: bool, band: Optional[Band] = None):
 
 
 def _attend_fwd(q, kv, case, scale: float, seq: LocalSeq, kernel):
-    if isinstance(case, torch.Tensor):
-        return band_fwd(q, kv[0], kv[1], case, scale)
+    if isinstance(case, BandMask):
+        return band_fwd(q, kv[0], kv[1], case, scale, kernel)
     if case in ("diag", "full"):
         return attn_fwd(q, kv[0], kv[1], case == "diag", scale, kernel=kernel, **seq.kw("full", "full"))
     if case == "kv_first":
@@ -67,8 +67,8 @@ def _attend_fwd(q, kv, case, scale: float, seq: LocalSeq, kernel):
 
 
 def _attend_bwd(dout, q, kv, out, lse, case, scale: float, seq: LocalSeq, kernel):
-    if isinstance(case, torch.Tensor):
-        return band_bwd(dout, q, kv[0], kv[1], out, lse, case, scale)
+    if isinstance(case, BandMask):
+        return band_bwd(dout, q, kv[0], kv[1], out, lse, case, scale, kernel)
     if case in ("diag", "full"):
         return attn_bwd(dout, q, kv[0], kv[1], out, lse, case == "diag", scale, kernel=kernel,
                         **seq.kw("full", "full"))
@@ -111,7 +111,7 @@ def ring_forward(q, k, v, comm: Optional[RingComm], causal: bool, scale: float, 
     n, rank = (comm.size, comm.rank) if comm is not None else (1, 0)
     if n == 1:  # one block: nothing to merge, no fp32 copy of the output
         if band is not None:
-            out, lse = band_fwd(q, k, v, band.block(rank), scale)
+            out, lse = band_fwd(q, k, v, band.block(rank), scale, kernel)
         else:
             out, lse = attn_fwd(q, k, v, causal, scale, kernel=kernel, **seq.kw("full", "full"))
         if sink is not None:
@@ -171,7 +171,7 @@ def ring_backward(dout, q, kv, out, lse, comm: Optional[RingComm], causal: bool,
     n, rank = (comm.size, comm.rank) if comm is not None else (1, 0)
     if n == 1:  # one block: the kernel's grads are the grads
         if band is not None:
-            return band_bwd(dout, q, kv[0], kv[1], out, lse, band.block(rank), scale)
+            return band_bwd(dout, q, kv[0], kv[1], out, lse, band.block(rank), scale, kernel)
         return attn_bwd(dout, q, kv[0], kv[1], out, lse, causal, scale, kernel=kernel, **seq.kw("full", "full"))
     buf = kv  # [k, v] now; [k, v, dk, dv] from the first exchange on
     dq = dq_block = None  # dq float32: local, so accumulating it exactly costs no communication

@@ -3,7 +3,7 @@
 import importlib
 import sys
 
-BENCHMARKS = ["attention", "scheduler", "eval_cp", "calibrate"]
+BENCHMARKS = ["attention", "scheduler", "eval_cp", "calibrate", "window"]
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,140 @@
+"""Band-masked attention blocks on CUDA through FlexAttention (`torch.nn.attention.flex_attention`).
+
+The block's band (`band.BandMask`) becomes a FlexAttention block mask, so compute and memory
+follow the band: tiles wholly outside it are never computed and no [s_q, s_k] tensor exists.
+
+    fwd(q, k, v, band, scale) -> (out, lse)           like band.band_fwd
+    bwd(q, k, v, band, scale, dout, out, lse) -> (dq, dk, dv), given the FINAL out and LSE
+
+FlexAttention's backward knows only its own block's output and LSE, while a CP block's share of
+the gradients is taken with the final (merged) ones. So `bwd` recomputes the block (o_b, lse_b)
+and back-propagates its share of the merge: out = sum_b w_b o_b with w_b = exp(lse_b - lse),
+hence dL/do_b = w_b dout and dL/dlse_b = w_b <dout, o_b - out> (FlexAttention differentiates
+its LSE). The recompute costs one extra band-sized forward per block in the backward.
+
+A shape or dtype FlexAttention cannot run (a head dim it lacks a kernel for, a missing Triton)
+warns once and `try_run` returns None, and the caller uses exact math for it from then on.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Optional
+
+import torch
+
+__all__ = ["wanted", "try_run", "fwd", "bwd", "share_of_merge_grads"]
+
+_FAILED: set = set()  # shape/dtype keys FlexAttention raised for: exact math from then on
+
+
+def wanted(q: torch.Tensor, kernel: Optional[str]) -> bool:
+    """Whether a band block on `q`'s device goes to FlexAttention: CUDA, unless `kernel` forces
+    math, and a torch that has FlexAttention."""
+    return q.is_cuda and kernel != "math" and _flex_module() is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _flex_module():
+    try:
+        from torch.nn.attention import flex_attention as module
+    except ImportError:
+        return None
+    return module
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled():
+    return torch.compile(_flex_module().flex_attention, dynamic=False)
+
+
+def _attention(device: torch.device):
+    # Uncompiled FlexAttention materializes the scores (a reference, used on CPU by the unit
+    # tests); compiled on CUDA, it is a fused Triton kernel.
+    return _compiled() if device.type == "cuda" else _flex_module().flex_attention
+
+
+def _key(q, k, v) -> tuple:
+    return (q.dtype, q.shape[-1], v.shape[-1], q.shape[-2] != k.shape[-2], q.dim())
+
+
+def try_run(fn, q, k, v, band, scale, *rest):
+    """`fn(q, k, v, band, scale, *rest)`, or None (one warning) when FlexAttention cannot run
+    this shape/dtype; out-of-memory is raised, not hidden."""
+    key = _key(q, k, v)
+    if key in _FAILED:
+        return None
+    try:
+        return fn(q, k, v, band, scale, *rest)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:  # Triton/Inductor errors have no common base class
+        _FAILED.add(key)
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        warnings.warn(f"cpkit attention: FlexAttention failed for {key}; exact math with a dense "
+                      f"band mask from now on: {first}")
+        return None
+
+
+def _to_bhsd(x: torch.Tensor) -> torch.Tensor:
+    # sbhd [s, b, h, d] -> [b, h, s, d]; THD [t, h, d] -> [1, h, t, d] (views)
+    return x.permute(1, 2, 0, 3) if x.dim() == 4 else x.permute(1, 0, 2).unsqueeze(0)
+
+
+def _from_bhsd(x: torch.Tensor, thd: bool) -> torch.Tensor:
+    return x[0].permute(1, 0, 2) if thd else x.permute(2, 0, 1, 3)
+
+
+def _lse_to_bhs(lse: torch.Tensor, thd: bool) -> torch.Tensor:
+    return lse.unsqueeze(0) if thd else lse  # [h, t] -> [1, h, t]
+
+
+def _block_mask(band, device):
+    s_q, s_k = band.shape
+    return _flex_module().create_block_mask(band.mask_mod(), None, None, s_q, s_k, device=device,
+                                                 _compile=device.type == "cuda")
+
+
+def _flex_bhsd(q, k, v, band, scale):
+    """(o [b, h, s, d_v], lse [b, h, s] float32) of q/k/v in [b, h, s, d]."""
+    module = _flex_module()
+    block_mask = _block_mask(band, q.device)
+    gqa, attention = q.shape[1] != k.shape[1], _attention(q.device)
+    if hasattr(module, "AuxRequest"):
+        o, aux = attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                             return_aux=module.AuxRequest(lse=True))
+        return o, aux.lse.float()
+    o, lse = attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_lse=True)
+    return o, lse.float()
+
+
+def fwd(q, k, v, band, scale: float):
+    """(out like q, float32 LSE [b, h, s] or [h, t]) of q over k/v within `band`."""
+    thd = q.dim() == 3
+    o, lse = _flex_bhsd(*(_to_bhsd(x) for x in (q, k, v)), band, scale)
+    return _from_bhsd(o, thd).to(q.dtype), (lse[0] if thd else lse)
+
+
+def share_of_merge_grads(block_fwd, q, k, v, dout, out, lse):
+    """(dq, dk, dv) of one block whose differentiable forward `block_fwd(q, k, v)` returns
+    (o_b, lse_b) in [b, h, s, d] / [b, h, s], given the FINAL dout, out [b, h, s, d] and lse
+    [b, h, s] of the merged attention: the block's share of the merge, back-propagated."""
+    with torch.enable_grad():
+        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+        o_b, lse_b = block_fwd(q, k, v)
+        # A row that sees no key of this block (lse_b = -inf) has no share.
+        w = torch.where(torch.isfinite(lse_b), torch.exp(lse_b - lse), torch.zeros_like(lse_b))
+        do = dout.float()
+        grad_o = (w.unsqueeze(-1) * do).to(o_b.dtype)
+        grad_lse = w * (do * (o_b.float() - out.float())).sum(-1)
+        return torch.autograd.grad([o_b, lse_b], [q, k, v], [grad_o, grad_lse])
+
+
+def bwd(q, k, v, band, scale: float, dout, out, lse):
+    """(dq, dk, dv) in the dtypes of q, k, v of the block within `band`, given the FINAL out
+    and LSE of the whole attention."""
+    thd = q.dim() == 3
+    grads = share_of_merge_grads(lambda a, b, c: _flex_bhsd(a, b, c, band, scale),
+                                 *(_to_bhsd(x) for x in (q, k, v, dout, out)), _lse_to_bhs(lse, thd))
+    return tuple(_from_bhsd(g, thd).to(x.dtype) for g, x in zip(grads, (q, k, v)))

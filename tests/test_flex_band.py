@@ -1,0 +1,115 @@
+"""The FlexAttention path of sliding-window blocks (`src/cpkit/attention/flex_band.py`) on CPU.
+
+CPU runs FlexAttention's forward uncompiled (its reference implementation) and has no backward,
+so these tests check the wrapper: layouts (sbhd, THD), GQA, MLA head dims, the band as a block
+mask and the LSE convention against the exact dense-mask math; the backward's algebra (a block's
+share of the merged attention, taken through the block's own output and LSE) with a
+differentiable math forward; and the fallback. The compiled kernel itself is checked on one GPU
+by functional/test_device.py. fp32 tolerance rtol = atol = 1e-5.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpkit.attention import flex_band
+from cpkit.attention.band import Band, Window, _math_band_bwd, _math_band_fwd
+from cpkit.attention.chunks import local_seq
+
+FP32 = dict(rtol=1e-5, atol=1e-5)
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # uncompiled FlexAttention warns
+
+
+def _band(thd: bool, window: Window, causal: bool, rank: int, src: int, cp: int = 2):
+    """A block of rank `rank`'s queries against rank `src`'s keys: 40 tokens sbhd, or THD
+    sequences of 16, 8 and 24 tokens."""
+    cu = torch.tensor([0, 16, 24, 48]) if thd else None
+    tokens = (48 if thd else 40) // cp
+    band = Band(window, causal, local_seq(tokens, cp, cu, 24 if thd else None), rank, "cpu")
+    return band.block(src), tokens
+
+
+def _qkv(thd: bool, tokens: int, dv: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    lead = (tokens,) if thd else (tokens, 2)
+    return (torch.randn(*lead, 4, 16, generator=gen), torch.randn(*lead, 2, 16, generator=gen),
+            torch.randn(*lead, 2, dv, generator=gen))
+
+
+@pytest.mark.parametrize("thd", [False, True], ids=["sbhd", "thd"])
+@pytest.mark.parametrize("window,causal", [(Window(5, None), True), (Window(3, 6), False)],
+                         ids=["causal-window", "two-sided"])
+@pytest.mark.parametrize("rank,src", [(0, 0), (1, 0), (0, 1)])
+def test_flex_forward_matches_dense_band_math(thd, window, causal, rank, src):
+    """Output and LSE (natural log, -inf where a row sees no key) equal the dense-mask math;
+    v has its own head dim (MLA) and 2 kv heads for 4 query heads (GQA)."""
+    band, tokens = _band(thd, window, causal, rank, src)
+    if band is None:
+        pytest.skip("block wholly outside the window")
+    q, k, v = _qkv(thd, tokens, dv=8)
+    out, lse = flex_band.fwd(q, k, v, band, 0.25)
+    ref_out, ref_lse = _math_band_fwd(q, k, v, band.dense(), 0.25)
+    torch.testing.assert_close(out, ref_out, **FP32)
+    torch.testing.assert_close(lse, ref_lse, **FP32)
+
+
+def _math_block(mask: torch.Tensor, scale: float):
+    """A differentiable band-masked block in [b, h, s, d] returning (o_b, lse_b)."""
+    def block(q, k, v):
+        group = q.shape[1] // k.shape[1]
+        k, v = (x.repeat_interleave(group, 1) for x in (k, v))
+        scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+        lse = torch.logsumexp(scores, -1)
+        p = torch.exp(scores - torch.nan_to_num(lse, neginf=0.0).unsqueeze(-1))
+        return p @ v, lse
+    return block
+
+
+def test_share_of_merge_grads_equals_the_exact_block_backward():
+    """Two blocks of one query set (keys before and inside the window), merged: each block's
+    share of the gradients through its own (o_b, lse_b) equals the exact backward with the
+    final out and LSE, and the shares sum to the gradient of the whole attention."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, 12, 16, generator=gen)
+    ks = [torch.randn(1, 2, 12, 16, generator=gen) for _ in range(2)]
+    vs = [torch.randn(1, 2, 12, 8, generator=gen) for _ in range(2)]
+    pos = torch.arange(12)
+    masks = [(pos.view(-1, 1) + 12 - pos.view(1, -1)) <= 14, pos.view(-1, 1) >= pos.view(1, -1)]
+    masks[0][0] = False  # row 0 sees no key of block 0: it has no share there
+    blocks = [_math_block(m, 0.3) for m in masks]
+    parts = [b(q, k, v) for b, k, v in zip(blocks, ks, vs)]
+    lse = torch.logaddexp(parts[0][1], parts[1][1])
+    out = sum(torch.exp(l_b - lse).unsqueeze(-1) * o_b for o_b, l_b in parts)
+    dout = torch.randn(out.shape, generator=gen)
+
+    to_sbhd = lambda x: x.permute(2, 0, 1, 3)  # noqa: E731
+    for block, mask, k, v in zip(blocks, masks, ks, vs):
+        got = flex_band.share_of_merge_grads(block, q, k, v, dout, out, lse)
+        want = _math_band_bwd(*(to_sbhd(x) for x in (dout, q, k, v, out)), lse, mask, 0.3)
+        for name, g, w in zip("qkv", got, want):
+            torch.testing.assert_close(to_sbhd(g), w, **FP32, msg=lambda m, n=name: f"d{n}: {m}")
+
+    leaves = [x.clone().requires_grad_() for x in (q, *ks, *vs)]
+    (o0, l0), (o1, l1) = (b(leaves[0], leaves[1 + i], leaves[3 + i]) for i, b in enumerate(blocks))
+    merged_lse = torch.logaddexp(l0, l1)
+    merged = torch.exp(l0 - merged_lse).unsqueeze(-1) * o0 + torch.exp(l1 - merged_lse).unsqueeze(-1) * o1
+    want_dq = torch.autograd.grad(merged, leaves[0], dout)[0]
+    dq_sum = sum(flex_band.share_of_merge_grads(b, q, k, v, dout, out, lse)[0] for b, k, v in zip(blocks, ks, vs))
+    torch.testing.assert_close(dq_sum, want_dq, **FP32)
+
+
+def test_a_shape_flex_cannot_run_warns_once_and_falls_back(monkeypatch):
+    """try_run returns None with one warning, and does not try that shape/dtype again."""
+    monkeypatch.setattr(flex_band, "_FAILED", set())
+    calls = []
+
+    def broken(*args):
+        calls.append(args)
+        raise RuntimeError("no kernel for head dim 24")
+
+    q, k, v = _qkv(False, 4, dv=24)
+    with pytest.warns(UserWarning, match="FlexAttention failed"):
+        assert flex_band.try_run(broken, q, k, v, None, 1.0) is None
+    assert flex_band.try_run(broken, q, k, v, None, 1.0) is None and len(calls) == 1
+    assert not flex_band.wanted(q, None)  # CPU: exact math
