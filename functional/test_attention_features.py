@@ -46,16 +46,28 @@ FEATURE_MATRIX = {
     "window-two-sided": ("sbhd", "thd"),
     "odd-thd-refused": ("thd",),
 }
-# feature -> (row label, cpkit's cell for every comm type, Transformer Engine's support as its
-# context_parallel.py states it; TE is not run by this grid).
+# Transformer Engine's cells, read from TE 2.20.2 (not run by this grid), in
+# transformer_engine/pytorch/attention/dot_product_attention/: context_parallel.py::
+# attn_forward_func_with_cp asserts a sliding window only with a2a/all_gather and a softmax_type
+# other than vanilla only with a2a (THD: cuDNN >= 9.18); utils.py::get_attention_backend filters
+# the same and has no head-dim limit under CP; THD offsets are floor-divided by cp and 2*cp
+# unchecked (context_parallel.py::cp_p2p_fwd_prepare_qkv, AttnFuncWithCPAndKVAllGather.forward,
+# flash_attn_a2a_communicate).
+_TE_EVERY = "p2p, all_gather, a2a, a2a+p2p"
+_TE_SINK = "a2a; p2p, all_gather, a2a+p2p refused (softmax_type needs a2a)"
+_TE_SINK_THD = "a2a with cuDNN >= 9.18; p2p, all_gather, a2a+p2p refused (softmax_type needs a2a)"
+_TE_WINDOW = "all_gather, a2a; p2p, a2a+p2p refused (no sliding window)"
+# feature -> (row label, cpkit's cell for every comm type, {layout: Transformer Engine's cell}).
 FEATURE_TABLE = {
-    "mla": ("MLA: q/k head dim != v head dim", "tested here", "p2p, all_gather, a2a, a2a+p2p"),
-    "sink-off-by-one": ('softmax_type "off-by-one"', "tested here", "a2a only"),
-    "sink-learnable": ('softmax_type "learnable" (sink gradient)', "tested here", "a2a only"),
-    "window-causal": ("sliding window, causal (left, 0)", "tested here", "all_gather, a2a"),
-    "window-two-sided": ("sliding window, two-sided (left, right)", "tested here", "all_gather, a2a"),
+    "mla": ("MLA: q/k head dim != v head dim", "tested here", {"sbhd": _TE_EVERY, "thd": _TE_EVERY}),
+    "sink-off-by-one": ('softmax_type "off-by-one"', "tested here", {"sbhd": _TE_SINK, "thd": _TE_SINK_THD}),
+    "sink-learnable": ('softmax_type "learnable" (sink gradient)', "tested here",
+                       {"sbhd": _TE_SINK, "thd": _TE_SINK_THD}),
+    "window-causal": ("sliding window, causal (left, 0)", "tested here", {"sbhd": _TE_WINDOW, "thd": _TE_WINDOW}),
+    "window-two-sided": ("sliding window, two-sided (left, right)", "tested here",
+                         {"sbhd": _TE_WINDOW, "thd": _TE_WINDOW}),
     "odd-thd-refused": ("THD length not a multiple of 2*cp", "refused with CPConfigError",
-                        "accepted and rounded down (TE issue 1930)"),
+                        {"thd": "accepted unchecked and rounded down, every comm type (TE issue 1930)"}),
 }
 
 
@@ -65,7 +77,7 @@ def feature_table_markdown() -> str:
     for feature, layouts in FEATURE_MATRIX.items():
         label, cell, te = FEATURE_TABLE[feature]
         for fmt in layouts:
-            lines.append(f"| {label} | {fmt} | " + " | ".join([cell] * len(COMMS)) + f" | {te} |")
+            lines.append(f"| {label} | {fmt} | " + " | ".join([cell] * len(COMMS)) + f" | {te[fmt]} |")
     return "\n".join(lines)
 
 HEADS, KV_HEADS = 8, 4

@@ -109,13 +109,17 @@ def test_window_and_sink_arguments_are_checked():
 def test_skill_feature_table_matches_the_tested_matrix():
     """The attention skill's feature table is the one rendered from the matrix the functional
     grid is parametrized from; regenerate it with feature_table_markdown() when they differ."""
-    from functional.test_attention_features import COMMS, FEATURE_MATRIX, _cases, feature_table_markdown
+    from functional.test_attention_features import (COMMS, FEATURE_MATRIX, FEATURE_TABLE, _cases,
+                                                    feature_table_markdown)
 
     text = (_repo() / "skills/context-parallel-attention/SKILL.md").read_text()
     start, end = "<!-- feature-table:start -->\n", "\n<!-- feature-table:end -->"
     assert start in text and end in text
     table = text.split(start, 1)[1].split(end, 1)[0]
     assert table == feature_table_markdown(), "regenerate the table:\n" + feature_table_markdown()
+    # Transformer Engine's column has one cell per layout of each row, no more.
+    te_layouts = {feature: set(te) for feature, (_, _, te) in FEATURE_TABLE.items()}
+    assert te_layouts == {feature: set(fmts) for feature, fmts in FEATURE_MATRIX.items()}
     # Every cell the table claims is a case the grid runs, on 2 and on 4 ranks.
     for world_size in (2, 4):
         ran = {(c["feature"], c["fmt"], c["comm"]) for c in _cases("gloo", world_size)}
