@@ -16,8 +16,9 @@ dv and the sink gradient. The attention skill's feature table is rendered from `
 (`feature_table_markdown`) and checked by tests/test_attention_features.py.
 
 Sizes and tolerances: gloo fp32, sbhd s = 48, b = 2; THD 4 sequences of 5..21 tokens padded to
-2*cp; 8 heads, 4 kv heads; rtol = atol = 1e-5 (measured max errors ~1e-6). nccl: bf16, s = 4096,
-b = 1, head dims 128 / 64; rtol = 2e-2 and atol = 2e-2 x the reference's largest magnitude.
+2*cp (sliding window: 5 of 0..61 tokens, so that p2p skips THD blocks at cp=4); 8 heads, 4 kv
+heads; rtol = atol = 1e-5 (measured max errors ~1e-6). nccl: bf16, s = 4096, b = 1, head dims
+128 / 64; rtol = 2e-2 and atol = 2e-2 x the reference's largest magnitude.
 """
 
 from __future__ import annotations
@@ -81,6 +82,11 @@ def feature_table_markdown() -> str:
     return "\n".join(lines)
 
 HEADS, KV_HEADS = 8, 4
+THD_LENS = [13, 5, 21, 9]
+# Sliding window, THD: long sequences (padded chunks of 6 and 8 at cp=4) and an empty one, where
+# p2p skips the blocks of ranks 0 and 3 against each other, and shorter ones (chunks of 4 and 3)
+# that alone keep ranks 0-2 and 1-3 live under both grid windows (tests/test_band.py).
+THD_WINDOW_LENS = [45, 27, 61, 0, 21]
 _GROUPS: dict = {}
 
 
@@ -139,7 +145,7 @@ def _inputs(case, cp: int, dev):
     if case["fmt"] == "sbhd":
         shape = (4096, 1) if gpu else (48, 2)
     else:
-        lens = [1500, 333, 2100, 77] if gpu else [13, 5, 21, 9]
+        lens = [1500, 333, 2100, 77] if gpu else THD_WINDOW_LENS if case["window"] else THD_LENS
         if "expect_error" in case:
             cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
         else:

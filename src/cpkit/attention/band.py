@@ -4,8 +4,18 @@ A query at global position i sees the keys at j with i - left <= j <= i + right 
 under a causal mask), within its own packed sequence (THD). `Band` gives, for this rank's
 queries and the tokens another rank holds at the same CP level, the boolean mask [s_q, s_k] of
 their block, or None when the block lies wholly outside the band, so the ring skips its
-compute (sbhd: decided on the host from the chunk ranges, no device sync; THD blocks are always
-computed, masked, because the chunk sizes differ per sequence and live on the device).
+compute. Liveness is exact (a block with one visible query-key pair is computed) and decided
+per chunk offset: in the 2*n chunk layout the query-minus-key positions of query chunk a against
+key chunk b of one sequence with chunks of c tokens fill [(a-b)*c - (c-1), (a-b)*c + (c-1)], so
+whether some pair is visible depends only on a - b and c. sbhd: host arithmetic on the one
+chunk length, cached, no device sync. THD: the same test over every sequence's chunk length at
+once, on the device, copied to the host once per Band (asynchronously, awaited when the first
+block other than the rank's own is asked for) and reused by the backward.
+
+The ring is not cut short when its trailing steps are dead: the zigzag layout makes the last
+forward step (src = rank + 1) hold rank 0's second chunk 2n-1 against chunk 2n-2, adjacent, so
+it is live whenever the window reaches one token beyond the query (every window that holds
+more than the query itself).
 
 A block's band is a `BandMask`: the positions (and THD sequence ids) of its queries and keys
 plus the window, O(s_q + s_k), never the dense [s_q, s_k] mask until a kernel asks for it.
@@ -19,6 +29,7 @@ math for that shape), exact float32 math with the dense mask (O(s_q * s_k) memor
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -96,14 +107,33 @@ def check_window(window_size, causal: bool) -> Optional[Window]:
     return Window(left, right)
 
 
-def _chunk_ranges(seq: LocalSeq, rank: int) -> list[tuple[int, int]]:
-    """sbhd: the global position ranges of `rank`'s tokens at the level of `seq`."""
-    n, tokens = seq.size, seq.tokens
-    if n == 1:
-        return [(0, tokens)]
-    c = tokens // 2
-    last = 2 * n - 1 - rank
-    return [(rank * c, (rank + 1) * c), (last * c, (last + 1) * c)]
+def _visible_offsets(chunk: torch.Tensor, size: int, window: Window, causal: bool) -> torch.Tensor:
+    """Whether some query of chunk a sees some key of chunk b of the same sequence, for every
+    chunk offset a - b = 1-2n .. 2n-1 of a level of `size` n ([4n-1] bool), given each
+    sequence's chunk length `chunk` ([S] int64; at n == 1 the whole length). The offset's
+    query-minus-key positions fill [delta*c - (c-1), delta*c + (c-1)] (all of them): visible iff
+    that interval meets the window's [lo, hi] and c > 0 (empty chunks see nothing)."""
+    delta = torch.arange(1 - 2 * size, 2 * size, device=chunk.device)
+    c = chunk.to(torch.int64).view(-1, 1)
+    ok = (c > 0).expand(-1, delta.numel())
+    if window.left is not None:
+        ok = ok & (delta * c - (c - 1) <= window.left)
+    lo = 0 if causal else (None if window.right is None else -window.right)
+    if lo is not None:
+        ok = ok & (delta * c + (c - 1) >= lo)
+    return ok.any(0)
+
+
+@lru_cache(maxsize=256)
+def _sbhd_offsets(tokens: int, size: int, window: Window, causal: bool) -> tuple[bool, ...]:
+    """`_visible_offsets` of an sbhd level: one chunk length, on the host."""
+    chunk = tokens // 2 if size > 1 else tokens
+    return tuple(_visible_offsets(torch.tensor([chunk]), size, window, causal).tolist())
+
+
+def _held(rank: int, size: int) -> tuple[int, ...]:
+    """The chunk ids `rank` holds at a level of `size` ranks (of 2*size chunks, or 1)."""
+    return (rank, 2 * size - 1 - rank) if size > 1 else (0,)
 
 
 class Band:
@@ -111,16 +141,21 @@ class Band:
 
     `seq` describes the level (size, local tokens, THD offsets), `rank` this rank's position in
     it. Positions are global token indices (sbhd: in the sequence; THD: in the packed batch,
-    with a sequence id per token so that sequences never see each other)."""
+    with a sequence id per token so that sequences never see each other). Build one Band per
+    attention call (the ring's forward and backward share it): THD liveness is read from the
+    device once per Band."""
 
     def __init__(self, window: Window, causal: bool, seq: LocalSeq, rank: int, device):
         self.window, self.causal, self.seq, self.rank, self.device = window, causal, seq, rank, device
         self._q = self._tokens(rank)
+        self._offsets: Optional[tuple[bool, ...]] = None
+        self._pending = self._start_offsets()
 
     def _tokens(self, rank: int):
         seq = self.seq
         if not seq.varlen:
-            ranges = _chunk_ranges(seq, rank)
+            n, c = seq.size, seq.tokens // 2
+            ranges = [(0, seq.tokens)] if n == 1 else [(i * c, (i + 1) * c) for i in _held(rank, n)]
             return torch.cat([torch.arange(a, b, device=self.device) for a, b in ranges]), None
         cu = seq.global_cu.to(self.device)
         n = seq.size
@@ -132,23 +167,47 @@ class Band:
             index = segments_to_index(seg_starts.reshape(-1), chunk.repeat_interleave(2), seq.tokens)
         return index, torch.searchsorted(cu, index, right=True) - 1
 
-    def _live(self, src: int) -> bool:
-        """sbhd: whether any query of this rank sees any token of `src` (host arithmetic)."""
-        if self.seq.varlen:
+    def _start_offsets(self):
+        """THD over a ring: start the one device-to-host copy of the visible chunk offsets (a
+        non-blocking copy and an event on CUDA, so the wait covers only the work queued before
+        it, not the rank's own block computed meanwhile)."""
+        seq = self.seq
+        if not seq.varlen or seq.size == 1:  # sbhd: host arithmetic; one rank: only its own block
+            return None
+        cu = seq.global_cu
+        visible = _visible_offsets((cu[1:] - cu[:-1]) // (2 * seq.size), seq.size, self.window, self.causal)
+        if not visible.is_cuda:
+            return visible, None
+        host = torch.empty(visible.shape, dtype=torch.bool, pin_memory=True)
+        host.copy_(visible, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def _visible(self) -> tuple[bool, ...]:
+        if self._offsets is None:
+            if self._pending is None:
+                self._offsets = _sbhd_offsets(self.seq.tokens, self.seq.size, self.window, self.causal)
+            else:
+                visible, event = self._pending
+                if event is not None:
+                    event.synchronize()
+                self._offsets, self._pending = tuple(visible.tolist()), None
+        return self._offsets
+
+    def live(self, src: int) -> bool:
+        """Whether some query of this rank sees some token of rank `src` (THD: of the same
+        sequence). The rank's own block is always live: the ring starts its running output
+        there (a query sees itself, so it is dead only when the rank holds no tokens)."""
+        if src == self.rank:
             return True
-        lo = 0 if self.causal else (-self.window.right if self.window.right is not None else None)
-        hi = self.window.left
-        for a0, a1 in _chunk_ranges(self.seq, self.rank):
-            for b0, b1 in _chunk_ranges(self.seq, src):
-                d_min, d_max = a0 - (b1 - 1), (a1 - 1) - b0  # query position minus key position
-                if (hi is None or d_min <= hi) and (lo is None or d_max >= lo):
-                    return True
-        return False
+        n, visible = self.seq.size, self._visible()
+        return any(visible[a - b + 2 * n - 1] for a in _held(self.rank, n) for b in _held(src, n))
 
     def block(self, src: int) -> Optional[BandMask]:
         """The band of this rank's queries against `src`'s tokens, or None when the whole block
         lies outside it."""
-        if not self._live(src):
+        if not self.live(src):
             return None
         return self.mask_for(self._tokens(src))
 
