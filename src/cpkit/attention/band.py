@@ -181,7 +181,7 @@ class Band:
         host = torch.empty(visible.shape, dtype=torch.bool, pin_memory=True)
         host.copy_(visible, non_blocking=True)
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(visible.device))
         return host, event
 
     def _visible(self) -> tuple[bool, ...]:
