@@ -19,7 +19,7 @@ from cpkit.attention.band import Band, Window, check_window
 from cpkit.attention.chunks import local_seq
 from cpkit.sharding import shard_seq, thd_partition
 
-PROPERTY = settings(max_examples=150, derandomize=True, deadline=None, database=None)
+PROPERTY = settings(max_examples=100, derandomize=True, deadline=None, database=None)
 
 
 def _thd_seq(chunks: list[int], n: int):
