@@ -4,7 +4,8 @@
 # - MCore from the wheel carried in .whl/ when it is not importable yet.
 # - Transformer Engine loads cuDNN itself; left alone it found the system's cuDNN 9.14 while
 #   torch had loaded its own 9.19, and failed with "libcudnn_cnn.so.9: undefined symbol"
-#   (or disabled its fused attention, leaving no CP backend). CUDNN_PATH points it at torch's.
+#   (or disabled its fused attention, leaving no CP backend). CUDNN_PATH points it at torch's,
+#   and LD_LIBRARY_PATH the loader (TE's core library names cuDNN's sub-libraries itself).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 if ! python3 -c "import megatron.core" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
@@ -13,4 +14,7 @@ fi
 export PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 if [ -z "${CUDNN_PATH:-}" ]; then
   cudnn=$(python3 -c "import nvidia.cudnn as c; print(list(c.__path__)[0])" 2>/dev/null) && export CUDNN_PATH=$cudnn
+fi
+if [ -n "${CUDNN_PATH:-}" ] && [ -d "$CUDNN_PATH/lib" ]; then
+  export LD_LIBRARY_PATH=$CUDNN_PATH/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
