@@ -113,3 +113,37 @@ def test_a_shape_flex_cannot_run_warns_once_and_falls_back(monkeypatch):
         assert flex_band.try_run(broken, q, k, v, None, 1.0) is None
     assert flex_band.try_run(broken, q, k, v, None, 1.0) is None and len(calls) == 1
     assert not flex_band.wanted(q, None)  # CPU: exact math
+
+
+@pytest.mark.parametrize("thd", [False, True], ids=["sbhd", "thd"])
+@pytest.mark.parametrize("window,causal", [(Window(150, None), True), (Window(40, 300), False),
+                                           (Window(None, 0), False)], ids=["causal", "two-sided", "right-only"])
+@pytest.mark.parametrize("rank,src", [(0, 0), (1, 0), (1, 1)])
+def test_tiles_cover_the_band_and_full_tiles_lie_inside_it(thd, window, causal, rank, src):
+    """Every 128 x 128 tile with a pair the dense mask allows is partial or full; every full
+    tile is allowed throughout; a tile neither is wholly outside (cp=2, 1040 tokens: several
+    tiles per block, sequences of 300, 260 and 480 tokens that cross tile borders)."""
+    cu = torch.tensor([0, 300, 560, 1040]) if thd else None
+    band = Band(window, causal, local_seq(520, 2, cu, 480 if thd else None), rank, "cpu").block(src)
+    if band is None:
+        pytest.skip("block wholly outside the window")
+    partial, full = flex_band.block_tiles(band)
+    dense = band.dense()
+    nq, nk = partial.shape
+    tiles = torch.nn.functional.pad(dense, (0, nk * 128 - dense.shape[1], 0, nq * 128 - dense.shape[0]))
+    tiles = tiles.view(nq, 128, nk, 128)  # entries past the block's end: False
+    assert torch.equal(partial | full, partial | full | tiles.any(3).any(1))  # no allowed pair left out
+    assert not (partial & full).any()
+    rows, cols = dense.shape
+    within = torch.zeros(nq * 128, nk * 128, dtype=torch.bool)
+    within[:rows, :cols] = True
+    allowed_or_outside = (tiles | ~within.view(nq, 128, nk, 128)).all(3).all(1)
+    assert torch.equal(full & allowed_or_outside, full)
+    if not thd and causal and rank == src:  # the diagonal block of a 150-token window has inner tiles
+        assert full.any() and partial.any() and not (partial | full).all()
+
+    q, k, v = _qkv(thd, 520, dv=8)
+    out, lse = flex_band.fwd(q, k, v, band, 0.25)
+    ref_out, ref_lse = _math_band_fwd(q, k, v, dense, 0.25)
+    torch.testing.assert_close(out, ref_out, **FP32)
+    torch.testing.assert_close(lse, ref_lse, **FP32)

@@ -53,24 +53,31 @@ class Window:
 
 class BandMask:
     """The band of one block: query positions/sequence ids `q`, key positions/sequence ids `k`
-    (each (index [n], seq id [n] or None)), the window and whether the mask is causal."""
+    (each (index [n], seq id [n] or None)), the window and whether the mask is causal.
+    `kernel_cache` holds what a kernel derives from it (FlexAttention's block mask), so that
+    the backward reuses the forward's."""
 
     def __init__(self, q, k, window: Window, causal: bool):
         self.q, self.k, self.window, self.causal = q, k, window, causal
+        self.kernel_cache: dict = {}
 
     @property
     def shape(self) -> tuple[int, int]:
         """(s_q, s_k): the block's query and key counts."""
         return self.q[0].numel(), self.k[0].numel()
 
+    def distances(self) -> tuple[Optional[int], Optional[int]]:
+        """(lowest, highest) query-minus-key position a query sees; None: unbounded."""
+        right = self.window.right
+        return (0 if self.causal else (None if right is None else -right)), self.window.left
+
     def allows(self, q_idx, k_idx, q_seg=None, k_seg=None):
         """Whether queries at `q_idx` see keys at `k_idx` (broadcasting tensors)."""
         diff = q_idx - k_idx
-        ok = diff >= 0 if self.causal else diff == diff
-        if self.window.left is not None:
-            ok = ok & (diff <= self.window.left)
-        if self.window.right is not None:
-            ok = ok & (diff >= -self.window.right)
+        lo, hi = self.distances()
+        ok = diff >= lo if lo is not None else diff == diff
+        if hi is not None:
+            ok = ok & (diff <= hi)
         if q_seg is not None:
             ok = ok & (q_seg == k_seg)
         return ok
@@ -81,12 +88,21 @@ class BandMask:
         segs = (None, None) if q_seg is None else (q_seg.view(-1, 1), k_seg.view(1, -1))
         return self.allows(q_idx.view(-1, 1), k_idx.view(1, -1), *segs)
 
-    def mask_mod(self):
-        """The band as a FlexAttention mask_mod(b, h, q, kv)."""
-        (q_idx, q_seg), (k_idx, k_seg) = self.q, self.k
+    def mask_mod(self, padded_q: Optional[int] = None, padded_k: Optional[int] = None):
+        """The band as a FlexAttention mask_mod(b, h, q, kv); positions past the block (a
+        kernel's last, partial tile) read the last query's or key's, never out of bounds."""
+        (q_idx, q_seg), (k_idx, k_seg) = ((_edge_pad(i, n), _edge_pad(g, n)) for (i, g), n in
+                                          ((self.q, padded_q), (self.k, padded_k)))
         if q_seg is None:
             return lambda b, h, i, j: self.allows(q_idx[i], k_idx[j])
         return lambda b, h, i, j: self.allows(q_idx[i], k_idx[j], q_seg[i], k_seg[j])
+
+
+def _edge_pad(x: Optional[torch.Tensor], n: Optional[int]) -> Optional[torch.Tensor]:
+    """`x` extended to `n` entries by repeating its last one (unchanged if None or long enough)."""
+    if x is None or n is None or n <= x.numel():
+        return x
+    return torch.cat([x, x[-1:].expand(n - x.numel())])
 
 
 def check_window(window_size, causal: bool) -> Optional[Window]:
@@ -148,6 +164,7 @@ class Band:
     def __init__(self, window: Window, causal: bool, seq: LocalSeq, rank: int, device):
         self.window, self.causal, self.seq, self.rank, self.device = window, causal, seq, rank, device
         self._q = self._tokens(rank)
+        self._blocks: dict[int, BandMask] = {}
         self._offsets: Optional[tuple[bool, ...]] = None
         self._pending = self._start_offsets()
 
@@ -209,7 +226,9 @@ class Band:
         lies outside it."""
         if not self.live(src):
             return None
-        return self.mask_for(self._tokens(src))
+        if src not in self._blocks:  # the backward asks again: keep the kernel's derived masks
+            self._blocks[src] = self.mask_for(self._tokens(src))
+        return self._blocks[src]
 
     def mask_for(self, keys) -> BandMask:
         """The band of this rank's queries against keys given as (global index, sequence id)."""

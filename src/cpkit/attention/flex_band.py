@@ -1,7 +1,8 @@
 """Band-masked attention blocks on CUDA through FlexAttention (`torch.nn.attention.flex_attention`).
 
-The block's band (`band.BandMask`) becomes a FlexAttention block mask, so compute and memory
-follow the band: tiles wholly outside it are never computed and no [s_q, s_k] tensor exists.
+The block's band (`band.BandMask`) becomes a FlexAttention block mask, built from the tiles'
+position ranges (`block_tiles`), so compute and memory follow the band: tiles wholly outside
+it are never computed, tiles wholly inside run without the mask, and no [s_q, s_k] tensor exists.
 
     fwd(q, k, v, band, scale) -> (out, lse)           like band.band_fwd
     bwd(q, k, v, band, scale, dout, out, lse) -> (dq, dk, dv), given the FINAL out and LSE
@@ -24,8 +25,9 @@ from typing import Optional
 
 import torch
 
-__all__ = ["wanted", "try_run", "fwd", "bwd", "share_of_merge_grads"]
+__all__ = ["wanted", "try_run", "fwd", "bwd", "share_of_merge_grads", "block_tiles"]
 
+TILE = 128  # FlexAttention's default block size
 _FAILED: set = set()  # shape/dtype keys FlexAttention raised for: exact math from then on
 
 
@@ -90,16 +92,59 @@ def _lse_to_bhs(lse: torch.Tensor, thd: bool) -> torch.Tensor:
     return lse.unsqueeze(0) if thd else lse  # [h, t] -> [1, h, t]
 
 
-def _block_mask(band, device):
-    s_q, s_k = band.shape
-    return _flex_module().create_block_mask(band.mask_mod(), None, None, s_q, s_k, device=device,
-                                                 _compile=device.type == "cuda")
+def _tile_bounds(x: torch.Tensor, tiles: int):
+    """Per tile of TILE entries of `x`: (min, max); the last, partial tile repeats x's last entry."""
+    x = torch.cat([x, x[-1:].expand(tiles * TILE - x.numel())]).view(tiles, TILE)
+    return x.amin(1), x.amax(1)
+
+
+def _as_kv_blocks(tiles: torch.Tensor):
+    """[q tiles, kv tiles] bool -> (count [1, 1, q], kv tile indices [1, 1, q, kv], those set first)."""
+    order = torch.argsort((~tiles).to(torch.int8), dim=1, stable=True).to(torch.int32)
+    return tiles.sum(1, dtype=torch.int32)[None, None], order[None, None]
+
+
+def block_tiles(band):
+    """(partial, full): [q tiles, kv tiles] bool of the band's TILE x TILE tiles. A tile is
+    full when every query in it sees every key (the kernel skips the mask there), partial when
+    some query may see some key (the mask decides), else skipped. Decided from each tile's
+    position and sequence-id ranges, O(tiles), never from an [s_q, s_k] mask."""
+    (q_idx, q_seg), (k_idx, k_seg) = band.q, band.k
+    nq, nk = (-(-n // TILE) for n in band.shape)
+    q_lo, q_hi = _tile_bounds(q_idx, nq)
+    k_lo, k_hi = _tile_bounds(k_idx, nk)
+    d_min, d_max = q_lo[:, None] - k_hi[None, :], q_hi[:, None] - k_lo[None, :]
+    live = torch.ones(nq, nk, dtype=torch.bool, device=q_idx.device)
+    full = live.clone()
+    lo, hi = band.distances()
+    if lo is not None:
+        live &= d_max >= lo
+        full &= d_min >= lo
+    if hi is not None:
+        live &= d_min <= hi
+        full &= d_max <= hi
+    if q_seg is not None:
+        (qs_lo, qs_hi), (ks_lo, ks_hi) = _tile_bounds(q_seg, nq), _tile_bounds(k_seg, nk)
+        live &= (qs_lo[:, None] <= ks_hi[None, :]) & (ks_lo[None, :] <= qs_hi[:, None])
+        full &= (qs_lo == qs_hi)[:, None] & (ks_lo == ks_hi)[None, :] & (qs_lo[:, None] == ks_lo[None, :])
+    return live & ~full, full
+
+
+def _block_mask(band):
+    """FlexAttention's BlockMask of `band`, built once per band (forward and backward share it)."""
+    if "flex" not in band.kernel_cache:
+        partial, full = block_tiles(band)
+        nq, nk = partial.shape
+        band.kernel_cache["flex"] = _flex_module().BlockMask.from_kv_blocks(
+            *_as_kv_blocks(partial), *_as_kv_blocks(full), BLOCK_SIZE=TILE,
+            mask_mod=band.mask_mod(nq * TILE, nk * TILE), seq_lengths=band.shape)
+    return band.kernel_cache["flex"]
 
 
 def _flex_bhsd(q, k, v, band, scale):
     """(o [b, h, s, d_v], lse [b, h, s] float32) of q/k/v in [b, h, s, d]."""
     module = _flex_module()
-    block_mask = _block_mask(band, q.device)
+    block_mask = _block_mask(band)
     gqa, attention = q.shape[1] != k.shape[1], _attention(q.device)
     if hasattr(module, "AuxRequest"):
         o, aux = attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,

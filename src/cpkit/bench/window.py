@@ -41,10 +41,11 @@ def _qkv(tokens: int, heads: int, kv_heads: int, dim: int, dtype, device):
     return q, k, v
 
 
-def _band_step(band: Band, sources: list[int], q, k, v, scale: float):
+def _band_step(make_band, sources: list[int], q, k, v, scale: float):
     """Forward then backward of every live block (the block's own output stands in for the
-    merged one: the time is the same)."""
+    merged one: the time is the same); the Band is built per step, as per attention call."""
     def step():
+        band = make_band()
         blocks = [band.block(src) for src in sources]
         outs = [band_fwd(q, k, v, b, scale) for b in blocks if b is not None]
         for b, (o, lse) in zip([b for b in blocks if b is not None], outs):
@@ -109,9 +110,9 @@ def main(argv=None) -> int:
     whole = _qkv(args.seq, heads_a2a, kv_a2a, args.head_dim, dtype, device)
     rows = {
         f"cpkit p2p, window (rank {busiest}: {_live_blocks(bands[busiest], cp)} of {cp} blocks)":
-            lambda: _band_step(bands[busiest], list(range(cp)), *local, scale),
+            lambda: _band_step(lambda: Band(win, True, seq, busiest, device), list(range(cp)), *local, scale),
         f"cpkit p2p, no window (rank {busiest})": lambda: _dense_ring_step(busiest, cp, *local, scale),
-        "cpkit a2a, window": lambda: _band_step(Band(win, True, local_seq(args.seq, 1), 0, device), [0],
+        "cpkit a2a, window": lambda: _band_step(lambda: Band(win, True, local_seq(args.seq, 1), 0, device), [0],
                                                 *whole, scale),
         "TE a2a, window": lambda: _te_step(args.seq, heads_a2a, kv_a2a, args.head_dim, args.window, dtype, device),
     }
