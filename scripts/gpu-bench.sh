@@ -4,7 +4,7 @@
 # batching and of the a2a head chunks, p2p kv8 at cp=2, a profile of p2p / a2a / a2a+p2p at kv32)
 # or eval_cp (the default model, a 4096-wide one at TP1 PP2, a profile of TP1 PP2 16K), with
 # tables, JSON, profiles, traces and their timelines under ${OUT:-gpu-results}/.
-# Usage: bash scripts/gpu-bench.sh attention|eval_cp
+# Usage: bash scripts/gpu-bench.sh attention|eval_cp|window
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-results}; mkdir -p "$out"
@@ -43,6 +43,9 @@ case "${1:-}" in
       --out "$out/eval_cp_h4096.json" 2>&1 | quiet | tee "$out/eval_cp_h4096.txt" || rc=1
     profiled eval_cp --layouts tp1pp2 --seq 16384 --warmup 2 --iters 3
     ;;
-  *) echo "usage: bash scripts/gpu-bench.sh attention|eval_cp" >&2; exit 2 ;;
+  window)  # one GPU is enough: one rank's sliding-window compute (no communication)
+    python3 -m cpkit.bench window --out "$out/window.json" 2>&1 | quiet | tee "$out/window.txt" || rc=1
+    ;;
+  *) echo "usage: bash scripts/gpu-bench.sh attention|eval_cp|window" >&2; exit 2 ;;
 esac
 exit $rc
