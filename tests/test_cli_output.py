@@ -60,3 +60,17 @@ def test_repository_commands_outside_a_repository_fail_with_the_reason(argv, tmp
 def test_root_that_is_not_a_repository_is_an_error(tmp_path, capsys):
     assert main(["cards", "status", "--root", str(tmp_path)]) == 2
     assert "is not a cpkit repository" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["-m", "cpkit.cli", "cards", "status"], ["-m", "cpkit.change_map"]])
+def test_a_reader_that_leaves_early_gets_no_traceback(argv):
+    """`cpkit cards status | head -1`: the closed pipe ends the command quietly, exit 0."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=Path(__file__).resolve().parents[1], bufsize=0)
+    proc.stdout.read(1)
+    proc.stdout.close()  # before the command has written everything
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0 and "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr

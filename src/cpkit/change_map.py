@@ -196,4 +196,9 @@ def skill_table() -> str:
 
 
 if __name__ == "__main__":
-    print(skill_table())
+    try:
+        print(skill_table())
+    except BrokenPipeError:  # `python -m cpkit.change_map | head`
+        from cpkit.cli import quiet_closed_stdout
+
+        quiet_closed_stdout()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from cpkit import __version__
@@ -47,6 +48,15 @@ def main(argv: list[str] | None = None) -> int:
     except NotARepositoryError as exc:
         print(f"cpkit {args.command}: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader left early (`cpkit cards status | head`): not an error
+        quiet_closed_stdout()
+        return 0
+
+
+def quiet_closed_stdout() -> None:
+    """Point stdout at /dev/null so that Python's exit-time flush of a closed pipe stays silent."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 if __name__ == "__main__":
