@@ -185,3 +185,18 @@ def test_ring_computes_live_blocks_only(monkeypatch, thd):
     dq, dk, dv = p2p.ring_backward(torch.randn_like(out), q, kv, out, lse, comm, True, 0.3, seq, band=band)
     assert counts == {"fwd": 2, "bwd": 2}
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
+def test_all_gather_band_reads_no_liveness_until_asked(monkeypatch):
+    """all_gather builds its Band with ring=False: it never asks which ring blocks are live, so
+    no THD liveness is computed (no device-to-host copy) unless something asks, and then the
+    answer is the same as a ring Band's."""
+    calls = []
+    real = band_mod._visible_offsets
+    monkeypatch.setattr(band_mod, "_visible_offsets", lambda *a: calls.append(1) or real(*a))
+    seq, _ = _thd_seq([3, 0, 5, 1], 4)
+    lazy = Band(Window(2, None), True, seq, 1, "cpu", ring=False)
+    lazy.mask_for(lazy.natural_keys(seq.tokens * 4)).dense()
+    assert calls == []
+    eager = Band(Window(2, None), True, seq, 1, "cpu")
+    assert [lazy.live(s) for s in range(4)] == [eager.live(s) for s in range(4)] and len(calls) == 2

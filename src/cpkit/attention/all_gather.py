@@ -89,7 +89,7 @@ class _AllGatherAttention(torch.autograd.Function):
         _, K, V = _gather_kv(k, v, group, natural_rows)
         blocks = _Blocks(seq, group_rank(group), K.shape[0])
         out = torch.empty_like(q, dtype=torch.float32)
-        band = None if window is None else Band(window, causal, seq, group_rank(group), q.device)
+        band = None if window is None else Band(window, causal, seq, group_rank(group), q.device, ring=False)
         if band is not None:  # sliding window: the local queries against all keys, band-masked
             o, lse = band_fwd(q, K, V, band.mask_for(band.natural_keys(K.shape[0])), scale, kernel)
             out.copy_(o)

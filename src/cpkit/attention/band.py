@@ -161,12 +161,13 @@ class Band:
     attention call (the ring's forward and backward share it): THD liveness is read from the
     device once per Band."""
 
-    def __init__(self, window: Window, causal: bool, seq: LocalSeq, rank: int, device):
+    def __init__(self, window: Window, causal: bool, seq: LocalSeq, rank: int, device, ring: bool = True):
         self.window, self.causal, self.seq, self.rank, self.device = window, causal, seq, rank, device
         self._q = self._tokens(rank)
         self._blocks: dict[int, BandMask] = {}
         self._offsets: Optional[tuple[bool, ...]] = None
-        self._pending = self._start_offsets()
+        # A ring asks which blocks are live: start THD's copy now; all_gather never asks.
+        self._pending = self._start_offsets() if ring else None
 
     def _tokens(self, rank: int):
         seq = self.seq
@@ -203,6 +204,8 @@ class Band:
 
     def _visible(self) -> tuple[bool, ...]:
         if self._offsets is None:
+            if self._pending is None:
+                self._pending = self._start_offsets()
             if self._pending is None:
                 self._offsets = _sbhd_offsets(self.seq.tokens, self.seq.size, self.window, self.causal)
             else:
