@@ -223,3 +223,31 @@ def test_band_block_on_flex_attention_matches_dense_math(causal, dtype_name, lay
     assert not flex_band._FAILED, "FlexAttention fell back to math in the backward"
     for name, got, ref in zip(("dq", "dk", "dv"), grads, want):
         _close(got, ref, dtype, name)
+
+
+def test_band_blocks_of_ever_new_packings_compile_a_bounded_number_of_times():
+    """Packed batches change length every micro-batch: ten THD packings of different totals run
+    through FlexAttention with at most a few compilations (automatic dynamic shapes), never
+    falling back, and the last one still equals the dense-mask math (bf16 tolerance)."""
+    from torch._dynamo.utils import counters
+
+    from cpkit.attention import flex_band
+    from cpkit.attention.band import Band, Window, band_fwd
+    from cpkit.attention.chunks import local_seq
+
+    gen = torch.Generator().manual_seed(9)
+    flex_band._FAILED.clear()
+    torch._dynamo.reset()  # count this test's compilations only
+    before = counters["stats"]["unique_graphs"]
+    for i in range(10):
+        lens = torch.tensor([256 + 64 * i, 128, 512 + 32 * i])
+        cu = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to("cuda")
+        tokens = int(cu[-1]) // 2
+        band = Band(Window(100, None), True, local_seq(tokens, 2, cu, int(lens.max())), 1, "cuda").block(0)
+        q = _randn(tokens, 8, 64, dtype=torch.bfloat16, gen=gen)
+        k, v = (_randn(tokens, 2, 64, dtype=torch.bfloat16, gen=gen) for _ in range(2))
+        out, _ = band_fwd(q, k, v, band, SCALE)
+    compiled = counters["stats"]["unique_graphs"] - before
+    assert not flex_band._FAILED and 1 <= compiled <= 4, f"{compiled} compilations for 10 packings"
+    want, _ = band_fwd(*(x.float() for x in (q, k, v)), band, SCALE, kernel="math")
+    _close(out, want, torch.bfloat16, "band out, last packing")

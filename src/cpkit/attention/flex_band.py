@@ -48,7 +48,10 @@ def _flex_module():
 
 @functools.lru_cache(maxsize=None)
 def _compiled():
-    return torch.compile(_flex_module().flex_attention, dynamic=False)
+    # Automatic dynamic shapes: the first shape compiles static, a second one compiles a kernel
+    # for any length, so packed batches of ever-new lengths do not recompile per micro-batch
+    # (past torch._dynamo's recompile limit FlexAttention would run uncompiled: O(s^2) memory).
+    return torch.compile(_flex_module().flex_attention, dynamic=None)
 
 
 def _attention(device: torch.device):
