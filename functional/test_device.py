@@ -227,8 +227,9 @@ def test_band_block_on_flex_attention_matches_dense_math(causal, dtype_name, lay
 
 def test_band_blocks_of_ever_new_packings_compile_a_bounded_number_of_times():
     """Packed batches change length every micro-batch: ten THD packings of different totals run
-    through FlexAttention with at most a few compilations (automatic dynamic shapes), never
-    falling back, and the last one still equals the dense-mask math (bf16 tolerance)."""
+    through FlexAttention with at most STATIC_SHAPES shape-specialised compilations and then
+    one dynamic-shape kernel (a couple of graphs), never falling back, and the last packing
+    (on the dynamic kernel) still equals the dense-mask math (bf16 tolerance)."""
     from torch._dynamo.utils import counters
 
     from cpkit.attention import flex_band
@@ -237,6 +238,7 @@ def test_band_blocks_of_ever_new_packings_compile_a_bounded_number_of_times():
 
     gen = torch.Generator().manual_seed(9)
     flex_band._FAILED.clear()
+    flex_band._STATIC_KEYS.clear()
     torch._dynamo.reset()  # count this test's compilations only
     before = counters["stats"]["unique_graphs"]
     for i in range(10):
@@ -248,6 +250,7 @@ def test_band_blocks_of_ever_new_packings_compile_a_bounded_number_of_times():
         k, v = (_randn(tokens, 2, 64, dtype=torch.bfloat16, gen=gen) for _ in range(2))
         out, _ = band_fwd(q, k, v, band, SCALE)
     compiled = counters["stats"]["unique_graphs"] - before
-    assert not flex_band._FAILED and 1 <= compiled <= 4, f"{compiled} compilations for 10 packings"
+    bound = flex_band.STATIC_SHAPES + 2
+    assert not flex_band._FAILED and flex_band.STATIC_SHAPES <= compiled <= bound, f"{compiled} graphs for 10 packings"
     want, _ = band_fwd(*(x.float() for x in (q, k, v)), band, SCALE, kernel="math")
     _close(out, want, torch.bfloat16, "band out, last packing")

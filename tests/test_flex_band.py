@@ -147,3 +147,24 @@ def test_tiles_cover_the_band_and_full_tiles_lie_inside_it(thd, window, causal, 
     ref_out, ref_lse = _math_band_fwd(q, k, v, dense, 0.25)
     torch.testing.assert_close(out, ref_out, **FP32)
     torch.testing.assert_close(lse, ref_lse, **FP32)
+
+
+def test_first_shapes_get_their_own_kernels_and_later_ones_share_a_dynamic_one(monkeypatch):
+    """CUDA routing (no kernel runs here): the first STATIC_SHAPES keys (shapes, dtype, window)
+    go to the shape-specialised compiled function, a key seen before keeps it, and every new
+    key after that goes to the one dynamic-shape function."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(flex_band, "_STATIC_KEYS", set())
+    band = SimpleNamespace(window=Window(4, None), causal=True, q=(None, None))
+
+    def call(tokens):
+        q = SimpleNamespace(device=torch.device("cuda"), shape=(1, 4, tokens, 16), dtype=torch.bfloat16)
+        kv = SimpleNamespace(shape=(1, 2, tokens, 16))
+        return flex_band._attention(q, kv, kv, band)
+
+    static, dynamic = flex_band._compiled(False), flex_band._compiled(True)
+    assert static is not dynamic
+    assert [call(t) for t in range(100, 100 + flex_band.STATIC_SHAPES)] == [static] * flex_band.STATIC_SHAPES
+    assert call(5000) is dynamic and call(6000) is dynamic
+    assert call(100) is static  # a shape with its own kernel keeps it

@@ -46,18 +46,38 @@ def _flex_module():
     return module
 
 
+# Kernels specialised to their shapes are the fastest (a dynamic-shape kernel was 1.3x slower
+# on H200), but every new shape compiles again (seconds), and past torch._dynamo's recompile
+# limit FlexAttention would run uncompiled (O(s^2) memory). So the first STATIC_SHAPES shapes
+# get their own kernels and every later one (packed batches of ever-new lengths) shares one
+# dynamic-shape kernel. Two wrapper functions: dynamo keeps its compile cache per code object.
+STATIC_SHAPES = 4
+_STATIC_KEYS: set = set()
+
+
+def _flex_static(*args, **kwargs):
+    return _flex_module().flex_attention(*args, **kwargs)
+
+
+def _flex_dynamic(*args, **kwargs):
+    return _flex_module().flex_attention(*args, **kwargs)
+
+
 @functools.lru_cache(maxsize=None)
-def _compiled():
-    # Automatic dynamic shapes: the first shape compiles static, a second one compiles a kernel
-    # for any length, so packed batches of ever-new lengths do not recompile per micro-batch
-    # (past torch._dynamo's recompile limit FlexAttention would run uncompiled: O(s^2) memory).
-    return torch.compile(_flex_module().flex_attention, dynamic=None)
+def _compiled(dynamic: bool):
+    return torch.compile(_flex_dynamic, dynamic=True) if dynamic else torch.compile(_flex_static, dynamic=False)
 
 
-def _attention(device: torch.device):
-    # Uncompiled FlexAttention materializes the scores (a reference, used on CPU by the unit
-    # tests); compiled on CUDA, it is a fused Triton kernel.
-    return _compiled() if device.type == "cuda" else _flex_module().flex_attention
+def _attention(q, k, v, band):
+    """The FlexAttention callable for this call: uncompiled on CPU (its reference, for the unit
+    tests), else a shape-specialised kernel for the first STATIC_SHAPES shapes, then one
+    dynamic-shape kernel."""
+    if q.device.type != "cuda":
+        return _flex_module().flex_attention
+    key = (q.shape, k.shape, v.shape, q.dtype, band.window, band.causal, band.q[1] is None)
+    if key not in _STATIC_KEYS and len(_STATIC_KEYS) < STATIC_SHAPES:
+        _STATIC_KEYS.add(key)
+    return _compiled(key not in _STATIC_KEYS)
 
 
 def _key(q, k, v) -> tuple:
@@ -148,7 +168,7 @@ def _flex_bhsd(q, k, v, band, scale):
     """(o [b, h, s, d_v], lse [b, h, s] float32) of q/k/v in [b, h, s, d]."""
     module = _flex_module()
     block_mask = _block_mask(band)
-    gqa, attention = q.shape[1] != k.shape[1], _attention(q.device)
+    gqa, attention = q.shape[1] != k.shape[1], _attention(q, k, v, band)
     if hasattr(module, "AuxRequest"):
         o, aux = attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
                              return_aux=module.AuxRequest(lse=True))
