@@ -39,7 +39,7 @@ from cpkit.dynamic import CPGroupAssignment, Microbatch, Plan, build_group_regis
 from cpkit.dynamic.pipeline import dynamic_cp_forward_backward, pad_plan, token_loss_sum
 from cpkit.groups import build_pg_collection
 from cpkit.layout import CPLayout
-from cpkit.layout import rank_groups
+from cpkit.rank_grid import rank_groups
 from cpkit.testing.models import GPTConfig, build_gpt, build_gpt_chunks, named_gradients
 from cpkit.testing import device, grid_params, grid_result
 from cpkit.testing.compare import assert_grads_close

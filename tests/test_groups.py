@@ -9,14 +9,8 @@ import pytest
 
 from cpkit.errors import CPConfigError
 from cpkit.group_info import require_hierarchical_groups
-from cpkit.layout import (
-    CPLayout,
-    GROUP_KINDS,
-    groups_of_rank,
-    hierarchical_levels,
-    rank_coordinates,
-    rank_groups,
-)
+from cpkit.layout import CPLayout
+from cpkit.rank_grid import GROUP_KINDS, groups_of_rank, hierarchical_levels, rank_coordinates, rank_groups
 from cpkit.testing.fakes import fake_group
 
 

@@ -56,7 +56,7 @@ LIBRARY = sorted(p for p in PACKAGE.rglob("*.py") if not _is_under(_module_name(
 def test_the_library_is_found():
     names = {_module_name(p) for p in LIBRARY}
     for expected in ("cpkit.attention.functional", "cpkit.layout", "cpkit.groups", "cpkit.group_info",
-                     "cpkit.rebind", "cpkit.eval_cp", "cpkit.eval_loop", "cpkit.loss", "cpkit.dynamic.runtime",
+                     "cpkit.rebind", "cpkit.eval_cp", "cpkit.eval_loop", "cpkit.loss", "cpkit.dynamic.runtime", "cpkit.rank_grid",
                      "cpkit.topology"):
         assert expected in names
 

@@ -2,7 +2,7 @@
 
 `build_pg_collection(layout)` returns the ProcessGroupCollection MCore modules take as
 `pg_collection`, with the membership `parallel_state.initialize_model_parallel` gives for the
-same sizes (rank order tp-cp-dp-pp, see `cpkit.layout.rank_groups`) and, unlike MCore's decentralized
+same sizes (rank order tp-cp-dp-pp, see `cpkit.rank_grid.rank_groups`) and, unlike MCore's decentralized
 path, `hcp` set for a2a+p2p. `describe_groups` / `log_groups` print the groups for logs. The
 build-time gate for a2a+p2p groups is `cpkit.group_info.require_hierarchical_groups`.
 """
@@ -20,7 +20,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from cpkit.compat import get_pg
 from cpkit.errors import CPConfigError
 from cpkit.group_info import global_ranks
-from cpkit.layout import CPLayout, rank_groups
+from cpkit.layout import CPLayout
+from cpkit.rank_grid import rank_groups
 
 __all__ = [
     "HCP_LOG_PREFIX",
@@ -121,7 +122,7 @@ def build_pg_collection(
     and for a2a+p2p `hcp = [a2a group, p2p group]` of this rank.
 
     The axis groups come from MCore's HyperCommGrid (shape [tp, cp, dp, pp]) where it exists
-    and agrees with `cpkit.layout.rank_groups`; otherwise (or with use_hyper_comm_grid=False)
+    and agrees with `cpkit.rank_grid.rank_groups`; otherwise (or with use_hyper_comm_grid=False)
     from that arithmetic. Raises CPConfigError for an invalid layout or a world size mismatch.
     """
     layout.validate()

@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cpkit.errors import CPConfigError, Violation
-from cpkit.layout import A2A, A2A_P2P, P2P, CPLayout, rank_groups
+from cpkit.layout import A2A, A2A_P2P, P2P, CPLayout
+from cpkit.rank_grid import rank_groups
 
 __all__ = ["NodeTopology", "a2a_groups", "p2p_rings", "cross_node_a2a", "cross_node_hops",
            "check_topology", "node_report", "format_node_report"]

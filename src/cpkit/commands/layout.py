@@ -12,7 +12,8 @@ import json
 import sys
 
 from cpkit.errors import CPConfigError
-from cpkit.layout import CPLayout, P2P, rank_groups
+from cpkit.layout import CPLayout, P2P
+from cpkit.rank_grid import rank_groups
 from cpkit.topology import ALLOW_FLAG, NodeTopology, check_topology, format_node_report, node_report
 
 __all__ = ["add_parser", "layout_from_args", "check"]

@@ -97,7 +97,8 @@ def groups_case(case):
     from cpkit.errors import CPConfigError
     from cpkit.group_info import require_hierarchical_groups
     from cpkit.groups import HCP_LOG_PREFIX, build_pg_collection, describe_groups
-    from cpkit.layout import CPLayout, groups_of_rank, rank_groups
+    from cpkit.layout import CPLayout
+    from cpkit.rank_grid import groups_of_rank, rank_groups
 
     rank = dist.get_rank()
     layout = CPLayout(world_size=dist.get_world_size(), tp=case.get("tp", 1), pp=case.get("pp", 1),
