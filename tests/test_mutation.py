@@ -2,9 +2,10 @@
 and that it tells killed mutants from survivors and leaves known-equivalent ones out of the score."""
 
 import io
+import json
 import textwrap
 
-from cpkit.testing.mutation import Mutant, apply_mutant, find_mutants, run
+from cpkit.testing.mutation import Mutant, apply_mutant, find_mutants, main, run
 
 SOURCE = textwrap.dedent('''
     """A module."""
@@ -49,3 +50,22 @@ def test_run_tells_killed_from_survived_and_skips_equivalent_ones(tmp_path):
     outcome = {f"{r['line']}:{r['col']}: {r['change']}": r["outcome"] for r in report["results"]}
     assert outcome == {"10:11: + -> -": "killed", "14:4: return None": "survived", "14:11: 1 -> 2": "equivalent"}
     assert (report["mutants"], report["killed"], report["equivalent"], report["score"]) == (3, 1, 1, 0.5)
+
+
+def test_pytest_options_after_the_double_dash_reach_the_test_run(tmp_path, monkeypatch):
+    (tmp_path / "src" / "pkg").mkdir(parents=True)
+    (tmp_path / "src" / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "src" / "pkg" / "mod.py").write_text(SOURCE)
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_mod.py").write_text("from pkg.mod import add, unused\n\n\n"
+                                                    "def test_add():\n    assert add(3, 2) == 5\n\n\n"
+                                                    "def test_unused():\n    assert unused() == 1\n")
+    monkeypatch.chdir(tmp_path)
+    key = "10:11: + -> -"
+    # -k leaves out the one test that notices the fault: the mutant survives (exit 1).
+    assert main(["src/pkg/mod.py", "--only", key, "--json", "k.json", "--",
+                 "tests/test_mod.py", "-k", "unused"]) == 1
+    report = json.loads((tmp_path / "k.json").read_text())
+    assert report["tests"] == ["tests/test_mod.py", "-k", "unused"]
+    assert [r["outcome"] for r in report["results"]] == ["survived"]
+    assert main(["src/pkg/mod.py", "--only", key, "--", "tests/test_mod.py", "-k", "add"]) == 0

@@ -14,6 +14,10 @@ Prints, per mutant, the outcome, line and change, and the score: killed / (mutan
 `--equivalent FILE` names mutants known not to change behaviour (one `line:col: change` per line,
 as printed), which are left out of the score. `--json PATH` writes the report. CPU time adds up fast
 (5-10 s per mutant on 2 cores): sample with `--sample N` (a fixed `--seed` gives the same sample).
+pytest options for the test run (`-k`, `-m`) go after `--`, with the tests:
+
+    python -m cpkit.testing.mutation src/cpkit/attention/p2p.py --sample 40 -- \
+        tests/test_attention_unit.py functional/test_attention.py -k "not nccl"
 """
 
 from __future__ import annotations
@@ -211,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cpkit.testing.mutation", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("module", help="the module to mutate, e.g. src/cpkit/sharding.py")
-    parser.add_argument("tests", nargs="+", help="pytest paths or node ids that exercise it")
+    parser.add_argument("tests", nargs="+", help="pytest paths or node ids that exercise it; after `--`, "
+                        "pytest options too (-k EXPR, -m MARKERS)")
     parser.add_argument("--sample", type=int, default=None, help="mutate only N sites, chosen at random")
     parser.add_argument("--seed", type=int, default=0, help="the sample's random seed (default 0)")
     parser.add_argument("--only", action="append", metavar="KEY",
