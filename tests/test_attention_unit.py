@@ -357,3 +357,17 @@ def test_merge_rejects_lists_of_different_lengths():
         merge([out], [lse, lse])
     with pytest.raises(ValueError, match="0 outputs"):
         merge([], [])
+
+
+def test_ring_exchange_refuses_a_receive_buffer_unlike_the_send(world1):
+    """Every ring rank posts the same exchange, so a receive of another shape or dtype than the
+    send is a bug in the ring: refused before anything is posted (NCCL needs matching sizes;
+    gloo would take the shorter message silently)."""
+    from cpkit.attention.comm import RingComm
+    from cpkit.testing.fakes import fake_group
+
+    comm = RingComm(fake_group([0, 1], rank=0))
+    with pytest.raises(ValueError, match=r"send \(2, 4\) torch.float32 and receive \(3, 4\) torch.float32"):
+        comm.exchange(torch.zeros(2, 4), torch.zeros(3, 4))
+    with pytest.raises(ValueError, match=r"receive \(2, 4\) torch.bfloat16 must match"):
+        comm.exchange(torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.bfloat16), reverse=True)

@@ -54,9 +54,15 @@ class RingComm:
     def exchange(self, send: torch.Tensor, recv: torch.Tensor, reverse: bool = False) -> "_Pending":
         """Start sending `send` to the next rank and receiving `recv` from the previous one, or
         the other way round with `reverse`. Both must be contiguous (the ring packs each step
-        into one buffer, so there is one send and one receive)."""
+        into one buffer, so there is one send and one receive) and of one shape and dtype: every
+        rank posts the same exchange, so the peer's message is the size of this rank's (NCCL needs
+        the sizes to match; gloo takes a shorter message into a longer buffer without a word)."""
         if not (send.is_contiguous() and recv.is_contiguous()):
             raise ValueError("RingComm.exchange: send and receive buffers must be contiguous")
+        if send.shape != recv.shape or send.dtype != recv.dtype:
+            raise ValueError(f"RingComm.exchange: send {tuple(send.shape)} {send.dtype} and receive "
+                             f"{tuple(recv.shape)} {recv.dtype} must match (every rank of the ring "
+                             "sends what it receives)")
         to, source = (self.prev_peer, self.next_peer) if reverse else (self.next_peer, self.prev_peer)
         # Even ranks send first, odd ranks receive first (as TE does): unbatched, NCCL sets up a
         # peer pair's communicator on its first use, and this order lets every pair meet.
