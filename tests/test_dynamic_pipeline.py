@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cpkit.dynamic import CPGroupAssignment, Microbatch, Plan, build_group_registry, cp_size_for, schedule
+from cpkit.dynamic import build_group_registry, schedule
+from cpkit.testing.plans import hand_plan
 from cpkit.dynamic.pipeline import check_schedule_config, dynamic_cp_forward_backward, pad_plan
 from cpkit.errors import CPConfigError
 from cpkit.testing.fakes import fake_group
@@ -73,14 +74,6 @@ def pgc(mcore_cpu):
     return single_rank_pg_collection()
 
 
-def _hand_plan(groups_per_mb, lens, dp_cp_size) -> Plan:
-    mbs = tuple(Microbatch(tuple(CPGroupAssignment(tuple(r), tuple(s), len(r)) for r, s in mb))
-                for mb in groups_per_mb)
-    return Plan(microbatches=mbs, seq_lens=tuple(lens), dp_cp_size=dp_cp_size, max_seq_len_per_rank=64,
-                workloads=tuple(float(n * n) for n in lens),
-                needed_cp_sizes=tuple(cp_size_for(n, 64) for n in lens))
-
-
 def test_an_idle_micro_batch_under_a2a_p2p_runs_the_filler_with_the_models_comm_type(pgc):
     """World size 1, pp = 1, cp_comm_type "a2a+p2p": two busy micro-batches at cp 1 (no [a2a, p2p]
     pair: the flat ring's comm type) and an empty one appended by pad_plan, where the rank runs
@@ -97,7 +90,7 @@ def test_an_idle_micro_batch_under_a2a_p2p_runs_the_filler_with_the_models_comm_
     own_comm = attention.cp_comm_type
     seen = []
     attention.register_forward_pre_hook(lambda m, *_: seen.append(m.cp_comm_type))
-    plan = pad_plan(_hand_plan([[((0,), (0, 2))], [((0,), (1, 3))]], lens, dp_cp_size=1), 3)
+    plan = pad_plan(hand_plan([[((0,), (0, 2))], [((0,), (1, 3))]], lens, dp_cp_size=1), 3)
     result = dynamic_cp_forward_backward(model, plan, build_group_registry([[0]], 0), lambda i: samples[i],
                                          pg_collection=pgc, cp_comm_type="a2a+p2p")
     assert result.cp_sizes == (1, 1, None) and result.num_tokens == sum(lens)
@@ -116,7 +109,7 @@ def test_a_registry_or_plan_of_another_dp_cp_group_is_refused(pgc, registry_rank
     plan for two positions with the right registry, is refused before anything runs."""
     model = build_gpt(STEP_CFG, pgc, attention="cpkit")
     registry = build_group_registry([registry_ranks], 0, new_group=lambda ranks: fake_group(ranks))
-    plan = _hand_plan([[((0,), (0,))]], [4], dp_cp_size=plan_size)
+    plan = hand_plan([[((0,), (0,))]], [4], dp_cp_size=plan_size)
     with pytest.raises(CPConfigError, match=r"must be built for pg_collection.dp_cp \[0\]") as info:
         dynamic_cp_forward_backward(model, plan, registry, lambda i: token_sample(4, i, STEP_CFG.vocab_size),
                                     pg_collection=pgc)

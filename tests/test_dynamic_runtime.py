@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cpkit.dynamic import CPGroupAssignment, Microbatch, Plan, build_group_registry, cp_size_for, runtime
+from cpkit.dynamic import Plan, build_group_registry, runtime
+from cpkit.testing.plans import hand_plan
 from cpkit.dynamic.runtime import (
     dp_cp_position,
     dynamic_cp_step,
@@ -30,14 +31,6 @@ CFG = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_g
 
 def _sample(length: int, seed: int, vocab: int = CFG.vocab_size) -> dict:
     return token_sample(length, seed, vocab)
-
-
-def _plan(groups_per_mb, lens, dp_cp_size) -> Plan:
-    mbs = tuple(Microbatch(tuple(CPGroupAssignment(tuple(r), tuple(s), len(r)) for r, s in mb))
-                for mb in groups_per_mb)
-    return Plan(microbatches=mbs, seq_lens=tuple(lens), dp_cp_size=dp_cp_size, max_seq_len_per_rank=64,
-                workloads=tuple(float(n * n) for n in lens),
-                needed_cp_sizes=tuple(cp_size_for(n, 64) for n in lens))
 
 
 def _fake_registry(dp_cp_size: int, position: int):
@@ -119,7 +112,7 @@ def test_packed_seq_params_carry_group_and_offsets():
 
 def test_prepare_microbatch_idle_and_busy_ranks():
     lens = [5, 7, 3]
-    plan = _plan([[((0, 1), (0, 1))], [((1,), (2,))]], lens, dp_cp_size=2)
+    plan = hand_plan([[((0, 1), (0, 1))], [((1,), (2,))]], lens, dp_cp_size=2)
     fetched = []
 
     def get(i):
@@ -142,7 +135,7 @@ def test_prepare_microbatch_idle_and_busy_ranks():
 
 
 def test_prepare_microbatch_rejects_a_plan_for_another_dp_cp_size():
-    plan = _plan([[((0,), (0,))]], [4], dp_cp_size=1)
+    plan = hand_plan([[((0,), (0,))]], [4], dp_cp_size=1)
     with pytest.raises(CPConfigError, match="DPxCP size 2"):
         prepare_microbatch(plan, 0, _fake_registry(2, 0), 0, lambda i: _sample(4, i))
 
@@ -286,7 +279,7 @@ def test_step_at_cp1_equals_per_sequence_forwards(pgc):
 
     model = build_gpt(CFG, pgc, attention="cpkit")
     registry = build_group_registry([[0]], 0)
-    plan = _plan([[((0,), (0, 2))], [((0,), (1, 3))]], lens, dp_cp_size=1)
+    plan = hand_plan([[((0,), (0, 2))], [((0,), (1, 3))]], lens, dp_cp_size=1)
     result = dynamic_cp_step(model, plan, registry, lambda i: samples[i], pg_collection=pgc)
     assert result.num_tokens == sum(lens) and result.cp_sizes == (1, 1)
     assert abs(result.loss - ref_loss) <= 1e-5
@@ -298,7 +291,7 @@ def test_step_at_cp1_equals_per_sequence_forwards(pgc):
 
 def test_step_rejects_a_dp_cp_group_that_is_not_the_registry(pgc, model):
     registry = build_group_registry([[0, 1]], 0, new_group=lambda ranks: fake_group(ranks))
-    plan = _plan([[((0, 1), (0,))]], [4], dp_cp_size=2)
+    plan = hand_plan([[((0, 1), (0,))]], [4], dp_cp_size=2)
     with pytest.raises(CPConfigError, match="registry's ranks"):
         dynamic_cp_step(model, plan, registry, lambda i: _sample(4, i), pg_collection=pgc)
 
@@ -307,7 +300,7 @@ def test_step_reraises_the_get_sample_error_of_this_rank(pgc, model):
     """A failing get_sample surfaces as its own error (after the failure count is shared), not
     as a NameError from the failure path."""
     registry = build_group_registry([[0]], 0)
-    plan = _plan([[((0,), (0,))]], [4], dp_cp_size=1)
+    plan = hand_plan([[((0,), (0,))]], [4], dp_cp_size=1)
 
     def broken(i):
         raise KeyError(f"sample {i} is missing")
@@ -359,7 +352,7 @@ def test_step_gives_every_trainable_parameter_a_gradient(pgc, model):
     """Parameters the loss does not reach get zero gradients: every rank then sends the same
     buffers in the DPxCP gradient all-reduce."""
     registry = build_group_registry([[0]], 0)
-    plan = _plan([[((0,), (0,))]], [4], dp_cp_size=1)
+    plan = hand_plan([[((0,), (0,))]], [4], dp_cp_size=1)
     first = next(model.parameters())
     model.zero_grad(set_to_none=True)
     dynamic_cp_step(model, plan, registry, lambda i: _sample(4, i), pg_collection=pgc,
