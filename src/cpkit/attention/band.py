@@ -51,6 +51,12 @@ class Window:
     right: Optional[int]
 
 
+def _distance_range(window: Window, causal: bool) -> tuple[Optional[int], Optional[int]]:
+    """(lowest, highest) query-minus-key position the window lets a query see; None: unbounded."""
+    right = window.right
+    return (0 if causal else (None if right is None else -right)), window.left
+
+
 class BandMask:
     """The band of one block: query positions/sequence ids `q`, key positions/sequence ids `k`
     (each (index [n], seq id [n] or None)), the window and whether the mask is causal.
@@ -68,8 +74,7 @@ class BandMask:
 
     def distances(self) -> tuple[Optional[int], Optional[int]]:
         """(lowest, highest) query-minus-key position a query sees; None: unbounded."""
-        right = self.window.right
-        return (0 if self.causal else (None if right is None else -right)), self.window.left
+        return _distance_range(self.window, self.causal)
 
     def allows(self, q_idx, k_idx, q_seg=None, k_seg=None):
         """Whether queries at `q_idx` see keys at `k_idx` (broadcasting tensors)."""
@@ -87,22 +92,6 @@ class BandMask:
         (q_idx, q_seg), (k_idx, k_seg) = self.q, self.k
         segs = (None, None) if q_seg is None else (q_seg.view(-1, 1), k_seg.view(1, -1))
         return self.allows(q_idx.view(-1, 1), k_idx.view(1, -1), *segs)
-
-    def mask_mod(self, padded_q: Optional[int] = None, padded_k: Optional[int] = None):
-        """The band as a FlexAttention mask_mod(b, h, q, kv); positions past the block (a
-        kernel's last, partial tile) read the last query's or key's, never out of bounds."""
-        (q_idx, q_seg), (k_idx, k_seg) = ((_edge_pad(i, n), _edge_pad(g, n)) for (i, g), n in
-                                          ((self.q, padded_q), (self.k, padded_k)))
-        if q_seg is None:
-            return lambda b, h, i, j: self.allows(q_idx[i], k_idx[j])
-        return lambda b, h, i, j: self.allows(q_idx[i], k_idx[j], q_seg[i], k_seg[j])
-
-
-def _edge_pad(x: Optional[torch.Tensor], n: Optional[int]) -> Optional[torch.Tensor]:
-    """`x` extended to `n` entries by repeating its last one (unchanged if None or long enough)."""
-    if x is None or n is None or n <= x.numel():
-        return x
-    return torch.cat([x, x[-1:].expand(n - x.numel())])
 
 
 def check_window(window_size, causal: bool) -> Optional[Window]:
@@ -132,9 +121,9 @@ def _visible_offsets(chunk: torch.Tensor, size: int, window: Window, causal: boo
     delta = torch.arange(1 - 2 * size, 2 * size, device=chunk.device)
     c = chunk.to(torch.int64).view(-1, 1)
     ok = (c > 0).expand(-1, delta.numel())
-    if window.left is not None:
-        ok = ok & (delta * c - (c - 1) <= window.left)
-    lo = 0 if causal else (None if window.right is None else -window.right)
+    lo, hi = _distance_range(window, causal)
+    if hi is not None:
+        ok = ok & (delta * c - (c - 1) <= hi)
     if lo is not None:
         ok = ok & (delta * c + (c - 1) >= lo)
     return ok.any(0)

@@ -115,10 +115,27 @@ def _lse_to_bhs(lse: torch.Tensor, thd: bool) -> torch.Tensor:
     return lse.unsqueeze(0) if thd else lse  # [h, t] -> [1, h, t]
 
 
+def _edge_pad(x: Optional[torch.Tensor], n: int) -> Optional[torch.Tensor]:
+    """`x` extended to `n` entries by repeating its last one (unchanged if None or long enough)."""
+    if x is None or n <= x.numel():
+        return x
+    return torch.cat([x, x[-1:].expand(n - x.numel())])
+
+
 def _tile_bounds(x: torch.Tensor, tiles: int):
     """Per tile of TILE entries of `x`: (min, max); the last, partial tile repeats x's last entry."""
-    x = torch.cat([x, x[-1:].expand(tiles * TILE - x.numel())]).view(tiles, TILE)
+    x = _edge_pad(x, tiles * TILE).view(tiles, TILE)
     return x.amin(1), x.amax(1)
+
+
+def _mask_mod(band, tiles_q: int, tiles_k: int):
+    """The band as a FlexAttention mask_mod(b, h, q, kv); positions in the last, partial tile
+    read the last query's or key's, never out of bounds."""
+    (q_idx, q_seg), (k_idx, k_seg) = ((_edge_pad(i, n * TILE), _edge_pad(g, n * TILE))
+                                      for (i, g), n in ((band.q, tiles_q), (band.k, tiles_k)))
+    if q_seg is None:
+        return lambda b, h, i, j: band.allows(q_idx[i], k_idx[j])
+    return lambda b, h, i, j: band.allows(q_idx[i], k_idx[j], q_seg[i], k_seg[j])
 
 
 def _as_kv_blocks(tiles: torch.Tensor):
@@ -160,7 +177,7 @@ def _block_mask(band):
         nq, nk = partial.shape
         band.kernel_cache["flex"] = _flex_module().BlockMask.from_kv_blocks(
             *_as_kv_blocks(partial), *_as_kv_blocks(full), BLOCK_SIZE=TILE,
-            mask_mod=band.mask_mod(nq * TILE, nk * TILE), seq_lengths=band.shape)
+            mask_mod=_mask_mod(band, nq, nk), seq_lengths=band.shape)
     return band.kernel_cache["flex"]
 
 
