@@ -39,7 +39,7 @@ CHECKS = ["tests/test_import_graph.py", "tests/test_repo_text.py"]  # with every
                                         "functional/test_dynamic_p2p_shapes.py", "functional/test_dynamic_pipeline.py",
                                         "functional/test_mcore_hybrid_cp.py",
                                         "tests/test_dynamic_cost.py", "tests/test_dynamic_mcore.py",
-                                        "tests/test_dynamic_pipeline.py", "tests/test_dynamic_registry.py",
+                                        "tests/test_dynamic_mlm.py", "tests/test_dynamic_pipeline.py", "tests/test_dynamic_registry.py",
                                         "tests/test_dynamic_runtime.py", "tests/test_dynamic_scheduler.py",
                                         "tests/test_schedule_cli.py"]),
     ("src/cpkit/attention/a2a.py", ["functional/test_attention.py", "functional/test_attention_features.py",

@@ -215,10 +215,13 @@ def _request(message: dict, timeout_s: float | None, root, inputs: dict) -> dict
                 raise SchedulerCrash(f"the worker died: {worker._stderr_tail()}", inputs=inputs)
             raise SchedulerCrash(f"did not return within {timeout_s:g} s", hang=True,
                                  inputs=inputs)
+    where = f" in {reply['where']}" if reply.get("where") else ""
     if reply.get("hang"):
-        raise SchedulerCrash(f"did not return within {timeout_s:g} s", hang=True, inputs=inputs)
+        raise SchedulerCrash(f"did not return within {timeout_s:g} s (looping{where})",
+                             hang=True, inputs=inputs)
     if not reply["ok"]:
-        raise SchedulerCrash(reply["error"], inputs=inputs, error_type=reply["type"])
+        raise SchedulerCrash(f"{reply['error']}{where}", inputs=inputs,
+                             error_type=reply["type"])
     return reply
 
 

@@ -107,6 +107,16 @@ def _last_line(err: BaseException) -> str:
     return text[-1] if text else type(err).__name__
 
 
+def _where(err: BaseException, root: Path) -> str | None:
+    """The innermost frame of the checkout in err's traceback, as "path::function"."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if Path(f.filename).resolve().is_relative_to(root)
+              and not f.name.startswith("<")]  # a genexpr names no function
+    if not frames:
+        return None
+    return f"{Path(frames[-1].filename).resolve().relative_to(root)}::{frames[-1].name}"
+
+
 def _schedule(modules, request) -> dict:
     scheduler = modules["data_schedule"].DefaultDynamicCPScheduler(
         max_seqlen_per_dp_cp_rank=request["max_seq_len_per_rank"],
@@ -127,7 +137,7 @@ def _call(modules, request) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Serve requests until stdin closes (see the module docstring)."""
-    root = (argv if argv is not None else sys.argv[1:])[0]
+    root = Path((argv if argv is not None else sys.argv[1:])[0]).resolve()
     reply_fd = os.dup(1)
     os.dup2(2, 1)  # upstream's prints must not mix with the replies
     sys.stdout = sys.stderr
@@ -154,10 +164,11 @@ def main(argv: list[str] | None = None) -> int:
                 reply = {"ok": True, **handler(modules, request)}
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
-        except _Timeout:
-            reply = {"ok": False, "hang": True}
+        except _Timeout as err:
+            reply = {"ok": False, "hang": True, "where": _where(err, root)}
         except Exception as err:  # noqa: BLE001 - any upstream exception is a finding
-            reply = {"ok": False, "error": _last_line(err), "type": type(err).__name__}
+            reply = {"ok": False, "error": _last_line(err), "type": type(err).__name__,
+                     "where": _where(err, root)}
         send(reply)
     return 0
 
