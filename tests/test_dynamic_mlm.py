@@ -16,6 +16,7 @@ the variable the upstream tests skip with the reason.
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -345,3 +346,58 @@ def test_the_checkout_commit_is_reported():
     commit = checkout_commit()
     assert commit == "unknown" or len(commit) == 40, commit
     assert MLM_SCHEDULER.startswith("megatron/core/datasets/data_schedule.py::")
+
+
+# ---------------------------------------------------------------- cpkit schedule --impl mlm
+
+MLM_ARGV = ["schedule", "--impl", "mlm", "--dp-cp", "8", "--max-seq-len-per-rank", "2048",
+            "--seq-lens", "4096,1024,512,2048,8192"]
+
+
+def test_impl_mlm_without_the_checkout_exits_2_naming_the_variable(monkeypatch, capsys):
+    from cpkit.cli import main
+
+    monkeypatch.delenv(MLM_SRC_ENV, raising=False)
+    assert main(MLM_ARGV) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --impl mlm:") and MLM_SRC_ENV in err[0]
+
+
+@needs_checkout
+def test_impl_mlm_prints_its_plan_beside_cpkit_mcore_and_static(capsys):
+    from cpkit.cli import main
+
+    assert main(MLM_ARGV) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("dynamic CP plan (mlm): 5 samples over dp_cp_size=8")
+    for name in ("static CP", "MCore", "cpkit", "Megatron-LM"):
+        assert f"{name} " in out and " ms" in out, name
+    assert main(MLM_ARGV + ["--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert stats["mlm_step_time_s"] == stats["modeled_step_time_s"] > 0
+    assert stats["cpkit_step_time_s"] > 0 and stats["static_step_time_s"] > 0
+
+
+@needs_checkout
+def test_impl_mlm_reports_an_endless_loop_upstream_within_30_s(capsys):
+    from cpkit.cli import main
+
+    start = time.monotonic()
+    code = main(["schedule", "--impl", "mlm", "--dp-cp", "6", "--max-seq-len-per-rank", "6",
+                 "--microbatch-group-size", "2", "--seq-lens", "12,12"])
+    assert time.monotonic() - start < 30
+    out = capsys.readouterr().out
+    assert code == 1
+    assert out.splitlines()[:2] == ["mlm: no plan", out.splitlines()[1]]
+    assert out.splitlines()[1].startswith("  no-crash: did not return within 5 s (looping in "
+                                          f"{UTILS}::fill_empty")
+
+
+@needs_checkout
+def test_the_scheduler_benchmark_times_megatron_lm_beside_the_others():
+    from cpkit.bench.scheduler import _one_batch
+    from cpkit.dynamic.cost import default_cost_model
+
+    row = _one_batch([4096, 1024, 512, 2048, 8192, 300], 8, 2048, default_cost_model(), 1)
+    assert row["mlm_s"] > 0 and row["mcore_s"] > 0 and row["static_s"] > 0
+    assert row["mlm_violations"] == []

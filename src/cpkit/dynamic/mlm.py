@@ -241,12 +241,13 @@ def mlm_schedule(
     *,
     microbatch_group_size: int | None = None,
     timeout_s: float | None = 10.0,
+    min_cp_size: int = 1,
     root: str | os.PathLike | None = None,
 ) -> Plan:
     """Plan `seq_lens` with Megatron-LM's DefaultDynamicCPScheduler on `dp_cp_size` ranks.
 
-    `microbatch_group_size` is its microbatch_group_size_per_vp_stage (VPP; None or 1: off).
-    `root` defaults to CPKIT_MLM_SRC. Group sizes are the number of ranks holding each sample
+    `microbatch_group_size` is its microbatch_group_size_per_vp_stage (VPP; None or 1: off),
+    `min_cp_size` its min_cp_size. `root` defaults to CPKIT_MLM_SRC. Group sizes are the number of ranks holding each sample
     list (checked, not repaired, by cpkit.dynamic.invariants); `workloads` are upstream's
     estimate at the needed size (L**2 / cp); `needed_cp_sizes` cpkit's cp_size_for (0 when a
     sample fits no group). Raises SchedulerCrash (with the input) for an exception upstream or
@@ -259,13 +260,15 @@ def mlm_schedule(
     inputs = {"seq_lens": lens, "dp_cp_size": int(dp_cp_size),
               "max_seq_len_per_rank": int(max_seq_len_per_rank),
               "microbatch_group_size": microbatch_group_size}
+    if min_cp_size != 1:
+        inputs["min_cp_size"] = int(min_cp_size)
     reply = _request({"op": "schedule", **inputs}, timeout_s, root, inputs)
     microbatches = tuple(Microbatch(groups=groups_from_rank_lists(per_rank))
                          for per_rank in reply["sample_id_groups"])
     needs = []
     for L in lens:
         try:
-            needs.append(cp_size_for(L, max_seq_len_per_rank))
+            needs.append(cp_size_for(L, max_seq_len_per_rank, min_cp_size))
         except ValueError:
             needs.append(0)
     return Plan(

@@ -17,7 +17,7 @@ calling process; it is for worker and rank processes only, never for a process t
 installed megatron-core.
 
 Requests: {"op": "schedule", "seq_lens", "dp_cp_size", "max_seq_len_per_rank",
-"microbatch_group_size"} -> {"ok": true, "sample_id_groups": [[[ids of rank r] for r] for mb]};
+"microbatch_group_size", optional "min_cp_size"} -> {"ok": true, "sample_id_groups": [[[ids of rank r] for r] for mb]};
 {"op": "call", "target": "module:function", "args": [...]} runs a cpkit function given the
 loaded upstream modules as its first argument (probes of upstream internals in tests). An
 exception upstream -> {"ok": false, "error": last line of its traceback, "type": its class}.
@@ -121,7 +121,8 @@ def _schedule(modules, request) -> dict:
     scheduler = modules["data_schedule"].DefaultDynamicCPScheduler(
         max_seqlen_per_dp_cp_rank=request["max_seq_len_per_rank"],
         cp_size=request["dp_cp_size"], dp_size=1,
-        microbatch_group_size_per_vp_stage=request.get("microbatch_group_size"))
+        microbatch_group_size_per_vp_stage=request.get("microbatch_group_size"),
+        min_cp_size=request.get("min_cp_size", 1))
     groups = scheduler.get_groups_and_subsamples(
         [(i, int(L)) for i, L in enumerate(request["seq_lens"])])
     return {"sample_id_groups": [[[int(s) for s in rank] for rank in mb] for mb in groups]}
