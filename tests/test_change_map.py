@@ -37,7 +37,7 @@ CHECKS = ["tests/test_import_graph.py", "tests/test_repo_text.py"]  # with every
                              "tests/test_layout_cli.py"]),
     ("src/cpkit/dynamic/scheduler.py", ["functional/test_dynamic_cp.py", "functional/test_dynamic_failures.py",
                                         "functional/test_dynamic_p2p_shapes.py", "functional/test_dynamic_pipeline.py",
-                                        "functional/test_mcore_hybrid_cp.py",
+                                        "functional/test_mcore_hybrid_cp.py", "functional/test_mlm_data_path.py",
                                         "tests/test_dynamic_cost.py", "tests/test_dynamic_mcore.py",
                                         "tests/test_dynamic_mlm.py", "tests/test_dynamic_pipeline.py", "tests/test_dynamic_registry.py",
                                         "tests/test_dynamic_runtime.py", "tests/test_dynamic_scheduler.py",

@@ -77,7 +77,10 @@ CHANGE_MAP: tuple[Row, ...] = (
          "tests/test_dynamic_registry.py", "tests/test_schedule_cli.py", "tests/test_dynamic_runtime.py",
          "tests/test_dynamic_pipeline.py", "tests/test_dynamic_mlm.py"),
         ("functional/test_dynamic_cp.py", "functional/test_dynamic_failures.py", "functional/test_dynamic_pipeline.py",
-         "functional/test_dynamic_p2p_shapes.py", "functional/test_mcore_hybrid_cp.py"), "unit, dist, gpu2, gpu4 (`functional/test_mcore_hybrid_cp.py` is gpu4 only)"),
+         "functional/test_dynamic_p2p_shapes.py", "functional/test_mcore_hybrid_cp.py",
+         "functional/test_mlm_data_path.py"),
+        "unit, dist, gpu2, gpu4 (`functional/test_mcore_hybrid_cp.py` is gpu4 only; "
+        "`tests/test_dynamic_mlm.py` and `functional/test_mlm_data_path.py` need CPKIT_MLM_SRC)"),
     Row(("src/cpkit/testing/models.py", "src/cpkit/loss.py"),
         ("tests/test_models.py", "tests/test_eval_cp.py", "tests/test_dynamic_runtime.py"),
         ("functional/test_gpt.py", "functional/test_hierarchical.py", "functional/test_eval_cp.py",
