@@ -1,4 +1,5 @@
-"""Megatron-LM's dynamic-CP data path on gloo ranks, from the checkout named by CPKIT_MLM_SRC:
+"""Megatron-LM's dynamic-CP data path on gloo ranks, from the checkout named by CPKIT_MLM_SRC, and
+one training step on what it delivers:
 get_batch_and_global_seqlens -> DefaultDynamicCPScheduler.get_groups_and_subsamples ->
 reroute_samples_to_dcp_ranks -> build_packed_microbatches (megatron/core/datasets/
 data_schedule_utils.py), as DpBalancedScheduler.run calls them.
@@ -10,6 +11,13 @@ as DP 2 x CP 2 (CP siblings load the same samples, as upstream's samplers do). E
 tokens encode (DP rank that loaded it, its index there), so the check does not depend on
 upstream's global ids: every sample must arrive, whole, on exactly the ranks of its CP group
 (local_cp_size of them), once.
+
+The training step is a second launch (MCore's GPT comes from the installed megatron-core, which
+cannot share a process with the checkout's files): Megatron-LM's plan (its per-rank sample lists,
+as cpkit CP groups) runs through cpkit.dynamic.runtime.dynamic_cp_step with cpkit's attention,
+each rank reading only the samples Megatron-LM's path delivered to it, against a cp=1 reference
+built from the original samples (fp32; loss 1e-5, gradients rtol=atol=1e-5). Megatron-LM's own
+model-side slicing (get_cp_slice_for_thd) needs Transformer Engine and is not run.
 """
 
 from __future__ import annotations
@@ -90,13 +98,86 @@ def data_path_case(root: str):
     return {"rank": rank, "world": world, "microbatches": out}
 
 
+def _key(piece: list[int]) -> tuple[int, int]:
+    """(DP rank that loaded it, its index there), decoded from a sample's first token."""
+    return piece[0] // 100_000, piece[0] % 100_000 // 1_000
+
+
+def _all_samples() -> dict[tuple[int, int], int]:
+    """Every sample's key -> its length, in a numbering of cpkit's own (not upstream's ids)."""
+    return {(d, i): L for d in range(DP) for i, L in enumerate(_lengths(d))}
+
+
+def training_step_case(delivered: list[dict]):
+    """Megatron-LM's plan and delivered samples through cpkit's runtime (see the module
+    docstring); returns (loss, reference loss)."""
+    from cpkit.dynamic import Microbatch, Plan, build_group_registry
+    from cpkit.dynamic.invariants import plan_violations
+    from cpkit.dynamic.mcore import groups_from_rank_lists
+    from cpkit.dynamic.runtime import dynamic_cp_step
+    from cpkit.groups import build_pg_collection
+    from cpkit.layout import CPLayout
+    from cpkit.testing.compare import assert_grads_close
+    from cpkit.testing.cpu_shim import install_mcore_cpu_shim
+    from cpkit.testing.models import GPTConfig, build_gpt, named_gradients
+    from cpkit.testing.reference import per_sequence_reference, single_rank_pg_collection
+
+    install_mcore_cpu_shim()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    keys = sorted(_all_samples())
+    ids = {key: k for k, key in enumerate(keys)}
+    lens = [_all_samples()[key] for key in keys]
+    cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4,
+                    seq_length=2 * max(lens))
+
+    def sample(tokens: torch.Tensor) -> dict:
+        return {"tokens": tokens % cfg.vocab_size, "labels": (tokens + 1) % cfg.vocab_size,
+                "loss_mask": torch.ones(tokens.numel())}
+
+    by_rank = sorted(delivered, key=lambda r: r["rank"])
+    microbatches = []
+    for m in range(len(by_rank[0]["microbatches"])):
+        per_rank = [[ids[_key(p)] for p in r["microbatches"][m]["pieces"]] for r in by_rank]
+        microbatches.append(Microbatch(groups=groups_from_rank_lists(per_rank)))
+    plan = Plan(microbatches=tuple(microbatches), seq_lens=tuple(lens), dp_cp_size=world,
+                max_seq_len_per_rank=MAX_SEQ_LEN_PER_RANK, workloads=tuple(float(L * L) for L in lens),
+                needed_cp_sizes=tuple(1 for _ in lens))
+    assert plan_violations(plan) == [], plan_violations(plan)
+    mine = {ids[_key(p)]: torch.tensor(p) for mb in by_rank[rank]["microbatches"]
+            for p in mb["pieces"]}
+
+    # Reference: one rank, cp=1, each original sample on its own.
+    ref_pgc = single_rank_pg_collection()
+    ref = build_gpt(cfg, ref_pgc, attention="local")
+    total = float(sum(lens))
+    originals = [sample(_tokens(d, i, _all_samples()[(d, i)])) for d, i in keys]
+    ref_loss = per_sequence_reference(ref, originals, ref_pgc, total_tokens=total)
+    ref_grads = named_gradients(ref)
+
+    pgc = build_pg_collection(CPLayout(world_size=world, tp=1, cp=1, cp_comm_type="p2p",
+                                       num_attention_heads=8, num_query_groups=4))
+    registry = build_group_registry([list(range(world))], rank)
+    model = build_gpt(cfg, pgc, attention="cpkit", cp_comm_type="p2p")
+    model.zero_grad(set_to_none=True)
+    result = dynamic_cp_step(model, plan, registry, lambda i: sample(mine[i]), pg_collection=pgc)
+    assert abs(result.loss - ref_loss) <= 1e-5, f"loss {result.loss} vs reference {ref_loss}"
+    assert_grads_close(named_gradients(model), ref_grads, rtol=1e-5, atol=1e-5, scaled=False)
+    return result.loss, ref_loss, sorted({g.cp_size for mb in plan.microbatches for g in mb.groups})
+
+
 needs_checkout = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
+
+
+@pytest.fixture(scope="module")
+def delivered():
+    """Each rank's packed micro-batches from Megatron-LM's data path (one launch per module)."""
+    return launch(data_path_case, DP * CP, args=(str(mlm_src()),), timeout=240)
 
 
 @pytest.mark.dist
 @needs_checkout
-def test_every_sample_arrives_whole_on_exactly_the_ranks_of_its_group():
-    results = launch(data_path_case, DP * CP, args=(str(mlm_src()),), timeout=240)
+def test_every_sample_arrives_whole_on_exactly_the_ranks_of_its_group(delivered):
+    results = delivered
     expected = {(d, i): _tokens(d, i, L).tolist()
                 for d in range(DP) for i, L in enumerate(_lengths(d))}
     holders: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
@@ -106,7 +187,7 @@ def test_every_sample_arrives_whole_on_exactly_the_ranks_of_its_group():
         for m, mb in enumerate(r["microbatches"]):
             assert mb["labels_ok"], (r["rank"], m)
             for piece in mb["pieces"]:
-                key = (piece[0] // 100_000, piece[0] % 100_000 // 1_000)
+                key = _key(piece)
                 assert piece == expected[key], (r["rank"], m, key)  # whole, in order
                 holders.setdefault(key, []).append((m, r["rank"], mb["local_cp_size"]))
     assert sorted(holders) == sorted(expected), "a sample never arrived"
@@ -118,3 +199,12 @@ def test_every_sample_arrives_whole_on_exactly_the_ranks_of_its_group():
         assert len(ranks) == sizes.pop() == len(set(ranks)), (key, where)  # once per rank
     print(f"Megatron-LM data path at {checkout_commit()}: {len(expected)} samples, "
           f"{num_mbs.pop()} micro-batches over {DP * CP} ranks")
+
+
+@pytest.mark.dist
+@needs_checkout
+def test_one_training_step_on_megatron_lm_delivered_microbatches_matches_cp1(delivered):
+    results = launch(training_step_case, DP * CP, args=(delivered,), timeout=300)
+    loss, ref_loss, cp_sizes = results[0]
+    assert all(r[0] == loss for r in results)  # every rank returns the global loss
+    assert len(cp_sizes) > 1, f"the plan should mix CP sizes, used {cp_sizes}"
