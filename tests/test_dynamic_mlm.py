@@ -285,8 +285,18 @@ def test_fill_empty_reads_index_minus_one_but_the_read_cannot_change_its_result(
     "upstream fixed it: remove this xfail."))
 def test_too_few_empty_ranks_to_widen_a_group_are_reported_by_the_assertion():
     with pytest.raises(SchedulerCrash) as err:
-        mlm_call(PROBES + "balanced_cp_rank_lists_alias", [1, 1], 5, 1)  # smallest, as MCore's
+        mlm_call(PROBES + "balanced_cp_rank_lists", [1, 1], 5, 1)  # smallest, as MCore's
     assert "not enough to expand" in err.value.detail, err.value.detail
+
+
+@needs_checkout
+def test_too_few_empty_ranks_end_in_an_index_error_past_the_inverted_assertion():
+    # What the strict xfail above sees instead of the assertion's message.
+    with pytest.raises(SchedulerCrash) as err:
+        mlm_call(PROBES + "balanced_cp_rank_lists", [1, 1], 5, 1)
+    assert err.value.detail == ("IndexError: list assignment index out of range in "
+                                "megatron/core/pipeline_parallel/hybrid_cp_schedule.py::"
+                                "fill_empty_gpus")
 
 
 @needs_checkout
@@ -339,6 +349,27 @@ def test_an_exception_upstream_is_reported_with_its_type_and_input():
     assert err.value.error_type == "IndexError" and not err.value.hang
     assert err.value.inputs == {"seq_lens": [10, 10], "dp_cp_size": 5,
                                 "max_seq_len_per_rank": 5, "microbatch_group_size": None}
+
+
+@needs_checkout
+def test_a_loop_the_alarm_cannot_end_is_killed_after_the_grace_time(monkeypatch):
+    from cpkit.dynamic import mlm
+
+    monkeypatch.setattr(mlm, "_GRACE_S", 0.5)
+    mlm_schedule([4], 2, 4)  # the worker is up: time the call only
+    start = time.monotonic()
+    with pytest.raises(SchedulerCrash, match="did not return within 0.2 s") as err:
+        mlm_call(PROBES + "sleep_with_the_alarm_blocked", 60, timeout_s=0.2)
+    assert err.value.hang and time.monotonic() - start < 5
+    assert mlm_schedule([4], 2, 4).microbatches  # a fresh worker answers
+
+
+@needs_checkout
+def test_a_worker_that_dies_is_reported_and_replaced():
+    with pytest.raises(SchedulerCrash, match="the worker died") as err:
+        mlm_call(PROBES + "exit_worker", 3)
+    assert not err.value.hang
+    assert mlm_schedule([4], 2, 4).microbatches
 
 
 @needs_checkout

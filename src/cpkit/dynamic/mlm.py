@@ -123,9 +123,9 @@ class _Worker:
         env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "cpkit.dynamic.mlm_worker", str(root)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, env=env,
-            cwd=str(root))
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, env=env)
         self._buffer = b""
+        self.exited = False
         ready = self._read(_START_TIMEOUT_S)
         if ready is None or not ready.get("ready"):
             detail = ready["error"] if ready else self._stderr_tail()
@@ -136,7 +136,7 @@ class _Worker:
     def _stderr_tail(self) -> str:
         self.stderr.seek(0)
         lines = self.stderr.read().decode(errors="replace").strip().splitlines()
-        return lines[-1] if lines else f"worker exited with {self.proc.poll()}"
+        return lines[-1] if lines else f"it exited with code {self.proc.poll()}"
 
     def _read(self, timeout_s: float | None) -> dict | None:
         """The next reply, or None when the worker died or `timeout_s` passed."""
@@ -149,23 +149,30 @@ class _Worker:
             if not select.select([fd], [], [], left)[0]:
                 return None
             chunk = os.read(fd, 1 << 16)
-            if not chunk:
+            if not chunk:  # end of file: the worker exited
+                self.exited = True
                 return None
             self._buffer += chunk
         line, _, self._buffer = self._buffer.partition(b"\n")
         return json.loads(line)
 
-    def request(self, message: dict, timeout_s: float | None) -> tuple[dict | None, bool]:
-        """Send one request: (its reply, False); (None, True) when the worker died first;
-        (None, False) after killing it at the timeout."""
+    def request(self, message: dict, timeout_s: float | None) -> tuple[dict | None, str | None]:
+        """Send one request: (its reply, None); (None, the last line of its stderr) when the
+        worker died first; (None, None) after killing it at the timeout."""
         try:
             self.proc.stdin.write((json.dumps(message) + "\n").encode())
             self.proc.stdin.flush()
+            reply = self._read(timeout_s)
         except BrokenPipeError:
-            return None, True
-        reply = self._read(timeout_s)
-        died = reply is None and self.proc.poll() is not None
+            reply = None
+        died = None
         if reply is None:
+            if self.exited or self.proc.poll() is not None:
+                try:
+                    self.proc.wait(timeout=5)  # its exit code, for the report
+                except subprocess.TimeoutExpired:
+                    pass
+                died = self._stderr_tail()
             self.close()
         return reply, died
 
@@ -211,8 +218,8 @@ def _request(message: dict, timeout_s: float | None, root, inputs: dict) -> dict
         reply, died = worker.request({**message, "timeout_s": timeout_s}, wait_s)
         if reply is None:
             del _workers[path]
-            if died:
-                raise SchedulerCrash(f"the worker died: {worker._stderr_tail()}", inputs=inputs)
+            if died is not None:
+                raise SchedulerCrash(f"the worker died: {died}", inputs=inputs)
             raise SchedulerCrash(f"did not return within {timeout_s:g} s", hang=True,
                                  inputs=inputs)
     where = f" in {reply['where']}" if reply.get("where") else ""

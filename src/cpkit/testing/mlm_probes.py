@@ -13,8 +13,9 @@ import ast
 import types
 from pathlib import Path
 
-__all__ = ["balanced_cp_rank_lists_alias", "fill_empty_reads_index_minus_one",
-           "packing_aware_rank_lists_alias", "truncated_assert_messages"]
+__all__ = ["balanced_cp_rank_lists", "balanced_cp_rank_lists_alias", "exit_worker",
+           "fill_empty_reads_index_minus_one", "packing_aware_rank_lists_alias",
+           "sleep_with_the_alarm_blocked", "truncated_assert_messages"]
 
 
 class _StandInGroup:
@@ -72,12 +73,23 @@ def fill_empty_reads_index_minus_one(modules, sample_id_group):
             "poisoned": poisoned_result}
 
 
-def balanced_cp_rank_lists_alias(modules, seq_lens, dp_cp_size, max_seq_len_per_rank):
-    """Run the checkout's BalancedCPScheduler (hybrid_cp_schedule) and say, per micro-batch,
-    whether two different ranks got the very same sample-id list object."""
+def _balanced_cp_groups(modules, seq_lens, dp_cp_size, max_seq_len_per_rank):
     scheduler = modules["hybrid_cp_schedule"].BalancedCPScheduler(
         max_seq_len_per_rank, _StandInGroup(dp_cp_size))
-    _, groups = scheduler.get_groups_and_subsamples(list(enumerate(seq_lens)), None)
+    return scheduler.get_groups_and_subsamples(list(enumerate(seq_lens)), None)[1]
+
+
+def balanced_cp_rank_lists(modules, seq_lens, dp_cp_size, max_seq_len_per_rank):
+    """The checkout's BalancedCPScheduler (hybrid_cp_schedule, still on dev): per micro-batch,
+    each rank's sample ids."""
+    return [[list(rank) for rank in mb]
+            for mb in _balanced_cp_groups(modules, seq_lens, dp_cp_size, max_seq_len_per_rank)]
+
+
+def balanced_cp_rank_lists_alias(modules, seq_lens, dp_cp_size, max_seq_len_per_rank):
+    """Per micro-batch of the checkout's BalancedCPScheduler: whether two different ranks got
+    the very same sample-id list object."""
+    groups = _balanced_cp_groups(modules, seq_lens, dp_cp_size, max_seq_len_per_rank)
     return [len({id(rank) for rank in mb}) < len(mb) for mb in groups]
 
 
@@ -110,3 +122,20 @@ def truncated_assert_messages(modules, module_key):
                         kept = stmt.msg.value if isinstance(stmt.msg, ast.Constant) else None
                         found[after.lineno] = [function.name, kept, after.value.value]
     return [found[line] for line in sorted(found)]
+
+
+def sleep_with_the_alarm_blocked(modules, seconds):
+    """Stand-in for a loop the worker's alarm cannot end (one inside C code)."""
+    import signal
+    import time
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+    time.sleep(seconds)
+    return seconds
+
+
+def exit_worker(modules, code):
+    """Stand-in for upstream code that kills its process."""
+    import os
+
+    os._exit(code)
