@@ -16,8 +16,11 @@ The training step is a second launch (MCore's GPT comes from the installed megat
 cannot share a process with the checkout's files): Megatron-LM's plan (its per-rank sample lists,
 as cpkit CP groups) runs through cpkit.dynamic.runtime.dynamic_cp_step with cpkit's attention,
 each rank reading only the samples Megatron-LM's path delivered to it, against a cp=1 reference
-built from the original samples (fp32; loss 1e-5, gradients rtol=atol=1e-5). Megatron-LM's own
-model-side slicing (get_cp_slice_for_thd) needs Transformer Engine and is not run.
+built from the original samples (fp32; loss 1e-5, gradients rtol=atol=1e-5). At PP 2 with VPP 2,
+Megatron-LM's VPP-aligned plan (align_sample_id_groups) of a batch runs through MCore's
+interleaved schedule (functional/test_dynamic_pipeline.py::pipeline_case, its reference and
+tolerances). Megatron-LM's own model-side slicing (get_cp_slice_for_thd) needs Transformer
+Engine and is not run.
 """
 
 from __future__ import annotations
@@ -208,3 +211,25 @@ def test_one_training_step_on_megatron_lm_delivered_microbatches_matches_cp1(del
     loss, ref_loss, cp_sizes = results[0]
     assert all(r[0] == loss for r in results)  # every rank returns the global loss
     assert len(cp_sizes) > 1, f"the plan should mix CP sizes, used {cp_sizes}"
+
+
+# PP 2 with VPP 2 over a DPxCP group of 2: a batch on which Megatron-LM's VPP alignment returns
+# (lengths a multiple of 2 x DPxCP; CP sizes 1 and 2; no idle rank), with the lengths and
+# max_seq_len_per_rank (16) of functional/test_dynamic_pipeline.py's scale.
+PIPELINE_LENS = (12, 12, 28, 8, 8)
+
+
+@pytest.mark.dist
+@needs_checkout
+def test_megatron_lm_vpp_plan_through_the_interleaved_pipeline_schedule_matches_cp1():
+    from cpkit.dynamic.mlm import mlm_schedule
+    from functional.test_dynamic_pipeline import MAX_SEQ_LEN_PER_RANK as PIPELINE_M
+    from functional.test_dynamic_pipeline import pipeline_case
+
+    plan = mlm_schedule(PIPELINE_LENS, 2, PIPELINE_M, microbatch_group_size=2)
+    assert len(plan.microbatches) % 2 == 0
+    spec = [[(list(g.ranks), list(g.samples)) for g in mb.groups] for mb in plan.microbatches]
+    case = dict(id="mlm-pp2-vpp2", tp=1, pp=2, vpp=2, plan=spec, lens=PIPELINE_LENS,
+                expect_idle=False)
+    results = launch(pipeline_case, 4, args=(case,), timeout=300)
+    assert all(abs(loss - ref) <= 1e-5 for loss, ref, _, _ in results)
