@@ -63,8 +63,8 @@ def install_checkout(root: str | os.PathLike) -> dict[str, types.ModuleType]:
     returns the modules the scheduling code lives in (data_schedule, data_schedule_utils,
     hybrid_cp_schedule). Raises ImportError when one of them does not load."""
     root = Path(root).resolve()
-    if "megatron" in sys.modules and getattr(sys.modules["megatron"], "__path__", [None])[0] \
-            != str(root / "megatron"):
+    if "megatron" in sys.modules \
+            and list(getattr(sys.modules["megatron"], "__path__", [])) != [str(root / "megatron")]:
         raise ImportError("another megatron is already imported in this process; "
                           "load a checkout in a fresh process")
     for name in _PACKAGES:
