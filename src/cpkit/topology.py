@@ -4,8 +4,10 @@ torchrun gives each node a contiguous block of global ranks: node n holds ranks
 n*G .. n*G + G - 1 for G processes per node (LOCAL_WORLD_SIZE). Hierarchical CP is meant to run
 its a2a level inside a node (NVLink) and its p2p level between nodes (InfiniBand); an a2a group
 that spans nodes sends every all-to-all over the slower fabric. `check_topology` refuses that
-(CPConfigError naming the groups and the fix); `node_report` lists, per node, the hierarchical
-groups in rank order and which hops of the p2p rings cross nodes.
+(CPConfigError naming the groups and a fix, `a2a_fix`, that passes the same checks);
+`topology_violations` gives the same violations as a list, next to the layout's own;
+`node_report` lists, per node, the hierarchical groups in rank order and, per comm type, what
+crosses nodes (p2p ring hops, all_gather and a2a groups).
 """
 
 from __future__ import annotations
@@ -127,7 +129,7 @@ def _messages(layout: CPLayout) -> set[str]:
 
 
 def a2a_fix(layout: CPLayout, topo: NodeTopology) -> CPLayout:
-    """The layout closest to `layout` whose all-to-all groups all stay inside a node.
+    """`layout` with the largest a2a size whose all-to-all groups all stay inside a node.
 
     Tries a2a+p2p with the largest a2a size first, down to p2p (a2a size 1, which always fits),
     and keeps the first candidate that passes every check `layout` can pass: no a2a group spans
