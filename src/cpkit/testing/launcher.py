@@ -141,7 +141,9 @@ def _worker(rank, world_size, backend, store_path, dump_dir, pg_timeout_s, fn, a
 def _start(procs) -> None:
     """Start the ranks with cpkit.notices' filters in their PYTHONWARNINGS: a spawned rank
     imports the parent's main module and fn's module (often megatron-core, with its notices)
-    before any cpkit code runs in it. Real warnings still show."""
+    before any cpkit code runs in it. Real warnings still show, and so do these where the
+    parent's own -W or PYTHONWARNINGS options ask for them (spawn repeats those on the rank's
+    command line, after the environment)."""
     before = os.environ.get("PYTHONWARNINGS")
     os.environ["PYTHONWARNINGS"] = child_warnoptions(before)
     try:
