@@ -90,6 +90,12 @@ def test_a_thd_position_change_selects_the_tests_that_catch_it():
         assert test in selected
 
 
+def test_a_module_an_example_imports_selects_the_example_test():
+    # The examples run in a subprocess: functional/test_examples.py imports none of them.
+    assert "functional/test_examples.py" in select_tests(["src/cpkit/eval_cp.py"]).files
+    assert "functional/test_examples.py" in select_tests(["examples/eval_cp_in_your_loop.py"]).files
+
+
 def test_the_import_closure_follows_lazy_and_package_imports(tmp_path):
     files = {
         "src/cpkit/__init__.py": "",

@@ -98,6 +98,8 @@ CHANGE_MAP: tuple[Row, ...] = (
                                 "tests/test_bench_window.py"),
         ("functional/test_bench.py",), "unit, dist"),
     Row(("src/cpkit/commands/layout.py",), ("tests/test_layout_cli.py",), (), "unit"),
+    Row(("examples/",), ("tests/test_skills.py",), ("functional/test_examples.py",),
+        "dist: each example runs as written (a changed module selects the test when an example imports it)"),
     Row(("src/cpkit/testing/thread_ring.py",), ("tests/test_ring_threads.py",), (), "unit"),
     Row(("src/cpkit/cards/", "src/cpkit/skills/", "src/cpkit/anchors.py", "src/cpkit/strict_yaml.py",
          "src/cpkit/repo.py", "src/cpkit/pytest_runner.py", "src/cpkit/change_map.py", "src/cpkit/import_graph.py", "src/cpkit/cli.py",

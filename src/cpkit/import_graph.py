@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Iterable
 
 __all__ = ["module_name", "imports", "package_modules", "cpkit_imports", "transitive_cpkit_imports",
-           "TEST_FOLDERS", "importing_tests"]
+           "TEST_FOLDERS", "SCRIPT_RUNNERS", "importing_tests"]
 
 #: The folders of test files (test_*.py) whose imports select them.
 TEST_FOLDERS = ("tests", "functional")
+#: Scripts a test runs in a subprocess (so its own imports do not show them): folder -> that test.
+SCRIPT_RUNNERS = {"examples": "functional/test_examples.py"}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -101,11 +103,16 @@ def _tests_by_module(root: Path) -> dict[str, frozenset[str]]:
         for test in sorted((root / folder).glob("test_*.py")):
             for m in transitive_cpkit_imports(test, root, src):
                 out.setdefault(files[m], set()).add(test.relative_to(root).as_posix())
+    for folder, runner in SCRIPT_RUNNERS.items():
+        for script in sorted((root / folder).glob("*.py")):
+            for m in transitive_cpkit_imports(script, root, src):
+                out.setdefault(files[m], set()).add(runner)
     return {path: frozenset(tests) for path, tests in out.items()}
 
 
 def importing_tests(module_path: str, root: Path) -> list[str]:
     """Test files of the repository at `root` (tests/ and functional/, test_*.py) that import the
     module at repository path `module_path` (e.g. "src/cpkit/sharding.py"), directly or through
-    the cpkit modules they import; sorted. Read once per root and process."""
+    the cpkit modules they import, and the runner of each script (SCRIPT_RUNNERS) that does;
+    sorted. Read once per root and process."""
     return sorted(_tests_by_module(Path(root).resolve()).get(module_path, ()))
