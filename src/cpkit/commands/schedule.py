@@ -6,7 +6,7 @@ DefaultDynamicCPScheduler from the checkout named by CPKIT_MLM_SRC (cpkit.dynami
 that does not return within 5 s is reported as the violation `no-crash`). The plan is checked
 against the invariants of cpkit.dynamic.invariants (and run twice for determinism) and timed by
 the step-time model (cpkit.dynamic.cost) next to static CP and the other implementations
-(Megatron-LM's when CPKIT_MLM_SRC is set).
+(Megatron-LM's beside cpkit's, MCore's and static CP's with --impl mlm).
 
 Text: a rank x micro-batch grid (cell "s3/cp4": rank runs sample 3 in a CP group of 4;
 "s1,s5/cp2": samples 1 and 5 packed together; "-": idle; a cell with many samples wraps onto
@@ -27,7 +27,6 @@ import sys
 
 from cpkit.dynamic.cost import COMM_TYPES, CostModel, ModelDims, load_calibration
 from cpkit.dynamic.invariants import PlanViolation, plan_violations
-from cpkit.dynamic.mlm import mlm_src
 from cpkit.dynamic.plan import Plan
 from cpkit.dynamic.scheduler import DEFAULT_BALANCE_TOLERANCE, needed_cp_sizes, schedule
 from cpkit.dynamic.static import static_cp_plan
@@ -121,7 +120,7 @@ def _seconds(x) -> str:
     return "-" if x is None else f"{x * 1e3:.1f} ms"
 
 
-_NAMES = {"cpkit": "cpkit", "mcore": "MCore"}
+_NAMES = {"cpkit": "cpkit", "mcore": "MCore", "mlm": "Megatron-LM"}
 
 
 def _versus(this: str, other: str, ratio: float | None) -> str:
@@ -153,6 +152,9 @@ def _step_time_line(stats: dict, impl: str) -> str:
             line += _versus(this, "MCore", stats["speedup_vs_mcore"])
         elif stats.get("mcore_error"):
             line += f" ({stats['mcore_error']})"
+    if "cpkit_step_time_s" in stats:
+        line += (f"; cpkit {_seconds(stats['cpkit_step_time_s'])}"
+                 + _versus(this, "cpkit", stats.get("speedup_vs_cpkit")))
     return line
 
 
@@ -194,12 +196,6 @@ def format_plan(plan: Plan, stats: dict, violations: list[PlanViolation], impl: 
         _step_time_line(stats, impl),
         f"  model: {stats['model']}",
     ]
-    if "cpkit_step_time_s" in stats:
-        lines.insert(-1, f"cpkit {_seconds(stats['cpkit_step_time_s'])}")
-    if "mlm_step_time_s" in stats:
-        lines.insert(-1, f"Megatron-LM {_seconds(stats['mlm_step_time_s'])}"
-                     + (f" (x{stats['speedup_vs_mlm']:.2f})" if stats.get("speedup_vs_mlm") else
-                        f" ({stats['mlm_error']})" if stats.get("mlm_error") else ""))
     if violations:
         lines += ["", f"{len(violations)} invariant(s) broken:"]
         lines += [f"  {v.property}: {v.detail}" for v in violations]
@@ -277,19 +273,12 @@ def plan_report(impl: str, lens, args, model: CostModel) -> tuple[Plan | None, d
     d = model.dims
     if impl == "mlm":  # cpkit's plan beside Megatron-LM's
         cpkit_plan, _ = _run_impl("cpkit", lens, args, model)
-        stats["cpkit_step_time_s"] = model.step_time(cpkit_plan)
-    if impl == "mlm" or mlm_src() is not None:
-        try:
-            mlm_plan, mlm_violations = (plan, violations) if impl == "mlm" else \
-                _run_impl("mlm", lens, args, model)
-        except ValueError as err:  # the checkout does not load: say so beside cpkit's plan
-            mlm_plan, mlm_violations = None, [PlanViolation("no-crash", str(err))]
-        mlm_time = model.step_time(mlm_plan) if mlm_plan is not None else None
+        cpkit_time = model.step_time(cpkit_plan)
         stats.update({
-            "mlm_step_time_s": mlm_time,
-            "speedup_vs_mlm": mlm_time / step if step and mlm_time else None,
-            "mlm_error": next((v.detail for v in mlm_violations if v.property == "no-crash"),
-                              None),
+            "cpkit_step_time_s": cpkit_time,
+            "speedup_vs_cpkit": cpkit_time / step if step else None,
+            "mlm_step_time_s": step,
+            "mlm_error": next((v.detail for v in violations if v.property == "no-crash"), None),
         })
     stats.update({
         "modeled_step_time_s": step,
