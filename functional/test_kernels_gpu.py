@@ -221,7 +221,8 @@ def test_cp1_entry_point_takes_the_library_by_default(layout, monkeypatch):
             op = getattr(real(), name)
 
             def call(*args, **kwargs):
-                calls.append((name, args[2].shape[-1], kwargs.get("sinks") is not None))
+                v = args[2] if name == "sdpa_fwd" else args[3]  # sdpa_bwd(dout, q, k, v, ...)
+                calls.append((name, v.shape[-1], kwargs.get("sinks") is not None))
                 return op(*args, **kwargs)
             return call
     monkeypatch.setattr(cudnn_fe, "_ops", lambda: Spy())

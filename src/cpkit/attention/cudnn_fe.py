@@ -257,12 +257,28 @@ def band_fwd(q, k, v, mask, scale: float, sink: Optional[torch.Tensor] = None):
     s, b, h, _ = q.shape
     out = q.new_zeros((s, b, h, v.shape[-1]))
     lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
+    written = set()
     for r in rects:
-        o, l = fwd(q[r.q0:r.q0 + r.nq], k[r.k0:r.k0 + r.nk], v[r.k0:r.k0 + r.nk], scale, window=(r.left, r.right))
-        merge_(out[r.q0:r.q0 + r.nq], lse[..., r.q0:r.q0 + r.nq], o, l)
+        rows = slice(r.q0, r.q0 + r.nq)
+        o, l = fwd(q[rows], k[r.k0:r.k0 + r.nk], v[r.k0:r.k0 + r.nk], scale, window=(r.left, r.right))
+        if _disjoint(r.q0, r.nq, written):  # the first rectangle of these rows: no merge
+            out[rows].copy_(o)
+            lse[..., rows].copy_(l)
+        else:
+            merge_(out[rows], lse[..., rows], o, l)
+        written.add((r.q0, r.nq))
     if sink is not None:
         out, lse = apply_sink(out, lse, sink)
     return out, lse
+
+
+def _disjoint(start: int, length: int, spans) -> bool:
+    return all(start + length <= a or a + n <= start for a, n in spans)
+
+
+def _each_once(spans) -> bool:
+    """Whether the (start, length) spans are pairwise disjoint."""
+    return all(_disjoint(*span, spans[:i]) for i, span in enumerate(spans))
 
 
 def band_bwd(dout, q, k, v, out, lse, mask, scale: float):
@@ -274,11 +290,15 @@ def band_bwd(dout, q, k, v, out, lse, mask, scale: float):
     if _covers(rects, q.shape[0], k.shape[0]):
         r = rects[0]
         return bwd(dout, q, k, v, out, lse, scale, window=(r.left, r.right))
-    dq, dk, dv = (torch.zeros_like(x, dtype=torch.float32) for x in (q, k, v))
+    # Rows that one rectangle alone covers take its gradients as they are; rows two rectangles
+    # share (a query run against both key runs) accumulate in fp32.
+    exact_q = _each_once([(r.q0, r.nq) for r in rects])
+    exact_k = _each_once([(r.k0, r.nk) for r in rects])
+    dq = torch.zeros_like(q, dtype=None if exact_q else torch.float32)
+    dk, dv = (torch.zeros_like(x, dtype=None if exact_k else torch.float32) for x in (k, v))
     for r in rects:
         rows, keys = slice(r.q0, r.q0 + r.nq), slice(r.k0, r.k0 + r.nk)
         g = bwd(dout[rows], q[rows], k[keys], v[keys], out[rows], lse[..., rows], scale, window=(r.left, r.right))
-        dq[rows] += g[0]
-        dk[keys] += g[1]
-        dv[keys] += g[2]
+        for acc, part, span, exact in ((dq, g[0], rows, exact_q), (dk, g[1], keys, exact_k), (dv, g[2], keys, exact_k)):
+            (acc[span].copy_ if exact else acc[span].add_)(part)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
