@@ -10,7 +10,8 @@ written here from positions and sequence ids (no cpkit helper): scores, the band
 mask, the sink as an extra logit, softmax through autograd. Also the ring's blocks of a window
 (zigzag chunks of 4 ranks: non-square rectangles with their own diagonals), the end-to-end path
 at cp=1 (`context_parallel_attention`, default kernel choice, sink gradient through autograd),
-the selection rule (band blocks reach the library) and the fallback without the library.
+the selection rule (band blocks reach the library), the fallback without the library, and
+packed batches of new lengths sharing the library's compiled graphs.
 
 Tolerances, per dtype (one rounding of each output and gradient to the input dtype, the
 library reducing in its own order): bf16 rtol = 2e-2, atol = 2e-2 x the reference's largest
@@ -263,3 +264,35 @@ def test_without_the_library_one_warning_and_flexattention(monkeypatch):
     diff = pos.view(-1, 1) - pos.view(1, -1)
     want = _reference(*(x.permute(1, 2, 0, 3) for x in (q, k, v, dout)), None, (diff >= 0) & (diff <= 99))
     _close(out, want[0].permute(2, 0, 1, 3), 2e-2, "out")
+
+
+def test_packings_of_new_lengths_share_a_few_graphs():
+    """The library builds (and caches) one graph per shape it is told, the longest length
+    included; cpkit tells it a power-of-two bound, so ten THD packings of four sequences of new
+    lengths build one forward graph per bound, not per packing. Its backward graph also keys on
+    the token totals (rounded to 64 by the library): one per (total, bound). Each result is the
+    exact math's."""
+    import cudnn.sdpa.fwd.torch_op as op
+
+    gen = torch.Generator().manual_seed(4)
+    before = len(op._graph_cache)
+    bounds, backward_keys = set(), set()
+    for _ in range(10):
+        lengths = torch.randint(200, 1000, (4,), generator=gen).tolist()
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        tokens = sum(lengths)
+        q, dout = (torch.randn(tokens, HEADS, 64, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+        k, v = (torch.randn(tokens, KV_HEADS, 64, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+        kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths), max_seqlen_k=max(lengths))
+        out, lse = attn_fwd(q, k, v, True, SCALE, kernel="cudnn_fe", **kw)
+        grads = attn_bwd(dout, q, k, v, out, lse, True, SCALE, kernel="cudnn_fe", **kw)
+        bounds.add(1 << (max(lengths) - 1).bit_length())
+        backward_keys.add((-(-tokens // 64), 1 << (max(lengths) - 1).bit_length()))
+    seg = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    allowed = (seg.view(-1, 1) == seg.view(1, -1)) & (pos.view(-1, 1) >= pos.view(1, -1))
+    want = _reference(*(_to_bhsd(x, "thd") for x in (q, k, v, dout)), None, allowed)
+    _close(out, _from_bhsd(want[0], "thd"), 2e-2, "out")
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, want[2:5]):
+        _close(got, _from_bhsd(ref, "thd"), 2e-2, name)
+    assert len(op._graph_cache) - before <= len(bounds) + len(backward_keys), (len(op._graph_cache) - before, bounds)

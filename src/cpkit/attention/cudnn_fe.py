@@ -189,14 +189,21 @@ def bwd(dout, q, k, v, out, lse, scale: float, causal: bool = False, window: tup
     return _from_bhsd(dq), _from_bhsd(dk), _from_bhsd(dv)
 
 
+def _bucket(max_len: int) -> int:
+    """`max_len` rounded up to a power of two (at least 128): the library builds one graph per
+    longest length it is told, and it is only a bound, so packed batches of ever-new lengths
+    share a few graphs (sequences shorter than the bound cost no compute)."""
+    return max(128, 1 << (int(max_len) - 1).bit_length())
+
+
 def varlen_fwd(q, k, v, scale: float, cu_q, cu_k, max_q: int, max_k: int, causal: bool = False,
                window: tuple[int, int] = (-1, -1), sink: Optional[torch.Tensor] = None):
     """THD q [t, h, d], k/v [t_k, h_kv, d / d_v], int32 `cu_q`/`cu_k` -> (out [t, h, d_v], float32
-    LSE [h, t]); the band and causal mask per sequence."""
+    LSE [h, t]); the band and causal mask per sequence. `max_q`/`max_k`: bounds of the lengths."""
     o, stats = _ops().sdpa_fwd(q, k, v, scale, is_causal=causal, window_left=window[0], window_right=window[1],
                                sinks=_sinks(sink, q.shape[1]), cu_seqlens_q=cu_q.to(torch.int32),
-                               cu_seqlens_kv=cu_k.to(torch.int32), max_seqlen_q=int(max_q),
-                               max_seqlen_kv=int(max_k), return_lse=True)
+                               cu_seqlens_kv=cu_k.to(torch.int32), max_seqlen_q=_bucket(max_q),
+                               max_seqlen_kv=_bucket(max_k), return_lse=True)
     return o, stats[:, :, 0].t()
 
 
@@ -215,10 +222,11 @@ def _padded_lse(lse, cu_q, max_q: int) -> torch.Tensor:
 def varlen_bwd(dout, q, k, v, out, lse, scale: float, cu_q, cu_k, max_q: int, max_k: int,
                causal: bool = False, window: tuple[int, int] = (-1, -1)):
     """(dq, dk, dv) of a THD block given the FINAL `out` and `lse` [h, t]."""
-    return _ops().sdpa_bwd(dout, q, k, v, out, _padded_lse(lse.float(), cu_q, int(max_q)), scale,
+    max_q, max_k = _bucket(max_q), _bucket(max_k)
+    return _ops().sdpa_bwd(dout, q, k, v, out, _padded_lse(lse.float(), cu_q, max_q), scale,
                            is_causal=causal, window_left=window[0], window_right=window[1],
                            cu_seqlens_q=cu_q.to(torch.int32), cu_seqlens_kv=cu_k.to(torch.int32),
-                           max_seqlen_q=int(max_q), max_seqlen_kv=int(max_k))
+                           max_seqlen_q=max_q, max_seqlen_kv=max_k)
 
 
 # ---------------------------------------------------------------------------------------------
