@@ -17,9 +17,9 @@ def test_window_bench_runs_on_cpu(tmp_path):
     payload = json.loads(out.read_text())
     rows = {r["case"]: r for r in payload["results"]}
     runnable = [case for case in rows if "cudnn_fe" not in case and not case.startswith("TE")]
-    assert len(runnable) == 7 and all(rows[c].get("ms", 0) > 0 for c in runnable), rows
+    assert len(runnable) == 9 and all(rows[c].get("ms", 0) > 0 for c in runnable), rows
     library = [case for case in rows if "cudnn_fe" in case]
-    assert len(library) == 7 and all("nvidia-cudnn-frontend" in rows[c]["error"] for c in library)
+    assert len(library) == 9 and all("nvidia-cudnn-frontend" in rows[c]["error"] for c in library)
     # 512 tokens at cp=4: chunks of 64, window 32: rank 1 (chunks 1, 6) meets ranks 0 and 2 only.
     assert "p2p, window, flex (rank 1: 3 of 4 blocks)" in rows
     assert payload["settings"]["window"] == 32 and "TE a2a, window" in rows

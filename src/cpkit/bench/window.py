@@ -9,6 +9,9 @@ extra `cpkit[kernels]`; its rows hold an error where it is not installed):
   the window skipped), each forward then backward;
 - `p2p, no window`: the same rank's ring blocks of plain causal attention (the dense kernels),
   what the window saves;
+- `all_gather, window`: that rank's queries against every key (gathered, natural order);
+- `a2a+p2p [2, cp/2], window`: half the heads per rank after the a2a level, the busiest rank's
+  live blocks of a ring of cp/2 ranks over twice the local tokens;
 - `a2a, window`: after the all-to-all a rank holds every token and heads/cp heads: one block
   over the whole sequence (sbhd; with the cuDNN frontend also THD, one packed sequence);
 - `a2a, window + sink`: the same through the ring's one-block path (`p2p.ring_forward` /
@@ -72,14 +75,19 @@ def _band_kernel(kernel: str, device):
             lambda do, q, k, v, o, l, b, s: band_bwd(do, q, k, v, o, l, b, s, "math"))
 
 
-def _band_step(kernel: str, make_band, sources: list[int], q, k, v, scale: float):
+def _band_step(kernel: str, make_band, sources, q, k, v, scale: float):
     """Forward then backward of every live block (the block's own output stands in for the
-    merged one: the time is the same); the Band is built per step, as per attention call."""
+    merged one: the time is the same); the Band is built per step, as per attention call.
+    `sources`: the ranks whose blocks are computed, or None for all_gather's one block of the
+    local queries against every key in natural order."""
     fwd, bwd = _band_kernel(kernel, q.device)
 
     def step():
         band = make_band()
-        blocks = [b for b in (band.block(src) for src in sources) if b is not None]
+        if sources is None:
+            blocks = [band.natural_mask(k.shape[0])]
+        else:
+            blocks = [b for b in (band.block(src) for src in sources) if b is not None]
         outs = [fwd(q, k, v, b, scale) for b in blocks]
         for b, (o, lse) in zip(blocks, outs):
             bwd(o, q, k, v, o, lse, b, scale)
@@ -168,6 +176,20 @@ def _rows(args, device, dtype):
             lambda kernel=kernel: _band_step(kernel, lambda: Band(win, True, seq, busiest, device), list(range(cp)),
                                              *local, scale))
     rows[f"p2p, no window (rank {busiest}, dense kernels)"] = lambda: _dense_ring_step(busiest, cp, *local, scale)
+    gathered = _qkv(args.seq, 1, args.kv_heads, args.head_dim, dtype, device)[1:]
+    for kernel in KERNELS:
+        rows[f"all_gather, window, {kernel} (rank {busiest})"] = (
+            lambda kernel=kernel: _band_step(kernel, lambda: Band(win, True, seq, busiest, device, ring=False), None,
+                                             local[0], *gathered, scale))
+    if cp % 2 == 0 and cp > 2:  # a2a+p2p [2, cp/2]: the a2a level halves the heads, a ring of cp/2 ranks
+        hier_seq = local_seq(2 * tokens, cp // 2)
+        hier = _qkv(2 * tokens, args.heads // 2, max(args.kv_heads // 2, 1), args.head_dim, dtype, device)
+        hier_bands = [Band(win, True, hier_seq, r, device) for r in range(cp // 2)]
+        hier_rank = max(range(cp // 2), key=lambda r: _live_blocks(hier_bands[r], cp // 2))
+        for kernel in KERNELS:
+            rows[f"a2a+p2p [2, {cp // 2}], window, {kernel} (ring rank {hier_rank})"] = (
+                lambda kernel=kernel: _band_step(kernel, lambda: Band(win, True, hier_seq, hier_rank, device),
+                                                 list(range(cp // 2)), *hier, scale))
     for kernel in KERNELS:
         rows[f"a2a, window, {kernel}"] = (
             lambda kernel=kernel: _band_step(kernel, whole_band, [0], *whole, scale))
