@@ -206,6 +206,33 @@ def test_ring_blocks_of_a_window_match_exact_math(window):
     assert checked >= cp
 
 
+@pytest.mark.parametrize("window", ["causal", "two-sided"])
+def test_all_gather_blocks_of_a_window_match_exact_math(window):
+    """all_gather's block of every rank of 4: its chunks r and 7-r against all 8 chunks in
+    natural order; a chunk against the keys before it is causal about the rectangle's
+    bottom-right diagonal. Output, LSE and gradients against the exact math."""
+    causal, win, lo, hi = ((True, Window(700, None), 0, 700) if window == "causal"
+                           else (False, Window(300, 200), -200, 300))
+    cp, chunk, dtype, tol = 4, 512, torch.bfloat16, 2e-2
+    gen = torch.Generator().manual_seed(6)
+    seq = local_seq(2 * chunk, cp)
+    for rank in range(cp):
+        mask = Band(win, causal, seq, rank, "cuda", ring=False).natural_mask(2 * cp * chunk)
+        q, dout = (torch.randn(2 * chunk, 1, HEADS, 64, generator=gen).to("cuda", dtype) for _ in range(2))
+        k, v = (torch.randn(2 * cp * chunk, 1, KV_HEADS, 64, generator=gen).to("cuda", dtype) for _ in range(2))
+        qpos = torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in (rank, 2 * cp - 1 - rank)])
+        diff = qpos.view(-1, 1) - torch.arange(2 * cp * chunk).view(1, -1)
+        want = _reference(*(x.permute(1, 2, 0, 3) for x in (q, k, v, dout)), None, (diff >= lo) & (diff <= hi))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*cuDNN frontend refused.*")
+            out, lse = band_fwd(q, k, v, mask, SCALE, "cudnn_fe")
+            grads = band_bwd(dout, q, k, v, out, lse, mask, SCALE, "cudnn_fe")
+        _close(out, want[0].permute(2, 0, 1, 3), tol, f"rank {rank} out")
+        torch.testing.assert_close(lse, want[1], rtol=tol, atol=tol)
+        for name, got, ref in zip(("dq", "dk", "dv"), grads, want[2:5]):
+            _close(got, ref.permute(2, 0, 1, 3), tol, f"rank {rank} {name}")
+
+
 @pytest.mark.parametrize("layout", ["sbhd", "thd"])
 def test_cp1_entry_point_takes_the_library_by_default(layout, monkeypatch):
     """`context_parallel_attention` at cp=1 with a window, a learnable sink and MLA head dims,

@@ -31,9 +31,11 @@ FP32 = dict(rtol=1e-5, atol=1e-5)
 # a stand-in for the library's ops, from its documented contract
 
 
-def _visible(s_q, s_k, causal, left, right):
+def _visible(s_q, s_k, causal, left, right, bottom_right=False):
     i = torch.arange(s_q).view(-1, 1)
     j = torch.arange(s_k).view(1, -1)
+    if bottom_right:  # the diagonal through the last query and the last key
+        i = i + (s_k - s_q)
     ok = torch.ones(s_q, s_k, dtype=torch.bool)
     rb = right if right >= 0 else (0 if causal else None)
     if rb is not None:
@@ -75,13 +77,14 @@ class FakeOps:
         self.calls, self.refuse = [], refuse
 
     def sdpa_fwd(self, q, k, v, scale, is_causal=False, window_left=-1, window_right=-1, sinks=None,
-                 cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=0, max_seqlen_kv=0, return_lse=True):
+                 cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=0, max_seqlen_kv=0, return_lse=True,
+                 causal_bottom_right=False):
         self.calls.append(("fwd", window_left, window_right, sinks is not None))
         if self.refuse:
             raise ValueError("not supported")
         sk = None if sinks is None else sinks.view(1, -1, 1, 1)
         if cu_seqlens_q is None:
-            mask = _visible(q.shape[2], k.shape[2], is_causal, window_left, window_right)
+            mask = _visible(q.shape[2], k.shape[2], is_causal, window_left, window_right, causal_bottom_right)
             o, lse = _dense_fwd(q, k, v, scale, mask, sk)
             return o, lse.unsqueeze(-1)
         o = q.new_zeros((*q.shape[:-1], v.shape[-1]))
@@ -93,12 +96,12 @@ class FakeOps:
         return o, stats
 
     def sdpa_bwd(self, do, q, k, v, o, lse, scale, is_causal=False, window_left=-1, window_right=-1,
-                 cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=0, max_seqlen_kv=0):
+                 cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=0, max_seqlen_kv=0, causal_bottom_right=False):
         self.calls.append(("bwd", window_left, window_right, False))
         if self.refuse:
             raise ValueError("not supported")
         if cu_seqlens_q is None:
-            mask = _visible(q.shape[2], k.shape[2], is_causal, window_left, window_right)
+            mask = _visible(q.shape[2], k.shape[2], is_causal, window_left, window_right, causal_bottom_right)
             return _dense_bwd(do, q, k, v, o, lse.reshape(o.shape[:-1]), scale, mask)
         assert lse.shape == (cu_seqlens_q.numel() - 1, q.shape[1], max_seqlen_q, 1)
         grads = [torch.zeros_like(x) for x in (q, k, v)]
@@ -161,7 +164,7 @@ def test_rectangles_cover_exactly_the_band(q_runs, k_runs, lo, width):
     got = torch.zeros_like(want)
     for r in cudnn_fe.band_rectangles(qr, kr, lo, hi):
         assert r.nq > 0 and r.nk > 0
-        rect = _visible(r.nq, r.nk, False, r.left, r.right)
+        rect = _visible(r.nq, r.nk, False, r.left, r.right, r.bottom_right)
         assert rect.any(1).all(), "every query of a rectangle sees a key (no empty rows for the kernel)"
         assert not (got[r.q0:r.q0 + r.nq, r.k0:r.k0 + r.nk] & rect).any(), "rectangles overlap"
         got[r.q0:r.q0 + r.nq, r.k0:r.k0 + r.nk] |= rect

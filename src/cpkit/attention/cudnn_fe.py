@@ -112,7 +112,8 @@ def _window_args(lo: Optional[int], hi: Optional[int], s_q: int, s_k: int) -> tu
 @dataclass(frozen=True)
 class Rect:
     """One cuDNN call of a band block: queries q0 .. q0+nq and keys k0 .. k0+nk (local rows),
-    with cuDNN's window (left, right) in the rectangle's own top-left coordinates."""
+    with cuDNN's window (left, right) about the rectangle's top-left diagonal (i == j), or, with
+    `bottom_right`, about its bottom-right one (i - j == nq - nk)."""
 
     q0: int
     nq: int
@@ -120,6 +121,20 @@ class Rect:
     nk: int
     left: int
     right: int
+    bottom_right: bool = False
+
+
+def _rect(q0: int, nq: int, k0: int, nk: int, lo: Optional[int], hi: Optional[int]) -> Rect:
+    """The Rect of a trimmed rectangle whose visible distances i - j are [lo, hi] (lo <= 0 <= hi
+    or None). Where the last query's nearest visible key is the last key (nk - nq == -lo < 0,
+    e.g. a chunk's queries against a longer run of keys before them), the band is causal about
+    the bottom-right diagonal: cuDNN's sliding-window kernel skips the tiles outside it there,
+    while a band reaching right of the top-left diagonal was computed up to the last key."""
+    if lo is not None and lo < 0 and nk - nq == -lo:
+        left = -1 if hi is None or hi - lo >= nk - 1 else hi - lo + 1
+        return Rect(q0, nq, k0, nk, left, 0, bottom_right=True)
+    left, right = _window_args(lo, hi, nq, nk)
+    return Rect(q0, nq, k0, nk, left, right)
 
 
 def band_rectangles(q_runs, k_runs, lo: Optional[int], hi: Optional[int]) -> list[Rect]:
@@ -139,8 +154,7 @@ def band_rectangles(q_runs, k_runs, lo: Optional[int], hi: Optional[int]) -> lis
             shift = q_lo - k_lo  # the trimmed rectangle's distances are the local ones minus this
             lo_t = None if lo_l is None else lo_l - shift
             hi_t = None if hi_l is None else hi_l - shift
-            left, right = _window_args(lo_t, hi_t, q_hi - q_lo, k_hi - k_lo)
-            rects.append(Rect(lq + q_lo, q_hi - q_lo, lk + k_lo, k_hi - k_lo, left, right))
+            rects.append(_rect(lq + q_lo, q_hi - q_lo, lk + k_lo, k_hi - k_lo, lo_t, hi_t))
     return rects
 
 
@@ -171,21 +185,25 @@ def _sinks(sink: Optional[torch.Tensor], heads: int):
 
 
 def fwd(q, k, v, scale: float, causal: bool = False, window: tuple[int, int] = (-1, -1),
-        sink: Optional[torch.Tensor] = None):
+        sink: Optional[torch.Tensor] = None, bottom_right: bool = False):
     """Dense q [s, b, h, d], k [s_k, b, h_kv, d], v [s_k, b, h_kv, d_v] -> (out [s, b, h, d_v]
     in q's dtype, float32 LSE [b, h, s]). `causal`: top-left causal; `window`: cuDNN's (left,
-    right); `sink` [h]: sink logits folded in (out and LSE include them)."""
+    right), about the bottom-right diagonal with `bottom_right`; `sink` [h]: sink logits folded
+    in (out and LSE include them)."""
     s, b, h, _ = q.shape
     o, stats = _ops().sdpa_fwd(_bhsd(q), _bhsd(k), _bhsd(v), scale, is_causal=causal, window_left=window[0],
-                               window_right=window[1], sinks=_sinks(sink, h), return_lse=True)
+                               window_right=window[1], sinks=_sinks(sink, h), return_lse=True,
+                               **({"causal_bottom_right": True} if bottom_right else {}))
     return _from_bhsd(o), stats.reshape(b, h, s)
 
 
-def bwd(dout, q, k, v, out, lse, scale: float, causal: bool = False, window: tuple[int, int] = (-1, -1)):
+def bwd(dout, q, k, v, out, lse, scale: float, causal: bool = False, window: tuple[int, int] = (-1, -1),
+        bottom_right: bool = False):
     """(dq, dk, dv) of a dense block given the FINAL `out` and `lse` [b, h, s] (a sink's
     included); shapes as in `fwd`."""
     dq, dk, dv = _ops().sdpa_bwd(_bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse, scale,
-                                 is_causal=causal, window_left=window[0], window_right=window[1])
+                                 is_causal=causal, window_left=window[0], window_right=window[1],
+                                 **({"causal_bottom_right": True} if bottom_right else {}))
     return _from_bhsd(dq), _from_bhsd(dk), _from_bhsd(dv)
 
 
@@ -261,14 +279,15 @@ def band_fwd(q, k, v, mask, scale: float, sink: Optional[torch.Tensor] = None):
     rects = _rects(mask)
     if _covers(rects, q.shape[0], k.shape[0]):
         r = rects[0]
-        return fwd(q, k, v, scale, window=(r.left, r.right), sink=sink)
+        return fwd(q, k, v, scale, window=(r.left, r.right), sink=sink, bottom_right=r.bottom_right)
     s, b, h, _ = q.shape
     out = q.new_zeros((s, b, h, v.shape[-1]))
     lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
     written = set()
     for r in rects:
         rows = slice(r.q0, r.q0 + r.nq)
-        o, l = fwd(q[rows], k[r.k0:r.k0 + r.nk], v[r.k0:r.k0 + r.nk], scale, window=(r.left, r.right))
+        o, l = fwd(q[rows], k[r.k0:r.k0 + r.nk], v[r.k0:r.k0 + r.nk], scale, window=(r.left, r.right),
+                   bottom_right=r.bottom_right)
         if _disjoint(r.q0, r.nq, written):  # the first rectangle of these rows: no merge
             out[rows].copy_(o)
             lse[..., rows].copy_(l)
@@ -297,7 +316,7 @@ def band_bwd(dout, q, k, v, out, lse, mask, scale: float):
     rects = _rects(mask)
     if _covers(rects, q.shape[0], k.shape[0]):
         r = rects[0]
-        return bwd(dout, q, k, v, out, lse, scale, window=(r.left, r.right))
+        return bwd(dout, q, k, v, out, lse, scale, window=(r.left, r.right), bottom_right=r.bottom_right)
     # Rows that one rectangle alone covers take its gradients as they are; rows two rectangles
     # share (a query run against both key runs) accumulate in fp32.
     exact_q = _each_once([(r.q0, r.nq) for r in rects])
@@ -306,7 +325,8 @@ def band_bwd(dout, q, k, v, out, lse, mask, scale: float):
     dk, dv = (torch.zeros_like(x, dtype=None if exact_k else torch.float32) for x in (k, v))
     for r in rects:
         rows, keys = slice(r.q0, r.q0 + r.nq), slice(r.k0, r.k0 + r.nk)
-        g = bwd(dout[rows], q[rows], k[keys], v[keys], out[rows], lse[..., rows], scale, window=(r.left, r.right))
+        g = bwd(dout[rows], q[rows], k[keys], v[keys], out[rows], lse[..., rows], scale, window=(r.left, r.right),
+                bottom_right=r.bottom_right)
         for acc, part, span, exact in ((dq, g[0], rows, exact_q), (dk, g[1], keys, exact_k), (dv, g[2], keys, exact_k)):
             (acc[span].copy_ if exact else acc[span].add_)(part)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
