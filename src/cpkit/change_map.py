@@ -68,10 +68,10 @@ CHANGE_MAP: tuple[Row, ...] = (
          "functional/test_device.py"), "unit, dist, gpu1, gpu2"),
     Row(("src/cpkit/attention/",),
         ("tests/test_attention_module.py", "tests/test_attention_unit.py", "tests/test_attention_features.py",
-         "tests/test_band.py", "tests/test_flex_band.py", "tests/test_ring_threads.py"),
+         "tests/test_band.py", "tests/test_flex_band.py", "tests/test_ring_threads.py", "tests/test_cudnn_fe.py"),
         ("functional/test_attention_module.py", "functional/test_attention.py", "functional/test_attention_features.py",
          "functional/test_hierarchical.py", "functional/test_gpt.py", "functional/test_gpt_features.py",
-         "functional/test_te_backend.py", "functional/test_device.py"),
+         "functional/test_te_backend.py", "functional/test_device.py", "functional/test_kernels_gpu.py"),
         "unit, dist, gpu1, gpu2, gpu4; for a2a and a2a+p2p also "
         "`functional/test_attention.py::test_a2a_head_chunks_match_full_attention`, "
         "`functional/test_hierarchical.py::test_hierarchical_gpt_trains_like_cp1` and "
@@ -94,6 +94,10 @@ CHANGE_MAP: tuple[Row, ...] = (
         (), ("functional/test_groups.py", "functional/test_attention.py", "functional/test_hierarchical.py",
              "functional/test_eval_cp.py", "functional/test_dynamic_cp.py", "functional/test_cluster.py"),
         "dist, gpu2, gpu4: the functional tests and the cluster runner (`src/cpkit/cluster/`) run these scenarios"),
+    Row(("src/cpkit/attention/cudnn_fe.py",), ("tests/test_cudnn_fe.py", "tests/test_band.py", "tests/test_attention_unit.py",
+                                                "tests/test_bench_window.py"),
+        ("functional/test_kernels_gpu.py", "functional/test_device.py", "functional/test_attention.py"),
+        "unit, gpu1 (with nvidia-cudnn-frontend installed: README 'Kernels'); numbers: `python -m cpkit.bench window`"),
     Row(("src/cpkit/bench/",), ("tests/test_attention_module.py", "tests/test_eval_plan.py", "tests/test_dynamic_cost.py",
                                 "tests/test_bench_window.py"),
         ("functional/test_bench.py",), "unit, dist"),
