@@ -3,7 +3,7 @@
 import importlib
 import sys
 
-BENCHMARKS = ["attention", "scheduler", "eval_cp", "calibrate", "window"]
+BENCHMARKS = ["attention", "scheduler", "eval_cp", "calibrate", "window", "replay"]
 
 
 def main(argv=None) -> int:

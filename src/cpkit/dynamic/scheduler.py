@@ -383,6 +383,8 @@ def schedule(
     workload: Callable[[int], float] | None = None,
     balance_tolerance: float = DEFAULT_BALANCE_TOLERANCE,
     cost_model: CostModel | None = None,
+    step_rule: str = "free",
+    pp_size: int = 1,
 ) -> Plan:
     """Plan one global batch of packed samples over the DPxCP ranks with the least modeled step
     time (algorithm: module docstring).
@@ -400,6 +402,9 @@ def schedule(
         before the balancing candidate gives it more ranks.
     cost_model: cpkit.dynamic.cost.CostModel that times the candidates (default
         cpkit.dynamic.cost.default_cost_model(): the shipped calibration, a 4096-wide model).
+    step_rule, pp_size: the runtime's step semantics the candidates are timed under
+        (cpkit.dynamic.step_rules: "free", cpkit's runtime at PP = 1; "lockstep", micro-batches
+        end together, which pp_size > 1 implies).
 
     The plan is the faster, by the model, of the balancing candidate and static CP
     (cpkit.dynamic.static.static_cp_plan), static winning ties, so it is never modeled slower
@@ -428,7 +433,8 @@ def schedule(
         candidates.append(("balanced", balanced_plan(
             lens, needs, works, min_cp_size=min_cp_size, balance_tolerance=balance_tolerance,
             **args)))
-    timed = [(model.step_time(p), rank, name, p) for rank, (name, p) in enumerate(candidates)]
+    timed = [(model.step_time(p, step_rule, pp_size), rank, name, p)
+             for rank, (name, p) in enumerate(candidates)]
     step_time, _, name, chosen = min(timed, key=lambda t: (t[0], t[1]))
     return dataclasses.replace(chosen, step_time_s=step_time, static_step_time_s=timed[0][0],
                                candidate=name)
