@@ -222,6 +222,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help=f"JSON (default {DEFAULT_RESULTS_DIR}/{NAME}.json)")
     p.add_argument("--plot", default=None, help="PNG (default: the JSON path with .png)")
     p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="start no new batch after this many seconds (the rest is reported skipped)")
     return p
 
 
@@ -255,13 +257,20 @@ def main(argv=None) -> int:
     todo += batches([s for s in sets if s in ("mix", "long")], 1 if args.quick else args.batches,
                     args.seed, args.quick, sizes, 64 if args.tiny else 1) if not args.seq_lens_file else []
     rule = "free" if args.pp == 1 else "lockstep"
-    results = []
+    results, skipped = [], []
+    partial = Path(args.out or f"{DEFAULT_RESULTS_DIR}/{NAME}.json").with_suffix(".partial.json")
     for batch in todo:
+        if args.budget_s is not None and time.perf_counter() - t0 > args.budget_s:
+            skipped.append(batch.label)
+            continue
         results.append(_one_batch(batch, model, timer, link, dims, rule, args.pp))
         r = results[-1]
         print(f"  {r['label']}: " + ", ".join(f"{k} {v['step_s'] * 1e3:.0f} ms" for k, v in
               r["impl"].items() if "step_s" in v) + f" ({timer.measured} shapes measured)",
               flush=True)
+        write_json(NAME, {"results": results}, str(partial))  # survives a timeout
+    if skipped:
+        print(f"skipped (--budget-s): {', '.join(skipped)}")
     summary = summarize(results)
     impls = ["cpkit", "static", "mcore", "mlm"]
     rows, cells = [], {}
@@ -309,7 +318,7 @@ def main(argv=None) -> int:
         "benchmark": NAME, "commit": _commit(), "device": dev_name, "machine": machine_info(),
         "dims": vars(dims), "link": link.to_dict(), "step_rule": rule, "pp": args.pp,
         "warmup": args.warmup, "iters": args.iters, "shapes_measured": timer.measured,
-        "calibration": cal.source, "summary": summary,
+        "calibration": cal.source, "summary": summary, "skipped": skipped,
         "targets": {k: bool(v) for k, v in checks.items()}, "results": results,
     }, args.out)
     print(f"json: {path}")
