@@ -17,7 +17,9 @@ holds sum(ceil(L / k)) tokens.
      slowest, to the aligned block that finishes them first, packed into its last group when
      the tokens fit;
    - static CP (cpkit.dynamic.static): every sample at the batch's largest need;
-   - with a caller's `workload` only: the compute-only balancer (`balanced_plan`, below).
+   - with a caller's `workload`, or when micro-batches end together (`step_rule="lockstep"`
+     or pp_size > 1): the balancer (`balanced_plan`, below; without a workload it balances
+     the model's rank-seconds of each sample at its need).
 3. The fastest wins, static CP on ties: no plan is modeled slower than static CP.
 
 The compute-only balancer (`balanced_plan`; w = workload, W = a micro-batch's mean load per
@@ -429,6 +431,12 @@ def schedule(
     static = static_cp_plan(lens, needs, cost_model=model, min_cp_size=min_cp_size,
                             workloads=works or finish.workloads, **args)
     candidates = [("static", static), ("earliest-finish", finish)]
+    if works is None and (step_rule != "free" or pp_size > 1):
+        # Micro-batches end together: balance each one by the model's rank-seconds at the need.
+        works_lock = [model.estimate_sample_time(L, c) * c for L, c in zip(lens, needs)]
+        candidates.append(("balanced", balanced_plan(
+            lens, needs, works_lock, min_cp_size=min_cp_size, balance_tolerance=balance_tolerance,
+            **args)))
     if works is not None:  # the caller's compute-only workload: balance by it as well
         candidates.append(("balanced", balanced_plan(
             lens, needs, works, min_cp_size=min_cp_size, balance_tolerance=balance_tolerance,
