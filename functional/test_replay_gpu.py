@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu1
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cost_model_within_10_percent_of_the_replay(tmp_path):
     out = tmp_path / "replay.json"
-    assert replay.main(["--quick", "--out", str(out), "--plot", str(tmp_path / "r.png")]) == 0
+    assert replay.main(["--quick", "--sets", "mix,long", "--out", str(out), "--plot", str(tmp_path / "r.png")]) == 0
     data = json.loads(out.read_text())
     errors = {r["label"]: r["impl"]["cpkit"]["model_error"] for r in data["results"]}
     assert errors, "no batch was replayed"

@@ -4,7 +4,8 @@ What cpkit.dynamic.cost reads, measured with the kernels the replay times, on th
 - gemm: TFLOP/s of one layer's GEMMs (the replay's `layers`) at 4 token counts per octave,
   64 to 65536, FLOPs = tokens * ModelDims.linear_flops_per_token;
 - attention / attention_packed: the ring's causal diagonal call over one sample of L local
-  tokens, and over 32768 // L of them in one call; FLOPs 3.5 * 2 * h * L^2 * d;
+  tokens, and over 32768 // L (and 4096 // L: small_points) of them in one call; FLOPs
+  3.5 * 2 * h * L^2 * d;
 - attention_offdiag (points, packed_points): the unmasked off-diagonal call (L queries against
   L / 2 keys: the same FLOPs), single and packed;
 - link: the replay's link table as two points (the model fits the same latency and bandwidth).
@@ -47,6 +48,11 @@ def calibration_from_timer(timer: Timer, dims: ModelDims, link: LinkTable, *, de
               for L in lengths if L < per_call]
     off_packed = [[L, rate(AttnCall(KV_FIRST, (L // 2,) * (per_call // L)), L, per_call // L)]
                   for L in lengths if L < per_call]
+    small = per_call // 8
+    packed_small = [[L, rate(AttnCall(DIAG, (L // 2,) * (small // L)), L, small // L)]
+                    for L in lengths if L < small]
+    off_small = [[L, rate(AttnCall(KV_FIRST, (L // 2,) * (small // L)), L, small // L)]
+                 for L in lengths if L < small]
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     src = f"{origin}, {when}, the replay's kernels on {device}"
     return {
@@ -58,10 +64,13 @@ def calibration_from_timer(timer: Timer, dims: ModelDims, link: LinkTable, *, de
                       "heads": dims.num_heads, "kv_heads": dims.num_kv_heads,
                       "head_dim": dims.head_dim, "points": single, "source": src},
         "attention_packed": {"what": f"the same call over {per_call} // L samples of L",
-                             "tokens_per_call": per_call, "points": packed, "source": src},
+                             "tokens_per_call": per_call, "points": packed,
+                             "small_tokens_per_call": small, "small_points": packed_small,
+                             "source": src},
         "attention_offdiag": {"what": "the ring's unmasked off-diagonal call (L queries, L / 2 "
                                       "keys), single and packed, TFLOP/s of the causal L's FLOPs",
-                              "points": off, "packed_points": off_packed, "source": src},
+                              "points": off, "packed_points": off_packed,
+                              "packed_small_points": off_small, "source": src},
         "gemm": {"what": "one layer's GEMMs fwd+bwd (the replay's), TFLOP/s vs tokens",
                  "hidden_size": dims.hidden_size, "points": gemm, "source": src},
         "link": {"what": f"the replay's link table {link.name!r} as two points",

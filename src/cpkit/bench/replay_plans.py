@@ -4,6 +4,7 @@ Batches (`batches`):
 - "mix": the scheduler bench's two mixes (cpkit.bench.scheduler.sample_lengths, lognormal and
   long-tail), 8 sequences per rank, N in {8, 16, 32} DPxCP ranks, M in {4096, 8192} tokens per
   rank (4K-8K per rank), lengths capped at min(N, 64) * M;
+- "mixlong": the same two mixes at M in {16384, 32768} (16K-32K per rank);
 - "long": long context, M in {16384, 32768} (16K-32K per rank), 2 sequences per rank, lengths
   lognormal with median M and sigma 1.0, capped at N * M;
 - a file (`--seq-lens-file`): one global batch per line, lengths separated by commas or blanks
@@ -74,6 +75,14 @@ def batches(sets: list[str], per_cell: int, seed: int = 0, quick: bool = False,
                         rng = random.Random(seed + 1000 * b + 7 * n + M)
                         lens = sample_lengths(mix, 8 * n, min(n, 64) * M, rng)
                         out.append(Batch("mix", f"{mix} N={n} M={M // 1024}K #{b}", tuple(lens), n, M))
+        if "mixlong" in sets:
+            for mix in ("lognormal", "long-tail"):
+                for n in mix_sizes:
+                    for M in LONG_M:
+                        rng = random.Random(seed + 1000 * b + 7 * n + M)
+                        lens = sample_lengths(mix, 8 * n, min(n, 64) * M, rng)
+                        out.append(Batch("mixlong", f"{mix} N={n} M={M // 1024}K #{b}",
+                                         tuple(lens), n, M))
         if "long" in sets:
             for n in long_sizes:
                 for M in LONG_M:

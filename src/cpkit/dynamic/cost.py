@@ -121,6 +121,9 @@ class Calibration:
     attention_offdiag / attention_offdiag_packed: [[seq_len, TFLOP/s]] of the ring's unmasked
         off-diagonal block of a sample of seq_len local tokens (q: seq_len against half of it,
         the same FLOPs as the causal seq_len), single and packed (empty: the causal rates).
+    attention_packed_small / attention_offdiag_packed_small: the packed rates at
+        `attention_small_tokens_per_call` tokens per call (empty: interpolated from single to
+        packed); a call's rate is log-linear in its tokens between these anchors.
     """
 
     attention: tuple[tuple[float, float], ...]
@@ -133,6 +136,9 @@ class Calibration:
     attention_tokens_per_call: int = 32768
     attention_offdiag: tuple[tuple[float, float], ...] = ()
     attention_offdiag_packed: tuple[tuple[float, float], ...] = ()
+    attention_packed_small: tuple[tuple[float, float], ...] = ()
+    attention_offdiag_packed_small: tuple[tuple[float, float], ...] = ()
+    attention_small_tokens_per_call: int = 4096
     source: dict = field(default_factory=dict, compare=False)
 
     @classmethod
@@ -153,6 +159,9 @@ class Calibration:
         return cls(
             attention_offdiag=tuple(tuple(p) for p in offdiag.get("points", ())),
             attention_offdiag_packed=tuple(tuple(p) for p in offdiag.get("packed_points", ())),
+            attention_packed_small=tuple(tuple(p) for p in packed.get("small_points", ())),
+            attention_offdiag_packed_small=tuple(tuple(p) for p in offdiag.get("packed_small_points", ())),
+            attention_small_tokens_per_call=int(packed.get("small_tokens_per_call", 4096)),
             attention_packed=tuple(tuple(p) for p in packed.get("points", ())),
             attention_tokens_per_call=int(packed.get("tokens_per_call", 32768)),
             attention=tuple(tuple(p) for p in att["points"]),
@@ -272,6 +281,11 @@ class CostModel:
         self._off_packed_rate = (_LogLogCurve(cal.attention_offdiag_packed,
                                               "attention_offdiag.packed_points")
                                  if cal.attention_offdiag_packed else None)
+        self._small_rate = (_LogLogCurve(cal.attention_packed_small, "attention_packed.small_points")
+                            if cal.attention_packed_small else None)
+        self._off_small_rate = (_LogLogCurve(cal.attention_offdiag_packed_small,
+                                             "attention_offdiag.packed_small_points")
+                                if cal.attention_offdiag_packed_small else None)
         self._launch_s = self._attention_time_uncached(int(self._attention_rate.smallest))
         self._gemm_rate = _LogLogCurve(cal.gemm, "gemm.points")
         _LogLogCurve([(b, s) for b, s in cal.link], "link.points")  # validates
@@ -302,17 +316,28 @@ class CostModel:
 
     def _rate(self, length: int, call_tokens: int, offdiag: bool = False) -> float:
         """TFLOP/s of sequences of `length` in a call of `call_tokens` tokens (module docstring);
-        `offdiag`: the ring's unmasked off-diagonal block, where calibrated."""
-        single_curve, packed_curve = self._attention_rate, self._packed_rate
+        `offdiag`: the ring's unmasked off-diagonal block, where calibrated. Log-linear in the
+        call's tokens between the anchors: one sequence (the single rate), the small packed call
+        and the full packed call (where calibrated), constant beyond the last."""
+        single_curve, packed_curve, small_curve = (self._attention_rate, self._packed_rate,
+                                                   self._small_rate)
         if offdiag and self._off_rate is not None:
-            single_curve, packed_curve = self._off_rate, self._off_packed_rate
+            single_curve, packed_curve, small_curve = (self._off_rate, self._off_packed_rate,
+                                                       self._off_small_rate)
         single = single_curve(length)
         full = self.calibration.attention_tokens_per_call
         if packed_curve is None or call_tokens <= length or length >= full:
             return single
-        packed = packed_curve(length)
-        share = min(1.0, math.log(call_tokens / length) / math.log(full / length))
-        return math.exp(math.log(single) + share * (math.log(packed) - math.log(single)))
+        anchors = [(length, single)]
+        small = self.calibration.attention_small_tokens_per_call
+        if small_curve is not None and length < small < full:
+            anchors.append((small, small_curve(length)))
+        anchors.append((full, packed_curve(length)))
+        for (x0, y0), (x1, y1) in zip(anchors, anchors[1:]):
+            if call_tokens <= x1:
+                share = math.log(call_tokens / x0) / math.log(x1 / x0)
+                return math.exp(math.log(y0) + share * (math.log(y1) - math.log(y0)))
+        return anchors[-1][1]
 
     def call_time(self, lengths: Sequence[int], heads_share: float = 1.0,
                   offdiag: bool = False) -> float:
