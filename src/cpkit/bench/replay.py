@@ -23,7 +23,7 @@ replayed one for every plan.
 
 Output per batch: replayed step time per implementation (compute and communication apart),
 static / cpkit and the others / cpkit, token fill, the area bound (the least busy rank-seconds
-of any plan / N: no plan of these can end sooner), the model's error; medians and minimums per
+of any plan / (N x PP): no plan of these can end sooner), the model's error; medians and minimums per
 set; targets; JSON (bench-results/replay.json or --out) and a PNG when matplotlib is installed.
 `--device cpu --tiny` is a smoke run (tiny model, CPU kernels), not a measurement.
 """
@@ -109,7 +109,7 @@ def _one_batch(batch: Batch, model: CostModel, timer: Timer, link: LinkTable, di
             r["candidate"] = plan.candidate
         out["impl"][name] = r
     busy = [r["busy_s"] for r in out["impl"].values() if "busy_s" in r]
-    out["area_bound_s"] = min(busy) / batch.dp_cp_size
+    out["area_bound_s"] = min(busy) / (batch.dp_cp_size * pp)  # a stage holds 1/pp of the layers
     ck = out["impl"]["cpkit"]["step_s"]
     out["ratios"] = {f"{k}/cpkit": r["step_s"] / ck for k, r in out["impl"].items()
                      if k != "cpkit" and "step_s" in r}
