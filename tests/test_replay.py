@@ -133,3 +133,24 @@ def test_model_step_time_uses_the_shared_rule():
     t = [model.group_time([L], 1) for L in (4000, 100, 100)]
     assert model.step_time(plan) == pytest.approx(t[0] + t[2])
     assert model.step_time(plan, "lockstep") == pytest.approx(max(t[0], t[1]) + t[2])
+
+
+def test_a_model_calibrated_from_the_replay_predicts_it():
+    """The calibration the replay writes (cpkit.bench.replay_calibration) makes the cost model
+    predict the replay of the same timer: here an analytic one, so the check runs on CPU."""
+    from cpkit.bench.replay import REPLAY_DIMS, replay_plan
+    from cpkit.bench.replay_calibration import calibration_from_timer
+    from cpkit.bench.replay_timing import LINKS
+    from cpkit.dynamic import schedule
+    from cpkit.dynamic.cost import Calibration
+
+    timer = AnalyticTimer(linear_flops_per_token=REPLAY_DIMS.linear_flops_per_token)
+    data = calibration_from_timer(timer, REPLAY_DIMS, LINKS["nvlink"], device="analytic",
+                                  origin="test")
+    model = CostModel(dims=REPLAY_DIMS, calibration=Calibration.from_dict(data))
+    lens = [300, 900, 2048, 5000, 7000, 12000, 30000, 1500, 800, 4096, 64, 9000]
+    for rule in ("free", "lockstep"):
+        plan = schedule(lens, dp_cp_size=8, max_seq_len_per_rank=8192, cost_model=model,
+                        step_rule=rule)
+        replayed = replay_plan(plan, timer, LINKS["nvlink"], REPLAY_DIMS, rule, 1)["step_s"]
+        assert model.step_time(plan, rule) == pytest.approx(replayed, rel=0.05)
