@@ -7,6 +7,8 @@ step s uses the KV of rank (r - s) mod c), not computed with the code under test
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from cpkit.bench.replay_timing import AnalyticTimer, LinkTable, pass_time
@@ -154,3 +156,13 @@ def test_a_model_calibrated_from_the_replay_predicts_it():
                         step_rule=rule)
         replayed = replay_plan(plan, timer, LINKS["nvlink"], REPLAY_DIMS, rule, 1)["step_s"]
         assert model.step_time(plan, rule) == pytest.approx(replayed, rel=0.05)
+
+
+def test_replay_check_line_says_whether_the_model_was_held_to_a_replay():
+    from cpkit.dynamic.cost import replay_check_line
+
+    assert replay_check_line(load_calibration()).startswith("modeled only")
+    replayed = load_calibration(str(Path(__file__).resolve().parents[1]
+                                    / "src/cpkit/dynamic/calibration_h100_replay.json"))
+    line = replay_check_line(replayed)
+    assert "H100" in line and "2.8% median" in line and "9.3% at most" in line

@@ -61,6 +61,7 @@ __all__ = [
     "ModelDims",
     "default_cost_model",
     "load_calibration",
+    "replay_check_line",
     "shipped_calibration_path",
 ]
 
@@ -451,6 +452,20 @@ class CostModel:
                     for r in g.ranks:
                         ready[r] = end
         return max(ready, default=0.0)
+
+
+def replay_check_line(calibration: Calibration) -> str:
+    """One line saying how far the model with `calibration` was from the one-GPU replay that
+    measured it (its "replay_check", written by python -m cpkit.bench replay
+    --write-calibration), or that it was never held to one."""
+    check = calibration.source.get("replay_check")
+    if not isinstance(check, dict) or check.get("cpkit_median") is None:
+        return ("modeled only: this calibration was not held to a replay (python -m cpkit.bench "
+                "replay --write-calibration FILE measures one that is)")
+    where = ", ".join(str(check[k]) for k in ("device", "commit", "evidence") if check.get(k))
+    return (f"last calibration against the replay ({where}): the model was off by "
+            f"{check['cpkit_median']:.1%} median, {check['cpkit_max']:.1%} at most, on "
+            f"{check.get('batches', '?')} batches")
 
 
 @lru_cache(maxsize=1)
