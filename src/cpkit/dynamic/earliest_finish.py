@@ -87,7 +87,6 @@ def earliest_finish_plan(
     cost_model: CostModel,
     microbatch_group_size: int | None = None,
     workloads: Sequence[float] | None = None,
-    spread_share: float = 1.0,
 ) -> Plan:
     """Plan a validated batch by earliest finish time (algorithm: module docstring).
 
@@ -98,7 +97,7 @@ def earliest_finish_plan(
     lens, M, model = seq_lens, max_seq_len_per_rank, cost_model
     n = dp_cp_size
     at_need = [model.estimate_sample_time(L, c) for L, c in zip(lens, needs)]
-    mean_load = spread_share * sum(t * c for t, c in zip(at_need, needs)) / n
+    mean_load = sum(t * c for t, c in zip(at_need, needs)) / n
     order = [i for *_, i in sorted(zip([-c for c in needs], [-t for t in at_need],
                                        [-L for L in lens], range(len(lens))))]
     times = _ReadyTimes(roots, n)
