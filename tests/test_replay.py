@@ -166,3 +166,24 @@ def test_replay_check_line_says_whether_the_model_was_held_to_a_replay():
                                     / "src/cpkit/dynamic/calibration_h100_replay.json"))
     line = replay_check_line(replayed)
     assert "H100" in line and "2.8% median" in line and "9.3% at most" in line
+
+
+def test_replay_cli_runs_a_file_of_batches_on_cpu(tmp_path, capsys):
+    """The whole command on CPU at tiny shapes (a smoke run: CPU kernels, not a measurement)."""
+    import json
+
+    from cpkit.bench import replay
+    from cpkit.dynamic.cost import shipped_calibration_path
+
+    lens = tmp_path / "batches.txt"
+    lens.write_text("# two global batches\n100, 20, 7, 64\n30 30 30 5\n")
+    out = tmp_path / "replay.json"
+    assert replay.main(["--device", "cpu", "--tiny", "--seq-lens-file", str(lens),
+                        "--dp-cp-size", "2", "--max-seq-len-per-rank", "64", "--iters", "1",
+                        "--calibration", str(shipped_calibration_path()), "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [r["label"] for r in data["results"]] == ["batches.txt #0", "batches.txt #1"]
+    for r in data["results"]:
+        assert {"cpkit", "static"} <= set(r["impl"])
+        assert r["ratios"]["static/cpkit"] > 0 and r["area_bound_s"] > 0
+    assert "static/cpkit" in capsys.readouterr().out
