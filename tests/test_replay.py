@@ -187,3 +187,15 @@ def test_replay_cli_runs_a_file_of_batches_on_cpu(tmp_path, capsys):
         assert {"cpkit", "static"} <= set(r["impl"])
         assert r["ratios"]["static/cpkit"] > 0 and r["area_bound_s"] > 0
     assert "static/cpkit" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text, says", [(None, "cannot be read"), ("1 2 x\n", "non-integer"),
+                                        ("\n# nothing\n", "no batch")])
+def test_a_bad_seq_lens_file_is_a_clear_error(tmp_path, text, says):
+    from cpkit.bench.replay_plans import read_seq_lens_file
+
+    path = tmp_path / "lens.txt"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(CPConfigError, match=says):
+        read_seq_lens_file(str(path), 2, 64)

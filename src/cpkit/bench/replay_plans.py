@@ -94,17 +94,25 @@ def batches(sets: list[str], per_cell: int, seed: int = 0, quick: bool = False,
 
 def read_seq_lens_file(path: str, dp_cp_size: int, max_seq_len_per_rank: int) -> list[Batch]:
     """Batches from `path`: a JSON list of lists of lengths, or one batch per line."""
-    text = Path(path).read_text()
+    fix = "write one batch per line: 4096, 913, 12000, ..."
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise CPConfigError.single("seq_lens_file", path, f"cannot be read ({err.strerror})",
+                                   fix) from None
     try:
         rows = json.loads(text)
         if rows and not isinstance(rows[0], list):
             rows = [rows]
     except json.JSONDecodeError:
-        rows = [[int(x) for x in line.replace(",", " ").split()] for line in text.splitlines()
-                if line.strip() and not line.lstrip().startswith("#")]
+        try:
+            rows = [[int(x) for x in line.replace(",", " ").split()] for line in text.splitlines()
+                    if line.strip() and not line.lstrip().startswith("#")]
+        except ValueError as err:
+            raise CPConfigError.single("seq_lens_file", path, f"holds a non-integer length ({err})",
+                                       fix) from None
     if not rows or not all(rows):
-        raise CPConfigError.single("seq_lens_file", path, "holds no batch of lengths",
-                                   "write one batch per line: 4096, 913, 12000, ...")
+        raise CPConfigError.single("seq_lens_file", path, "holds no batch of lengths", fix)
     return [Batch("file", f"{Path(path).name} #{i}", tuple(int(x) for x in r), dp_cp_size,
                   max_seq_len_per_rank) for i, r in enumerate(rows)]
 
