@@ -199,3 +199,11 @@ def test_a_bad_seq_lens_file_is_a_clear_error(tmp_path, text, says):
         path.write_text(text)
     with pytest.raises(CPConfigError, match=says):
         read_seq_lens_file(str(path), 2, 64)
+
+
+def test_replay_reports_every_bad_option_at_once():
+    from cpkit.bench import replay
+
+    with pytest.raises(CPConfigError) as err:
+        replay.main(["--device", "cpu", "--pp", "0", "--iters", "0", "--sets", "mix,short"])
+    assert {v.field for v in err.value.violations} == {"--pp", "--iters", "--sets"}

@@ -48,6 +48,7 @@ from cpkit.bench.replay_timing import LinkTable, Timer, link_table, pass_time
 from cpkit.bench.replay_work import plan_work
 from cpkit.dynamic.cost import Calibration, CostModel, ModelDims, load_calibration
 from cpkit.dynamic.step_rules import step_end
+from cpkit.errors import CPConfigError, Violation
 
 __all__ = ["REPLAY_DIMS", "TINY_DIMS", "main", "replay_plan", "summarize"]
 
@@ -233,6 +234,15 @@ def main(argv=None) -> int:
     """Run the replay; returns 0 (1 with --strict when a target is missed, 2 without CUDA)."""
     argv = list(sys.argv[2:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    bad = [Violation(f"--{name.replace('_', '-')}", getattr(args, name), f"must be an int >= {low}",
+                     f"pass e.g. --{name.replace('_', '-')} {max(low, 1)}")
+           for name, low in (("pp", 1), ("batches", 1), ("iters", 1), ("warmup", 0),
+                             ("dp_cp_size", 1), ("max_seq_len_per_rank", 1))
+           if getattr(args, name) < low]
+    bad += [Violation("--sets", s, "must be mix, mixlong or long", "pass e.g. --sets mix,long")
+            for s in args.sets.split(",") if s.strip() and s.strip() not in ("mix", "mixlong", "long")]
+    if bad:
+        raise CPConfigError(bad)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda: no CUDA device; use --device cpu --tiny for a smoke run")
         return 2
