@@ -31,6 +31,8 @@ __all__ = [
     "BRIDGE_DECENTRALIZED_CHECK",
     "BRIDGE_FINALIZE",
     "BridgeHCPConfig",
+    "DistInit",
+    "bridge_model_config",
     "CONFIGS",
     "Verdict",
     "bridge_modules",
@@ -140,6 +142,36 @@ def bridge_modules() -> types.SimpleNamespace:
         src=src,
         commit=bridge_src.bridge_commit(src),
     )
+
+
+@dataclass
+class DistInit:
+    """The fields of Bridge's `cfg.dist` (`megatron.bridge.training.config.DistributedInitConfig`,
+    a subclass of Megatron-LM's `megatron.training.config.DistributedInitConfig`, which is not in
+    the megatron-core wheel) that `_initialize_distributed` reads on the MPU path once
+    torch.distributed is initialized, with their defaults there; the backend is the launch's."""
+
+    distributed_backend: str = "nccl"
+    use_decentralized_pg: bool = False
+    distributed_timeout_minutes: int = 10
+    nccl_communicator_config_path: Optional[str] = None
+    use_tp_pp_dp_mapping: bool = False
+    use_gloo_process_groups: bool = True
+    use_sharp: bool = False
+    sharp_enabled_group: Optional[str] = None
+    high_priority_stream_groups: list = field(default_factory=list)
+    external_gpu_device_mapping: bool = False
+
+
+def bridge_model_config(bridge: types.SimpleNamespace, **kwargs: Any) -> Any:
+    """Bridge's TransformerConfig (MLATransformerConfig with multi_latent_attention=True) from
+    keyword fields, finalized (MCore's __post_init__ run) and passed through
+    ConfigContainer._validate_cp_comm_type, as ConfigContainer.validate does."""
+    cls = bridge.MLATransformerConfig if kwargs.get("multi_latent_attention") else bridge.TransformerConfig
+    config = cls(**kwargs)
+    config.finalize()
+    bridge.validate_cp_comm_type(types.SimpleNamespace(model=config))
+    return config
 
 
 def _first_line(err: BaseException) -> str:
