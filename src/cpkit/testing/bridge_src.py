@@ -50,16 +50,17 @@ BRIDGE_SRC_ENV = "CPKIT_BRIDGE_SRC"
 _MARKER = Path("megatron/bridge/training/initialize.py")  # a file every Bridge src/ has
 
 
-def bridge_src() -> tuple[Optional[Path], str]:
-    """(Bridge's src/ directory, "") or (None, why not: the skip reason).
+def bridge_src(marker: Path = _MARKER) -> tuple[Optional[Path], str]:
+    """(Bridge's src/ directory, "") or (None, why not: the skip reason): CPKIT_BRIDGE_SRC, else
+    the directory of an importable `megatron.bridge`, either holding the file `marker`.
 
-    Raises CPConfigError when CPKIT_BRIDGE_SRC is set to a directory that is not a Bridge src/."""
+    Raises CPConfigError when CPKIT_BRIDGE_SRC is set to a directory without `marker`."""
     src = os.environ.get(BRIDGE_SRC_ENV)
     if src:
         path = Path(src).expanduser()
-        if not (path / _MARKER).is_file():
+        if not (path / marker).is_file():
             raise CPConfigError.single(
-                BRIDGE_SRC_ENV, src, f"must be a Megatron-Bridge src/ directory containing {_MARKER}",
+                BRIDGE_SRC_ENV, src, f"must be a Megatron-Bridge src/ directory containing {marker}",
                 f"point {BRIDGE_SRC_ENV} at <Megatron-Bridge checkout>/src, or unset it to skip Bridge")
         return path, ""
     try:
@@ -68,7 +69,7 @@ def bridge_src() -> tuple[Optional[Path], str]:
         spec = None
     for location in (spec.submodule_search_locations or []) if spec else []:
         root = Path(location).parent.parent
-        if (root / _MARKER).is_file():
+        if (root / marker).is_file():
             return root, ""
     return None, f"Megatron-Bridge not found: set {BRIDGE_SRC_ENV} to a checkout's src/ directory"
 
