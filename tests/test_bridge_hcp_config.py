@@ -43,12 +43,15 @@ BRIDGE_ACCEPTS_WRONGLY = {
         "no check that the KV heads per TP rank divide over the a2a level; the all-to-all fails at "
         "the first attention call, after the job has launched",
         ["num_attention_heads", "num_query_groups"]),
+    "a2a-kv-heads-not-divisible": (
+        "no check that the KV heads per TP rank divide over cp for a2a; the all-to-all fails at "
+        "the first attention call", ["num_attention_heads", "num_query_groups"]),
     "three-levels": (
         "only the product of the sizes is checked; a2a+p2p has two levels (a2a, p2p), so a third "
         "level of size 2 is CP ranks that never exchange keys and values with each other",
         ["hierarchical_context_parallel_sizes"]),
     "negative-sizes": (
-        "only the product of the sizes is checked, so [-1, -1] passes at cp=1",
+        "only the product of the sizes is checked, so [-1, -2] passes at cp=2",
         ["hierarchical_context_parallel_sizes"]),
     "misspelled-comm-type": (
         "cp_comm_type is only checked to be a str; 'a2a_p2p' fails at the first attention call",
@@ -170,3 +173,52 @@ def test_the_table_command_prints_every_config(bridge, capsys):
     out = capsys.readouterr().out
     assert bridge.commit in out
     assert all(c.id in out for c in CONFIGS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Over generated configurations (MPU path): cpkit is the stricter check, never the looser one
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from cpkit.layout import CP_COMM_TYPES  # noqa: E402
+from cpkit.testing.bridge_hcp import BridgeHCPConfig  # noqa: E402
+
+PROPERTY = settings(max_examples=150, derandomize=True, deadline=None, database=None)
+
+
+@st.composite
+def hcp_configs(draw):
+    """Small Bridge configurations with CP on (at cp=1 the comm settings are inert): cp 2 to 8,
+    a comm type (or a per-layer pair, or a misspelling), sizes of 1 to 3 levels from -1 to 8 (or
+    none), heads with KV heads dividing them."""
+    comm = st.sampled_from(CP_COMM_TYPES + ("a2a_p2p",))
+    cp = draw(st.sampled_from([2, 4, 8]))
+    heads = draw(st.sampled_from([1, 2, 4, 8]))
+    kv = draw(st.sampled_from([k for k in (1, 2, 4, 8) if heads % k == 0]))
+    return BridgeHCPConfig(
+        id="generated", context_parallel_size=cp,
+        cp_comm_type=draw(st.one_of(comm, st.lists(comm, min_size=2, max_size=2))),
+        hierarchical_context_parallel_sizes=draw(st.one_of(
+            st.none(), st.lists(st.integers(-1, 8), min_size=1, max_size=3))),
+        num_attention_heads=heads, num_query_groups=kv, seq_length=16 * cp)
+
+
+@PROPERTY
+@given(config=hcp_configs())
+def test_what_cpkit_accepts_bridge_accepts(bridge, config):
+    """cpkit refuses nothing on the MPU path that Bridge would train: its extra rules only refuse."""
+    if cpkit_verdict(config).accepted:
+        assert bridge_verdict(config, bridge).accepted, config
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason=f"{BRIDGE_CONFIG_CHECK}: accepts configurations that cannot train (see the table above)")
+@PROPERTY
+@given(config=hcp_configs())
+def test_what_bridge_accepts_cpkit_accepts(bridge, config):
+    """Hypothesis finds a configuration Bridge accepts and cpkit refuses; it shrinks to
+    "a2a-kv-heads-not-divisible" of the table (cp=2, a2a, one KV head), whose neighbours there
+    are the smallest cases of the other kinds (BRIDGE_ACCEPTS_WRONGLY)."""
+    if bridge_verdict(config, bridge).accepted:
+        assert cpkit_verdict(config).accepted, config

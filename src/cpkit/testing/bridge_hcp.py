@@ -87,9 +87,11 @@ CONFIGS: tuple[BridgeHCPConfig, ...] = (
     BridgeHCPConfig("product-mismatch", 4, "a2a+p2p", [2, 4], note="prod(sizes) != cp"),
     BridgeHCPConfig("kv-heads-not-divisible", 2, "a2a+p2p", [2, 1], num_attention_heads=1, num_query_groups=1,
                     note="a2a scatters heads: 1 KV head over an a2a level of 2"),
+    BridgeHCPConfig("a2a-kv-heads-not-divisible", 2, "a2a", None, num_attention_heads=1, num_query_groups=1,
+                    note="plain a2a: 1 KV head over cp=2"),
     BridgeHCPConfig("three-levels", 2, "a2a+p2p", [1, 1, 2],
                     note="a2a+p2p uses two levels; the third (size 2) gets no communication"),
-    BridgeHCPConfig("negative-sizes", 1, "a2a+p2p", [-1, -1], note="product 1 == cp, sizes not >= 1"),
+    BridgeHCPConfig("negative-sizes", 2, "a2a+p2p", [-1, -2], note="product 2 == cp, sizes not >= 1"),
     BridgeHCPConfig("misspelled-comm-type", 2, "a2a_p2p", None, note="not a CP comm type MCore or TE know"),
     BridgeHCPConfig("sizes-without-a2a+p2p", 4, "p2p", [2, 2],
                     note="sizes no layer uses: HCP believed on, not active"),
@@ -103,7 +105,8 @@ CONFIGS: tuple[BridgeHCPConfig, ...] = (
     BridgeHCPConfig("decentralized-a2a", 4, "a2a", None, use_decentralized_pg=True,
                     note="flat CP on the decentralized path"),
 )
-"""The table: good and bad hierarchical-CP configurations, the bad ones as small as they go."""
+"""The table: good and bad hierarchical-CP configurations, the bad ones as small as they go with
+CP on (cp >= 2)."""
 
 
 @dataclass
