@@ -12,7 +12,8 @@ What runs, on every rank: Bridge's model config checks (`TransformerConfig.final
 level, two positive levels, known comm types), then Bridge's MPU initialization
 (`training/initialize.py::_initialize_distributed`: `parallel_state.initialize_model_parallel(...,
 hierarchical_context_parallel_sizes=...)`, then `ProcessGroupCollection.use_mpu_process_groups()`),
-then a small MCore GPT with cpkit's CP attention on those groups, `--steps` SGD steps, the loss
+then the HIERARCHICAL_CONTEXT_PARALLEL_GROUPS line of rank 0's groups (cpkit.groups.describe_groups),
+a small MCore GPT with cpkit's CP attention on those groups, `--steps` SGD steps, the loss
 printed by rank 0. Bridge's files come from the checkout named by CPKIT_BRIDGE_SRC.
 
 Launch on 4 CPU processes (gloo), or on 4 GPUs with `--backend nccl`:
@@ -45,6 +46,7 @@ def main(argv=None) -> list[float]:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from cpkit.groups import HCP_LOG_PREFIX, describe_groups
     from cpkit.layout import CPLayout
     from cpkit.sharding import shard_batch
     from cpkit.testing.bridge_hcp import DistInit, bridge_model_config, bridge_modules
@@ -75,10 +77,10 @@ def main(argv=None) -> list[float]:
     dist_config = DistInit(distributed_backend=args.backend, use_decentralized_pg=False)
     pg_collection = bridge.initialize_distributed(model_config, dist_config, 1, None, None)
     try:
-        if rank == 0:
-            hcp = [sorted(dist.get_process_group_ranks(g)) for g in pg_collection.hcp]
-            print(f"Megatron-Bridge {bridge.commit}: cp={world} {args.cp_comm_type} sizes={sizes}; "
-                  f"rank 0 hierarchical groups a2a={hcp[0]} p2p={hcp[1]}", flush=True)
+        if rank == 0:  # the line to look for: Bridge and MCore log none for hierarchical groups
+            print(f"Megatron-Bridge {bridge.commit}: cp={world} {args.cp_comm_type} sizes={sizes}", flush=True)
+            print(*[line for line in describe_groups(pg_collection) if line.startswith(HCP_LOG_PREFIX)],
+                  sep="\n", flush=True)
         dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
         cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4,
                         seq_length=args.seq_length, dtype=dtype)

@@ -68,5 +68,5 @@ def test_bridge_example_reaches_its_first_step():
         out, _ = proc.communicate()
         pytest.fail(f"the example hung for 300 s:\n{out[-4000:]}")
     assert proc.returncode == 0, out[-4000:]
-    assert "hierarchical groups a2a=[0, 1] p2p=[0, 2]" in out, out[-4000:]
+    assert "HIERARCHICAL_CONTEXT_PARALLEL_GROUPS a2a=[0, 1] p2p=[0, 2]" in out, out[-4000:]
     assert "step 1 loss" in out, out[-4000:]

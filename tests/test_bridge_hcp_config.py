@@ -15,6 +15,8 @@ See the table with:
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from cpkit.testing.bridge_hcp import (
@@ -222,3 +224,18 @@ def test_what_bridge_accepts_cpkit_accepts(bridge, config):
     are the smallest cases of the other kinds (BRIDGE_ACCEPTS_WRONGLY)."""
     if bridge_verdict(config, bridge).accepted:
         assert cpkit_verdict(config).accepted, config
+
+
+def test_no_bridge_or_mcore_code_logs_the_line_bridges_skill_looks_for(bridge):
+    """Bridge's skill says to verify HCP by HIERARCHICAL_CONTEXT_PARALLEL_GROUPS in the logs; the
+    name occurs in no Bridge file and in MCore only as parallel_state's private global
+    (_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS), which nothing prints. cpkit.groups.log_groups logs it
+    (functional/test_bridge_hcp.py checks the example's line)."""
+    import re
+
+    import megatron.core
+
+    name = re.compile(r"(?<![\w])HIERARCHICAL_CONTEXT_PARALLEL_GROUPS")
+    roots = [bridge.src / "megatron" / "bridge", Path(megatron.core.__file__).parent]
+    found = [str(p) for root in roots for p in root.rglob("*.py") if name.search(p.read_text(errors="replace"))]
+    assert found == []
