@@ -234,3 +234,40 @@ def test_all_reduce_smoke(backend, world_size):
     assert [values for _, values in out] == [[total] * 4] * world_size
     expected = [f"cuda:{r}" for r in range(world_size)] if backend == "nccl" else ["cpu"] * world_size
     assert [dev for dev, _ in out] == expected
+
+
+# A user's loop: the rank function lives in a module that imports megatron-core at the top, so a
+# spawned rank prints MCore's import-time notice before any cpkit code runs in it. The notice is
+# raised here as MCore raises it (importing MCore itself takes a rank 10-20 s on 2 cores;
+# tests/test_cli_output.py checks the real ones).
+_USER_MODULE = """
+import warnings
+warnings.warn_explicit("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.",
+                       UserWarning, "megatron/core/optimizer/__init__.py", 24, module="megatron.core.optimizer")
+
+def rank_fn():
+    warnings.warn("a warning of the user's own", UserWarning)
+    return 0
+"""
+
+_USER_LOOP = """
+import os, sys, warnings
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex")  # this process's own: not a rank's
+sys.path.insert(0, sys.argv[1])
+import user_loop
+from cpkit.testing import launch
+before = os.environ.get("PYTHONWARNINGS")
+assert launch(user_loop.rank_fn, 2, timeout=240) == [0, 0]
+assert os.environ.get("PYTHONWARNINGS") == before, "the launch must leave the environment as it was"
+"""
+
+
+@pytest.mark.dist
+def test_ranks_print_no_mcore_notices_and_keep_other_warnings(tmp_path):
+    (tmp_path / "user_loop.py").write_text(_USER_MODULE)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    proc = subprocess.run([sys.executable, "-c", _USER_LOOP, str(tmp_path)], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "not installed" not in proc.stderr, proc.stderr
+    assert proc.stderr.count("UserWarning: a warning of the user's own") == 2, proc.stderr

@@ -1,6 +1,7 @@
 """What a person reads from `cpkit`: the help and version, `cpkit cards status` within 100
 columns, and commands that need a repository failing with the reason outside one."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,31 @@ def test_a_reader_that_leaves_early_gets_no_traceback(argv):
     proc.stdout.close()  # before the command has written everything
     stderr = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 0 and "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr
+
+
+# What the command itself prints, then two warnings a user must still see: one of their own and
+# one from megatron-core that is not a notice about missing optional packages.
+_SCHEDULE_THEN_WARN = """
+import sys, warnings
+from cpkit.cli import main
+code = main(sys.argv[1:])
+warnings.warn("an unrelated warning", UserWarning)
+warnings.warn_explicit("an MCore warning to act on", UserWarning, "megatron/core/x.py", 1, module="megatron.core.x")
+sys.exit(code)
+"""
+
+
+def test_schedule_prints_no_mcore_notices_and_keeps_other_warnings():
+    """`cpkit schedule` imports megatron-core (MCore's BalancedCPScheduler): its four "Transformer
+    Engine and Apex are not installed" notices are gone, every other warning still shows."""
+    import subprocess
+    import sys
+
+    argv = ["schedule", "--dp-cp", "2", "--max-seq-len-per-rank", "4096", "--seq-lens", "3000,100"]
+    proc = subprocess.run([sys.executable, "-c", _SCHEDULE_THEN_WARN, *argv], capture_output=True, text=True,
+                          timeout=300, env={k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"})
+    assert proc.returncode == 0, proc.stderr
+    assert "modeled step time" in proc.stdout
+    assert "not installed" not in proc.stderr, proc.stderr
+    assert "UserWarning: an unrelated warning" in proc.stderr
+    assert "UserWarning: an MCore warning to act on" in proc.stderr

@@ -110,7 +110,7 @@ def test_nproc_per_node_refuses_a2a_over_two_nodes(capsys):
     assert err.startswith("error: hierarchical_context_parallel_sizes=[4, 1]: a2a groups span nodes")
     assert "[0, 1, 2, 3] (nodes [0, 1])" in err and "[2, 2]" in err and "--allow-cross-node-a2a" in err
     assert main(argv + ["--allow-cross-node-a2a"]) == 0
-    assert "a2a groups spanning nodes (allowed): [[0, 1, 2, 3]]" in capsys.readouterr().out
+    assert "a2a groups spanning nodes (allowed): [0, 1, 2, 3] (nodes [0, 1])" in capsys.readouterr().out
 
 
 def test_nproc_per_node_prints_groups_per_node_and_crossing_hops(capsys):
@@ -123,3 +123,34 @@ def test_nproc_per_node_prints_groups_per_node_and_crossing_hops(capsys):
     assert main(argv + ["--json"]) == 0
     topology = json.loads(capsys.readouterr().out)["topology"]
     assert topology["cross_node_p2p_hops"] == [[0, 2], [2, 0], [1, 3], [3, 1]]
+
+
+def test_nproc_per_node_lists_the_cross_node_a2a_next_to_the_head_violations(capsys):
+    # 16 KV heads over an a2a group of 32 and that group over 4 nodes: both at once, each with a fix.
+    argv = ["layout", "check", "--world-size", "32", "--cp", "32", "--cp-comm-type", "a2a+p2p",
+            "--hierarchical-cp-sizes", "32,1", "--num-heads", "32", "--num-kv-heads", "16", "--nproc-per-node", "8"]
+    assert main(argv) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 2, errors
+    assert errors[0].startswith("error: num_query_groups=16: all-to-all scatters heads")
+    assert errors[1].startswith("error: hierarchical_context_parallel_sizes=[32, 1]: a2a groups span nodes")
+    assert "fix: hierarchical_context_parallel_sizes=[8, 4]" in errors[1]
+    assert main(argv + ["--json"]) == 2
+    assert len(json.loads(capsys.readouterr().out)["errors"]) == 2
+
+
+def test_nproc_per_node_that_does_not_divide_the_world_is_listed_with_the_rest(capsys):
+    argv = ["layout", "check", "--world-size", "12", "--cp", "12", "--cp-comm-type", "a2a",
+            "--num-heads", "8", "--nproc-per-node", "8"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "num_attention_heads=8: all-to-all" in err and "nproc_per_node=8: must divide world_size=12" in err
+
+
+def test_all_gather_over_nodes_names_its_spanning_groups_not_an_empty_ring(capsys):
+    argv = ["layout", "check", "--world-size", "32", "--tp", "8", "--cp", "4", "--cp-comm-type", "all_gather",
+            "--nproc-per-node", "8"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "p2p ring hops crossing nodes" not in out
+    assert "  all_gather groups spanning nodes: [0, 8, 16, 24] (nodes [0, 1, 2, 3]), [1, 9, 17, 25]" in out

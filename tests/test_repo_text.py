@@ -26,8 +26,21 @@ UPSTREAM = ("TE", "MCore", "Megatron-LM", "Megatron-Bridge", "PyTorch", "torch",
 RAW_OUTPUT = re.compile(r"^evidence/.*\.(json|jsonl|xml|log|txt|tgz|png)$")
 
 
+def git_checkout_top(root: Path) -> bool:
+    """True when `root` is the top folder of a git checkout (not a plain copy of the tree, such as
+    an unpacked tarball, which git does not know or knows as untracked files of another checkout)."""
+    try:
+        proc = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=root, capture_output=True, text=True)
+    except FileNotFoundError:  # no git on this machine
+        return False
+    return proc.returncode == 0 and Path(proc.stdout.strip()).resolve() == Path(root).resolve()
+
+
 def tracked_text_files(root: Path = ROOT) -> list[str]:
-    """Tracked files that are prose or code (raw evidence output and binaries left out)."""
+    """Tracked files that are prose or code (raw evidence output and binaries left out). Skips
+    the calling test, with the reason, where `root` is not a git checkout: nothing is tracked."""
+    if not git_checkout_top(root):
+        pytest.skip(f"{root} is not a git checkout (a copied or unpacked tree): no tracked files to check")
     out = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout
     files = []
     for path in out.splitlines():
@@ -76,3 +89,30 @@ def test_tracked_text_speaks_of_the_software_only():
                 for path in files for n, phrase, instead in development_words((ROOT / path).read_text(encoding="utf-8"))
                 if path != "tests/test_repo_text.py"]
     assert problems == [], "\n".join(problems)
+
+
+def _copy_of_the_tree(folder: Path) -> Path:
+    folder.mkdir()
+    for name in ("README.md", "pyproject.toml"):
+        (folder / name).write_text((ROOT / name).read_text(encoding="utf-8"), encoding="utf-8")
+    return folder
+
+
+def test_a_plain_copy_of_the_tree_skips_with_the_reason(tmp_path):
+    copy = _copy_of_the_tree(tmp_path / "cpkit")
+    with pytest.raises(pytest.skip.Exception, match="is not a git checkout"):
+        tracked_text_files(copy)
+
+
+def test_a_copy_unpacked_inside_another_checkout_skips_too(tmp_path):
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    copy = _copy_of_the_tree(tmp_path / "cpkit")
+    with pytest.raises(pytest.skip.Exception, match="is not a git checkout"):
+        tracked_text_files(copy)
+
+
+def test_the_checkout_itself_is_read(tmp_path):
+    copy = _copy_of_the_tree(tmp_path / "cpkit")
+    subprocess.run(["git", "init", "-q"], cwd=copy, check=True)
+    subprocess.run(["git", "add", "README.md"], cwd=copy, check=True)
+    assert tracked_text_files(copy) == ["README.md"]

@@ -197,3 +197,57 @@ def test_lengths_are_required(capsys):
     with pytest.raises(SystemExit) as info:
         main(["schedule", "--dp-cp", "4", "--max-seq-len-per-rank", "8"])
     assert info.value.code == 2
+
+
+# -- the verdict in the text: which plan won, ratios that read right -----------------------------
+
+LONG_TAIL = ["--dp-cp", "8", "--max-seq-len-per-rank", "4096", "--seq-lens", "30000,9000,500,500,2000,16000,3000,1200"]
+
+
+def _step_line(out: str) -> str:
+    (line,) = [line for line in out.splitlines() if line.startswith("modeled step time")]
+    return line
+
+
+def test_a_dynamic_win_names_its_candidate_and_how_much_faster(capsys):
+    assert main(["schedule"] + LONG_TAIL + ["--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert main(["schedule"] + LONG_TAIL) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("dynamic CP plan (cpkit): ")
+    line = _step_line(out)
+    assert f"cpkit {stats['modeled_step_time_s'] * 1e3:.1f} ms ({stats['candidate']} candidate)" in line
+    assert f"static CP {stats['static_step_time_s'] * 1e3:.1f} ms (cpkit {stats['speedup_vs_static']:.2f}x faster)" in line
+    assert f"MCore {stats['mcore_step_time_s'] * 1e3:.1f} ms (cpkit {stats['speedup_vs_mcore']:.2f}x faster)" in line
+    assert "(x" not in line
+
+
+def test_a_static_win_is_said_in_the_header_and_the_step_times(capsys):
+    argv = ["schedule", "--dp-cp", "8", "--max-seq-len-per-rank", "4096", "--seq-lens", "30000,100"]
+    assert main(argv + ["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["candidate"] == "static"
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("static CP plan (cpkit): 2 samples")
+    assert "dynamic CP plan" not in out
+    assert "static CP chosen (no dynamic candidate was modeled faster)" in _step_line(out)
+
+
+def test_mcore_slower_than_static_reads_as_static_faster_and_not_against_itself(capsys):
+    assert main(["schedule", "--impl", "mcore"] + LONG_TAIL) == 0
+    line = _step_line(capsys.readouterr().out)
+    assert re.search(r"modeled step time: MCore [\d.]+ ms; static CP [\d.]+ ms \(0\.\d\dx: static CP faster\)$", line), line
+    assert "1.00" not in line
+
+
+@pytest.mark.parametrize("ratio, worded", [(1.06, "(cpkit 1.06x faster)"), (0.95, "(0.95x: MCore faster)"),
+                                           (1.001, "(1.00x: the same modeled time as cpkit)")])
+def test_each_ratio_says_which_plan_is_faster(ratio, worded):
+    from cpkit.commands.schedule import format_plan
+    from cpkit.dynamic.scheduler import schedule
+
+    plan = schedule([3000, 100], dp_cp_size=2, max_seq_len_per_rank=4096)
+    stats = {"modeled_step_time_s": 0.8, "static_step_time_s": 0.9, "speedup_vs_static": 0.9 / 0.8,
+             "mcore_step_time_s": 0.8 * ratio, "speedup_vs_mcore": ratio, "candidate": "earliest-finish",
+             "model": "m"}
+    assert f"MCore {0.8 * ratio * 1e3:.1f} ms {worded}" in format_plan(plan, stats, [], "cpkit")

@@ -136,6 +136,48 @@ def test_changed_docs_only_runs_no_tests(tmp_path, monkeypatch, capsys):
     assert "1 paths; running no tests" in out and "unit tests" not in out
 
 
+def _main_with_two_commits(tmp_path):
+    _tree(tmp_path, {"tests/test_a.py": "def test_a():\n    pass\n", "tests/test_b.py": "def test_b():\n    pass\n"})
+    _git(tmp_path, "init", "-q", "-b", "main")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-qm", "base")
+    (tmp_path / "tests" / "test_a.py").write_text("def test_a():\n    assert True\n")
+    _git(tmp_path, "commit", "-qam", "last commit")
+    return tmp_path
+
+
+def _head(repo, rev="HEAD"):
+    import subprocess
+
+    return subprocess.run(["git", "rev-parse", rev], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.mark.parametrize("uncommitted", ["unstaged", "staged", "untracked"])
+def test_changed_on_main_with_uncommitted_changes_compares_with_head(tmp_path, uncommitted):
+    repo = _main_with_two_commits(tmp_path)
+    path = repo / "tests" / ("test_new.py" if uncommitted == "untracked" else "test_b.py")
+    path.write_text("def test_b():\n    assert 1\n")
+    if uncommitted == "staged":
+        _git(repo, "add", ".")
+    base, paths = validate.changed_paths(repo, None)
+    assert base == _head(repo)
+    assert paths == [str(path.relative_to(repo))]  # not the last commit's tests/test_a.py
+
+
+def test_changed_on_a_clean_main_compares_with_the_last_commit(tmp_path):
+    repo = _main_with_two_commits(tmp_path)
+    assert validate.changed_paths(repo, None) == (_head(repo, "HEAD~1"), ["tests/test_a.py"])
+
+
+def test_changed_on_main_with_one_commit_and_uncommitted_changes_needs_no_parent(tmp_path):
+    _tree(tmp_path, {"tests/test_a.py": "def test_a():\n    pass\n"})
+    _git(tmp_path, "init", "-q", "-b", "main")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-qm", "base")
+    (tmp_path / "README.md").write_text("# notes\n")
+    assert validate.changed_paths(tmp_path, None) == (_head(tmp_path), ["README.md"])
+
+
 def test_gpu_tests_skipped_here_are_reported_as_owed():
     records = [{"nodeid": "functional/test_h.py::test_x[nccl4]", "outcome": "skipped"},
                {"nodeid": "functional/test_h.py::test_y[nccl4]", "outcome": "skipped"},

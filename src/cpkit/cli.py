@@ -9,6 +9,7 @@ import os
 import sys
 
 from cpkit import __version__
+from cpkit.notices import quiet_known_notices
 from cpkit.repo import NotARepositoryError
 
 # Order = order in `cpkit --help`.
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one `cpkit` command; its exit code (2 when it needs a repository and has none)."""
+    quiet_known_notices()  # before a command imports megatron-core
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

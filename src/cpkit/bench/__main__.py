@@ -3,10 +3,13 @@
 import importlib
 import sys
 
+from cpkit.notices import quiet_known_notices
+
 BENCHMARKS = ["attention", "scheduler", "eval_cp", "calibrate", "window"]
 
 
 def main(argv=None) -> int:
+    quiet_known_notices()  # before a benchmark imports megatron-core
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in BENCHMARKS:
         print(f"usage: python -m cpkit.bench {{{','.join(BENCHMARKS)}}} [options]", file=sys.stderr)

@@ -11,10 +11,10 @@ import argparse
 import json
 import sys
 
-from cpkit.errors import CPConfigError
+from cpkit.errors import CPConfigError, Violation
 from cpkit.layout import CPLayout, P2P
 from cpkit.rank_grid import rank_groups
-from cpkit.topology import ALLOW_FLAG, NodeTopology, check_topology, format_node_report, node_report
+from cpkit.topology import ALLOW_FLAG, NodeTopology, format_node_report, node_report, topology_violations
 
 __all__ = ["add_parser", "layout_from_args", "check"]
 
@@ -105,20 +105,23 @@ def _eval_report(layout: CPLayout) -> dict | None:
 
 
 def check(args: argparse.Namespace) -> int:
-    """Handler of `cpkit layout check`: 0 when valid, 2 otherwise."""
+    """Handler of `cpkit layout check`: 0 when valid, 2 otherwise (every violation listed, the
+    node placement's with the layout's own)."""
     layout = layout_from_args(args)
-    try:
-        layout.validate()
-        topology = _topology(layout, args)
-    except CPConfigError as exc:
+    topo, violations = _node_topology(layout, args)
+    violations = layout.violations() + violations
+    if topo is not None:
+        violations += topology_violations(layout, topo, allow_cross_node_a2a=args.allow_cross_node_a2a)
+    if violations:
         if args.json:
-            print(json.dumps({"valid": False, "errors": [v.to_dict() for v in exc.violations],
+            print(json.dumps({"valid": False, "errors": [v.to_dict() for v in violations],
                               "dp": layout.dp, "groups": {}}, indent=2))
-        for v in exc.violations:
+        for v in violations:
             print(f"error: {v.message}", file=sys.stderr)
         return 2
     groups = rank_groups(layout)
     evaluation = _eval_report(layout)
+    topology = node_report(layout, topo) if topo is not None else None
     if args.json:
         report = {"valid": True, "errors": [], "dp": layout.dp, "groups": groups,
                   "layout": layout.to_dict()}
@@ -134,14 +137,14 @@ def check(args: argparse.Namespace) -> int:
     return 0
 
 
-def _topology(layout: CPLayout, args: argparse.Namespace) -> dict | None:
-    """node_report() for --nproc-per-node (None without it); raises CPConfigError for a2a
-    groups that span nodes unless --allow-cross-node-a2a."""
+def _node_topology(layout: CPLayout, args: argparse.Namespace) -> tuple[NodeTopology | None, list[Violation]]:
+    """The nodes --nproc-per-node describes (None without it), or the violations of the flag."""
     if args.nproc_per_node is None:
-        return None
-    topo = NodeTopology(layout.world_size, args.nproc_per_node)
-    check_topology(layout, topo, allow_cross_node_a2a=args.allow_cross_node_a2a)
-    return node_report(layout, topo)
+        return None, []
+    try:
+        return NodeTopology(layout.world_size, args.nproc_per_node), []
+    except CPConfigError as exc:
+        return None, list(exc.violations)
 
 
 def _print_text(layout: CPLayout, groups: dict, evaluation: dict | None) -> None:

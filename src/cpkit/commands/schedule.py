@@ -8,7 +8,8 @@ of cpkit.dynamic.invariants (and run twice for determinism) and timed by the ste
 Text: a rank x micro-batch grid (cell "s3/cp4": rank runs sample 3 in a CP group of 4;
 "s1,s5/cp2": samples 1 and 5 packed together; "-": idle; a cell with many samples wraps onto
 more lines, none is left out), every sample with the CP size it needs
-and the one it got, the modeled step times, and the violations. `--json` prints
+and the one it got, the modeled step times (each ratio worded: "cpkit 1.06x faster", "0.95x:
+MCore faster"; a header "static CP plan" when cpkit chose static CP), and the violations. `--json` prints
 {"impl", "microbatches", "stats", "violations": [{"property", "detail"}]}.
 Exit 0 for a valid plan, 1 when the implementation broke an invariant (a crash inside it is the
 violation `no-crash`), 2 with one "error: ..." line per problem on stderr for invalid input.
@@ -114,11 +115,48 @@ def _seconds(x) -> str:
     return "-" if x is None else f"{x * 1e3:.1f} ms"
 
 
+_NAMES = {"cpkit": "cpkit", "mcore": "MCore"}
+
+
+def _versus(this: str, other: str, ratio: float | None) -> str:
+    """How this plan compares with `other`, given ratio = other's modeled time / this one's, so
+    that it reads right either way: "cpkit 1.06x faster", "0.95x: MCore faster"."""
+    if not ratio:
+        return ""
+    if f"{ratio:.2f}" == "1.00":
+        return f" (1.00x: the same modeled time as {this})"
+    return f" ({this} {ratio:.2f}x faster)" if ratio > 1 else f" ({ratio:.2f}x: {other} faster)"
+
+
+def _step_time_line(stats: dict, impl: str) -> str:
+    """The modeled step times of this plan, static CP and MCore (where it is another plan), each
+    ratio worded; says when cpkit chose static CP and which dynamic candidate it chose else."""
+    this = _NAMES.get(impl, impl)
+    line = f"modeled step time: {this} {_seconds(stats.get('modeled_step_time_s'))}"
+    candidate = stats.get("candidate") if impl == "cpkit" else None
+    if candidate == "static":
+        line += ", static CP chosen (no dynamic candidate was modeled faster)"
+    else:
+        if candidate:
+            line += f" ({candidate} candidate)"
+        line += (f"; static CP {_seconds(stats.get('static_step_time_s'))}"
+                 + _versus(this, "static CP", stats.get("speedup_vs_static")))
+    if impl != "mcore":
+        line += f"; MCore {_seconds(stats.get('mcore_step_time_s'))}"
+        if stats.get("speedup_vs_mcore"):
+            line += _versus(this, "MCore", stats["speedup_vs_mcore"])
+        elif stats.get("mcore_error"):
+            line += f" ({stats['mcore_error']})"
+    return line
+
+
 def format_plan(plan: Plan, stats: dict, violations: list[PlanViolation], impl: str) -> str:
-    """The text report: header, grid, per-sample CP sizes, modeled step times, violations."""
+    """The text report: header (dynamic or static CP, which implementation), grid, per-sample
+    CP sizes, modeled step times with each ratio worded, violations."""
     n, mbs = plan.dp_cp_size, plan.microbatches
+    kind = "static CP" if stats.get("candidate") == "static" else "dynamic CP"
     lines = [
-        f"dynamic CP plan ({impl}): {len(plan.seq_lens)} samples over dp_cp_size={n}, "
+        f"{kind} plan ({impl}): {len(plan.seq_lens)} samples over dp_cp_size={n}, "
         f"max_seq_len_per_rank={plan.max_seq_len_per_rank}: {len(mbs)} micro-batches",
         "",
     ]
@@ -147,11 +185,7 @@ def format_plan(plan: Plan, stats: dict, violations: list[PlanViolation], impl: 
         lines.append(f"s{s:<6d} {L:7d}  {plan.needed_cp_sizes[s]:8d}  {got!s:>6}  {m!s:>11}")
     lines += [
         "",
-        f"modeled step time {_seconds(stats.get('modeled_step_time_s'))}; static CP "
-        f"{_seconds(stats.get('static_step_time_s'))} (x{stats.get('speedup_vs_static', 0):.2f}); "
-        f"MCore {_seconds(stats.get('mcore_step_time_s'))}"
-        + (f" (x{stats['speedup_vs_mcore']:.2f})" if stats.get("speedup_vs_mcore") else
-           f" ({stats['mcore_error']})" if stats.get("mcore_error") else ""),
+        _step_time_line(stats, impl),
         f"  model: {stats['model']}",
     ]
     if violations:

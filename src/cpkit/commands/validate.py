@@ -2,8 +2,9 @@
 
 Without --changed: the unit tests, the `dist` tests (gloo) and the gpu1/gpu2/gpu4 tests where
 enough CUDA devices are present, in one pytest process. With --changed: only the test files that
-cover the paths changed since BASE (default: the merge base with main, else (or on main itself)
-HEAD~1; uncommitted and untracked files included), chosen by src/cpkit/change_map.py::CHANGE_MAP. Then
+cover the paths changed since BASE (default: the merge base with main; on main itself, or
+without main, HEAD when there are uncommitted changes, else HEAD~1; uncommitted and untracked
+files included), chosen by src/cpkit/change_map.py::CHANGE_MAP. Then
 `cpkit cards check`, `cpkit skills check` and each card's follow-up status. Prints feature,
 check, result, time, the GPU tests still owed; exits 1 on any failure.
 """
@@ -56,17 +57,23 @@ def _git(root: Path, *args: str) -> str | None:
     return proc.stdout if proc.returncode == 0 else None
 
 
+def _uncommitted(root: Path) -> bool:
+    """True when the checkout has staged, unstaged or untracked (not ignored) changes."""
+    return bool((_git(root, "status", "--porcelain") or "").strip())
+
+
 def changed_paths(root: Path, base: str | None) -> tuple[str, list[str]]:
     """(base commit, repository paths changed since it: committed, staged, unstaged, untracked).
     Raises ValueError when `root` is not a git checkout or the base does not resolve."""
     if _git(root, "rev-parse", "--git-dir") is None:
         raise ValueError(f"--changed needs a git checkout; {root} is not one")
     if base is None:
-        # On main itself the merge base is HEAD, which leaves only uncommitted changes: use HEAD~1.
         on_main = (_git(root, "rev-parse", "--abbrev-ref", "HEAD") or "").strip() == "main"
         found = None if on_main else _git(root, "merge-base", "HEAD", "main")
         if not found:
-            found = _git(root, "rev-parse", "HEAD~1")
+            # On main itself (or without main): the change being made is the uncommitted one when
+            # there is any (HEAD~1 would re-run the last commit's tests too), else the last commit.
+            found = _git(root, "rev-parse", "HEAD" if _uncommitted(root) else "HEAD~1")
         if found is None:
             raise ValueError("--changed: no branch main to diff against and no parent commit; pass BASE")
         base = found.strip()
@@ -234,8 +241,8 @@ def add_parser(sub):
     p = sub.add_parser("validate", help="run the tests and checks that fit this machine (or cover a change)",
                        description=__doc__)
     p.add_argument("--changed", nargs="?", const="", default=None, metavar="BASE",
-                   help="only the tests that cover paths changed since BASE (default: merge base with main, "
-                        "else HEAD~1), uncommitted changes included")
+                   help="only the tests that cover paths changed since BASE (default: merge base with main; on "
+                        "main, HEAD with uncommitted changes, else HEAD~1), uncommitted changes included")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="write the report as JSON to PATH, or to stdout when PATH is left out")
     p.add_argument("-m", "--markers", default="",

@@ -20,9 +20,10 @@ import sys
 import tempfile
 import time
 import traceback
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
+
+from cpkit.notices import child_warnoptions
 
 __all__ = [
     "LaunchTimeout",
@@ -103,9 +104,6 @@ def _worker(rank, world_size, backend, store_path, dump_dir, pg_timeout_s, fn, a
             _BACKEND_ENV: backend,
         }
     )
-    # MCore's import-time notices (no TE/Apex, deprecations) would bury a failing rank's output.
-    warnings.filterwarnings("ignore", module=r"megatron\..*")
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
     try:
         import torch
         import torch.distributed as dist
@@ -138,6 +136,24 @@ def _worker(rank, world_size, backend, store_path, dump_dir, pg_timeout_s, fn, a
         os._exit(1)
     out_q.close()
     out_q.join_thread()
+
+
+def _start(procs) -> None:
+    """Start the ranks with cpkit.notices' filters in their PYTHONWARNINGS: a spawned rank
+    imports the parent's main module and fn's module (often megatron-core, with its notices)
+    before any cpkit code runs in it. Real warnings still show, and so do these where the
+    parent's own -W or PYTHONWARNINGS options ask for them (spawn repeats those on the rank's
+    command line, after the environment)."""
+    before = os.environ.get("PYTHONWARNINGS")
+    os.environ["PYTHONWARNINGS"] = child_warnoptions(before)
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if before is None:
+            del os.environ["PYTHONWARNINGS"]
+        else:
+            os.environ["PYTHONWARNINGS"] = before
 
 
 def _stop(procs, grace_s: float = 3.0) -> None:
@@ -257,8 +273,7 @@ def launch(
         return [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
 
     try:
-        for p in procs:
-            p.start()
+        _start(procs)
         deadline = time.monotonic() + timeout
         while len(results) < world_size:
             try:
