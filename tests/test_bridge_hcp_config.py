@@ -239,3 +239,14 @@ def test_no_bridge_or_mcore_code_logs_the_line_bridges_skill_looks_for(bridge):
     roots = [bridge.src / "megatron" / "bridge", Path(megatron.core.__file__).parent]
     found = [str(p) for root in roots for p in root.rglob("*.py") if name.search(p.read_text(errors="replace"))]
     assert found == []
+
+
+@pytest.mark.parametrize("config_id", sorted(BY_ID))
+def test_cpkit_layout_check_gives_the_same_verdict(config_id, capsys):
+    """`cpkit layout check` on each configuration exits 0 exactly where CPLayout.validate accepts."""
+    from cpkit.cli import main
+
+    config = BY_ID[config_id]
+    code = main(config.layout_check_args())
+    capsys.readouterr()
+    assert (code == 0) == cpkit_verdict(config).accepted, (code, config.layout_check_args())

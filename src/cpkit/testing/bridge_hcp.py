@@ -78,6 +78,18 @@ class BridgeHCPConfig:
                         seq_length=self.seq_length, num_layers=self.num_layers,
                         num_attention_heads=self.num_attention_heads, num_query_groups=self.num_query_groups)
 
+    def layout_check_args(self) -> list[str]:
+        """The same configuration as `cpkit layout check` arguments."""
+        comm = self.cp_comm_type if isinstance(self.cp_comm_type, str) else ",".join(self.cp_comm_type)
+        args = ["layout", "check", "--world-size", str(self.context_parallel_size),
+                "--cp", str(self.context_parallel_size), "--cp-comm-type", comm,
+                "--seq-length", str(self.seq_length), "--num-layers", str(self.num_layers),
+                "--num-heads", str(self.num_attention_heads), "--num-kv-heads", str(self.num_query_groups)]
+        if self.hierarchical_context_parallel_sizes is not None:
+            sizes = ",".join(str(v) for v in self.hierarchical_context_parallel_sizes)
+            args.append(f"--hierarchical-cp-sizes={sizes}")  # '=' keeps a leading '-' a value
+        return args
+
 
 CONFIGS: tuple[BridgeHCPConfig, ...] = (
     BridgeHCPConfig("a2a+p2p-[2,2]", 4, "a2a+p2p", [2, 2], note="the recommended path of Bridge's card"),
