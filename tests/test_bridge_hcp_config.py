@@ -18,12 +18,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from cpkit.layout import CP_COMM_TYPES
 from cpkit.testing.bridge_hcp import (
     BRIDGE_CONFIG_CHECK,
     BRIDGE_DECENTRALIZED_CHECK,
     BRIDGE_FINALIZE,
     CONFIGS,
+    BridgeHCPConfig,
     bridge_modules,
     bridge_verdict,
     cpkit_verdict,
@@ -179,12 +183,6 @@ def test_the_table_command_prints_every_config(bridge, capsys):
 
 # ---------------------------------------------------------------------------------------------
 # Over generated configurations (MPU path): cpkit is the stricter check, never the looser one
-
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from cpkit.layout import CP_COMM_TYPES  # noqa: E402
-from cpkit.testing.bridge_hcp import BridgeHCPConfig  # noqa: E402
 
 PROPERTY = settings(max_examples=150, derandomize=True, deadline=None, database=None)
 
