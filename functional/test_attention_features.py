@@ -34,7 +34,7 @@ from cpkit.errors import CPConfigError
 from cpkit.sharding import pad_cu_seqlens, shard_seq, shard_thd
 from cpkit.testing import device, grid_params, grid_result
 from cpkit.testing.groups import new_hierarchical_groups
-from cpkit.testing.reference import masked_sink_reference
+from cpkit.testing.reference import masked_sink_reference, reference_shard
 
 COMMS = ("p2p", "all_gather", "a2a", "a2a+p2p")
 # feature -> (the layouts the grid runs it in, under every comm type of COMMS). The attention
@@ -198,7 +198,7 @@ def _scenario(case: dict) -> dict:
     gots = {"out": out, "dq": q_l.grad, "dk": k_l.grad, "dv": v_l.grad}
     errors = {}
     for name, got in gots.items():
-        errors[name] = _assert_close(case, name, got, shard(wants[name]))
+        errors[name] = _assert_close(case, name, got, reference_shard(wants[name], cp_rank, cp, cu))
     if case["sink"] == "learnable":
         dsink = sink_l.grad.detach().clone().float()
         dist.all_reduce(dsink, group=dist.group.WORLD)  # MCore reduces parameter grads over CP

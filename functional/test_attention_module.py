@@ -2,8 +2,9 @@
 reference: outputs and dq, dk, dv, for every comm type x sbhd/THD x causal/no-mask x MHA/GQA.
 
 Every rank builds the same full q, k, v, dout (same seed), computes full attention on its own
-(the reference), shards everything with `cpkit.sharding` (the function MCore's data path mirrors),
-runs the module on its shard and compares its shard of the result.
+(the reference), shards the inputs with `cpkit.sharding` (the function MCore's data path mirrors),
+runs the module on its shard and compares it with its slice of the reference, cut by
+`cpkit.testing.reference.reference_shard` (plain chunking: the reference shares no sharding code).
 
 Tolerances (assert_close): fp32 on CPU rtol=atol=1e-5 (the same math; only the order of the
 reductions and the LSE merge across ranks differ); fp32 on CUDA rtol=atol=1e-4 (fused kernels,
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from cpkit.testing import device, dist_params, run_cases
-from cpkit.testing.reference import attention_inputs, sdpa_reference
+from cpkit.testing.reference import attention_inputs, reference_shard, sdpa_reference
 
 HEADS, HEAD_DIM, BATCH, SEQ = 8, 16, 2, 32
 THD_LENS = [5, 16, 9]  # real lengths; padded to multiples of 2*cp
@@ -131,12 +132,13 @@ def _check_module_case(case):
     assert tuple(out.shape) == want_shape, (tuple(out.shape), want_shape)
     grads = torch.autograd.grad(out, local, shard(dout).reshape(out.shape))
 
-    torch.testing.assert_close(out.float(), shard(ref).reshape(out.shape).detach(), **tol,
+    expected = lambda t: reference_shard(t, rank, world, cu)  # noqa: E731  (not cpkit.sharding)
+    torch.testing.assert_close(out.float(), expected(ref).reshape(out.shape).detach(), **tol,
                                msg=lambda m: f"rank {rank} output: {m}")
     for name, got, want in zip("qkv", grads, ref_grads):
-        torch.testing.assert_close(got.float(), shard(want), **tol,
+        torch.testing.assert_close(got.float(), expected(want), **tol,
                                    msg=lambda m, n=name: f"rank {rank} d{n}: {m}")
-    return float((out.float() - shard(ref).reshape(out.shape)).abs().max())
+    return float((out.float() - expected(ref).reshape(out.shape)).abs().max())
 
 
 def _module_cases(world: int, backend: str) -> list[dict]:
@@ -209,9 +211,9 @@ def _check_group_case(case):
         assert attn.cp_group is None and attn.cp_size == 1
         grads = torch.autograd.grad(out, local, shard_seq(dout, rank, world, 0).reshape(out.shape))
         tol = TOLERANCES[(dev.type, torch.float32)]
-        torch.testing.assert_close(out, shard_seq(ref, rank, world, 0).reshape(out.shape).detach(), **tol)
+        torch.testing.assert_close(out, reference_shard(ref, rank, world).reshape(out.shape).detach(), **tol)
         for got, want in zip(grads, ref_grads):
-            torch.testing.assert_close(got, shard_seq(want, rank, world, 0), **tol)
+            torch.testing.assert_close(got, reference_shard(want, rank, world), **tol)
         return "ok"
     if case["id"] == "a2a+p2p-without-hcp-fails-at-build":
         pgc = _pg_collection(world, "p2p")  # no hcp: MCore's decentralized path leaves it unset

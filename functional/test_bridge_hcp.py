@@ -10,8 +10,6 @@ and nccl (gpu4, bf16). Needs CPKIT_BRIDGE_SRC (skips with the reason otherwise).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from cpkit.testing import grid_params, grid_result
@@ -32,41 +30,3 @@ def test_bridge_hcp_step_matches_cp1(backend, world_size, case_id):
     losses = {out["loss"] for out in res.values.values()}
     assert len(losses) == 1, f"ranks report different global losses: {losses}"
 
-
-EXAMPLE = "examples/bridge_a2a_p2p.py"
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _example_command() -> list[str]:
-    """The launch line of the example's docstring, as a user pastes it, for one step."""
-    import re
-    import shlex
-    import sys
-
-    text = (ROOT / EXAMPLE).read_text()
-    line = next(ln.strip() for ln in text.splitlines() if "torchrun" in ln and EXAMPLE in ln)
-    words = shlex.split(re.sub(r"^CPKIT_BRIDGE_SRC=\S+\s+", "", line))
-    assert words[0] == "torchrun", line
-    return [sys.executable, "-m", "torch.distributed.run", *words[1:], "--steps", "1"]
-
-
-@pytest.mark.dist
-def test_bridge_example_reaches_its_first_step():
-    """examples/bridge_a2a_p2p.py, launched as its docstring says (torchrun, 4 gloo processes),
-    configures a2a+p2p [2,2] in Bridge's fields and completes its first training step."""
-    import os
-    import signal
-    import subprocess
-
-    env = dict(os.environ, CPKIT_BRIDGE_SRC=str(_SRC), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.Popen(_example_command(), cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks
-        out, _ = proc.communicate()
-        pytest.fail(f"the example hung for 300 s:\n{out[-4000:]}")
-    assert proc.returncode == 0, out[-4000:]
-    assert "HIERARCHICAL_CONTEXT_PARALLEL_GROUPS a2a=[0, 1] p2p=[0, 2]" in out, out[-4000:]
-    assert "step 1 loss" in out, out[-4000:]

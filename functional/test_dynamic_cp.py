@@ -8,9 +8,13 @@ cpkit.dynamic.runtime.dynamic_cp_step switches the CP group per micro-batch.
 
 Reference: the same weights on one rank, every sequence on its own (sbhd, cp=1; MCore's local
 attention in fp32, cpkit's at cp=1 in bf16), loss = sum of all token losses / all tokens,
-gradients accumulated over the sequences. Cases: the scheduled plan with the p2p, all_gather and
-a2a comm types, and a hand-built plan in which ranks sit idle in some micro-batches (they must
-still join the reductions; a hang would end the launch at its timeout).
+gradients accumulated over the sequences; each sequence's positions are arange(its length), taken
+from nothing in cpkit.sharding. Cases: the scheduled plan with the p2p, all_gather and a2a comm
+types, a hand-built plan in which ranks sit idle in some micro-batches (they must still join the
+reductions; a hang would end the launch at its timeout), and the scheduled plan on a GPT with
+learned absolute position embeddings: MCore computes RoPE positions itself from cu_seqlens and
+the CP group, so only that model reads the position_ids the runtime builds
+(`src/cpkit/sharding.py::thd_position_ids`) and catches a wrong one.
 
 Tolerances: fp32 (gloo) 1e-5 absolute on the loss, gradients rtol=atol=1e-5; bf16 (NCCL)
 5e-3 on the loss, gradients rtol=atol=2e-2 relative to each reference gradient's largest entry

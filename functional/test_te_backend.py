@@ -68,7 +68,7 @@ import torch.distributed as dist
 
 from cpkit.testing import device, grid_params, grid_result
 from cpkit.testing.compare import assert_grads_close, first_layer_name, max_rel_diff
-from cpkit.testing.reference import attention_inputs, sdpa_reference, token_sample
+from cpkit.testing.reference import attention_inputs, reference_shard, sdpa_reference, token_sample
 from cpkit.testing.te_support import requires_te
 from functional.test_attention_module import _config, _full_reference, _pg_collection, _sharder, _thd_params
 
@@ -233,7 +233,7 @@ def attention_case(case):
         assert te_attn.cp_group is pgc.cp, "MCore did not bind pg_collection.cp"
     assert te_attn.cp_comm_type == comm and list(te_attn.cp_global_ranks) == list(range(world))
 
-    keep = shard(real)  # real tokens of this rank's shard
+    keep = reference_shard(real, rank, world, cu)  # real tokens of this rank's shard
     runs = {}
     for name, attn in (("cpkit", cpkit_attn), ("te", te_attn)):
         local = [shard(t).detach().requires_grad_() for t in (q, k, v)]
@@ -244,7 +244,8 @@ def attention_case(case):
         grads = torch.autograd.grad(out, local, shard(dout).reshape(out.shape))
         runs[name] = [out[keep]] + [g[keep] for g in grads]
 
-    want = [shard(ref).detach().flatten(-2)[keep]] + [shard(g)[keep] for g in ref_grads]
+    expected = lambda t: reference_shard(t, rank, world, cu)  # noqa: E731  (not cpkit.sharding)
+    want = [expected(ref).detach().flatten(-2)[keep]] + [expected(g)[keep] for g in ref_grads]
     errors = {}
     for i, what in enumerate(("output", "dq", "dk", "dv")):
         errors[f"cpkit {what}"] = _close(f"cpkit {what} vs fp32 reference", runs["cpkit"][i], want[i])
@@ -338,7 +339,7 @@ def _attention_probe(core, cp_group, dev) -> float:
     with torch.no_grad():
         out = core(*(shard_seq(t, rank, cp, 0) for t in (q, k, v)), None, attn_mask_type=AttnMaskType.causal)
     return _close("TE attention probe inside eval_cp_context", out,
-                  shard_seq(ref, rank, cp, 0).reshape(out.shape))
+                  reference_shard(ref, rank, cp).reshape(out.shape))
 
 
 def _eval_case(case):

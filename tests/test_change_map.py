@@ -20,6 +20,7 @@ from cpkit.change_map import (
 )
 from cpkit.cli import build_parser
 from cpkit.commands.validate import changed_paths
+from cpkit.import_graph import package_modules, importing_tests, transitive_cpkit_imports
 from cpkit.skills import check_skills
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,8 +60,58 @@ CHECKS = ["tests/test_import_graph.py", "tests/test_repo_text.py"]  # with every
                                      "tests/test_eval_cp.py", "tests/test_models.py"]),
 ])
 def test_a_file_in_each_feature_selects_its_tests(changed, expected):
+    # The rows' files, plus every test file that imports the module.
     selection = select_tests([changed])
-    assert selection.files == sorted(expected + CHECKS) and not selection.everything
+    assert selection.files == sorted(set(expected + CHECKS + importing_tests(changed, ROOT))) and not selection.everything
+
+
+def test_every_test_file_that_imports_a_module_is_selected_by_its_change():
+    # Per test file, the cpkit modules it loads (directly or through cpkit's own imports);
+    # changing any of them must select it (or everything).
+    src = ROOT / "src"
+    files = {m: p.relative_to(ROOT).as_posix() for m, p in package_modules(src).items()}
+    missed: dict[str, list[str]] = {}
+    for folder in ("tests", "functional"):
+        for test in sorted((ROOT / folder).glob("test_*.py")):
+            name = test.relative_to(ROOT).as_posix()
+            for module in transitive_cpkit_imports(test, ROOT, src):
+                selection = select_tests([files[module]])
+                if not selection.everything and name not in selection.files:
+                    missed.setdefault(files[module], []).append(name)
+    assert missed == {}, f"src/cpkit/change_map.py::select_tests misses importing tests: {missed}"
+
+
+def test_a_thd_position_change_selects_the_tests_that_catch_it():
+    # tests/test_dynamic_runtime.py and the dynamic functional tests run thd_position_ids
+    # (through cpkit.dynamic.runtime), although neither imports cpkit.sharding itself.
+    selected = select_tests(["src/cpkit/sharding.py"]).files
+    for test in ("tests/test_sharding.py", "tests/test_dynamic_runtime.py", "functional/test_dynamic_cp.py",
+                 "functional/test_dynamic_failures.py", "functional/test_dynamic_pipeline.py"):
+        assert test in selected
+
+
+def test_a_module_an_example_imports_selects_the_example_test():
+    # The examples run in a subprocess: functional/test_examples.py imports none of them.
+    assert "functional/test_examples.py" in select_tests(["src/cpkit/eval_cp.py"]).files
+    assert "functional/test_examples.py" in select_tests(["examples/eval_cp_in_your_loop.py"]).files
+
+
+def test_the_import_closure_follows_lazy_and_package_imports(tmp_path):
+    files = {
+        "src/cpkit/__init__.py": "",
+        "src/cpkit/sub/__init__.py": "from cpkit.sub.inner import g\n",
+        "src/cpkit/sub/inner.py": "def g():\n    from ..leaf import h\n    return h\n",
+        "src/cpkit/leaf.py": "h = 1\n",
+        "src/cpkit/alone.py": "",
+        "tests/test_uses_sub.py": "from cpkit.sub import g\n",
+        "functional/test_plain.py": "import torch\n",
+    }
+    for path, text in files.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+    assert importing_tests("src/cpkit/leaf.py", tmp_path) == ["tests/test_uses_sub.py"]
+    assert importing_tests("src/cpkit/__init__.py", tmp_path) == ["tests/test_uses_sub.py"]
+    assert importing_tests("src/cpkit/alone.py", tmp_path) == []
 
 
 def test_docs_only_change_selects_only_the_text_check():

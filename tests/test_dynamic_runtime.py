@@ -22,9 +22,9 @@ from cpkit.dynamic.runtime import (
 from cpkit.errors import CPConfigError
 from cpkit.testing.models import GPTConfig, build_gpt, named_gradients
 from cpkit.loss import all_reduce_gradients
-from cpkit.sharding import gather_thd
+from cpkit.sharding import gather_thd, thd_partition
 from cpkit.testing.fakes import fake_group
-from cpkit.testing.reference import per_sequence_reference, single_rank_pg_collection, token_sample
+from cpkit.testing.reference import per_sequence_reference, reference_shard, single_rank_pg_collection, token_sample
 
 CFG = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=64)
 
@@ -88,12 +88,38 @@ def test_shard_covers_every_token_once_with_sequence_positions(cp):
     for key in ("tokens", "labels", "loss_mask"):
         full = gather_thd([s[key] for s in shards], packed.cu_seqlens_padded, seq_dim=1)
         assert torch.equal(full, packed.tensors[key])
-    # RoPE positions restart at 0 in every packed sequence.
-    cu = packed.cu_seqlens_padded.tolist()
-    want = torch.cat([torch.arange(b - a) for a, b in zip(cu[:-1], cu[1:])]).unsqueeze(0)
-    got = gather_thd([s["position_ids"] for s in shards], packed.cu_seqlens_padded, seq_dim=1)
-    assert torch.equal(got, want)
+    assert _wrong_positions(packed) == []  # positions restart at 0 in every packed sequence
     assert sum(float(s["loss_mask"].sum()) for s in shards) == 31
+
+
+def _wrong_positions(packed) -> list[int]:
+    """CP ranks whose position_ids are not, token for token, arange(length) of each packed
+    sequence; the expected slice comes from reference_shard, not from cpkit.sharding."""
+    cu = packed.cu_seqlens_padded
+    want = torch.cat([torch.arange(b - a) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
+    return [r for r in range(packed.cp_size)
+            if not torch.equal(packed.shard(r)["position_ids"][0], reference_shard(want, r, packed.cp_size, cu))]
+
+
+def _left_sided(clamp: bool):
+    """thd_position_ids with a left-sided searchsorted: the first token of every sequence but the
+    first gets the previous sequence's length (and, unclamped, the first one a negative position)."""
+    def thd_position_ids(cu_seqlens, cp_rank, cp_size):
+        index = thd_partition(cu_seqlens, cp_rank, cp_size)
+        cu = cu_seqlens.to(torch.int64)
+        seq = torch.searchsorted(cu, index) - 1
+        return index - cu[seq.clamp(min=0) if clamp else seq]
+    return thd_position_ids
+
+
+@pytest.mark.parametrize("clamp", [True, False])
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_the_position_check_catches_a_left_sided_searchsorted(monkeypatch, cp, clamp):
+    # The mutant in-process: the check above must fail on it (it did, planted in src, with
+    # functional/test_dynamic_cp.py's learned-positions case).
+    monkeypatch.setattr(runtime, "thd_position_ids", _left_sided(clamp))
+    packed = pack_thd([_sample(n, i) for i, n in enumerate([5, 16, 9, 1])], cp_size=cp)
+    assert _wrong_positions(packed) != []
 
 
 def test_packed_seq_params_carry_group_and_offsets():

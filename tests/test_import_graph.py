@@ -1,15 +1,16 @@
 """The library's import graph: library modules never import test support.
 
-Read from the source with `ast` (nothing is imported), so a lazy import inside a function counts
-as much as one at the top of a module.
+Read from the source by src/cpkit/import_graph.py (`ast`, nothing is imported), so a lazy import
+inside a function counts as much as one at the top of a module.
 """
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
+
+from cpkit.import_graph import imports, module_name
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "cpkit"
@@ -21,29 +22,11 @@ ON_TOP_OF_SUPPORT = ("cpkit.testing", "cpkit.bench", "cpkit.cluster")
 
 
 def _module_name(path: Path, root: Path = SRC) -> str:
-    parts = list(path.relative_to(root).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
+    return module_name(path, root)
 
 
 def _imports(path: Path, root: Path = SRC) -> set[str]:
-    """Every module `path` imports (absolute names; `from a import b` counts a and a.b)."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    name = _module_name(path, root)
-    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-    out: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            out.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(anchor + ([base] if base else []))
-            out.add(base)
-            out.update(f"{base}.{alias.name}" for alias in node.names)
-    return out
+    return imports(path, root)
 
 
 def _is_under(name: str, prefixes) -> bool:

@@ -25,7 +25,7 @@ from cpkit.attention.kernels import attn_fwd
 from cpkit.attention.merge import merge
 from cpkit.attention.p2p import ring_backward, ring_forward
 from cpkit.sharding import pad_cu_seqlens, shard_seq, shard_thd
-from cpkit.testing.reference import masked_sink_reference
+from cpkit.testing.reference import masked_sink_reference, reference_shard
 from cpkit.testing.thread_ring import ThreadRing
 
 HEADS, KV_HEADS, DIM = 8, 4, 16
@@ -87,7 +87,7 @@ def test_ring_matches_the_reference(n, fmt, variant):
 
     for rank, gots in enumerate(ThreadRing(n).run(rank_fn)):
         for name, got, want in zip(("out", "dq", "dk", "dv"), gots, wants):
-            torch.testing.assert_close(got, _shard(want, rank, n, cu), **FP32,
+            torch.testing.assert_close(got, reference_shard(want, rank, n, cu), **FP32,
                                        msg=lambda m, r=rank, nm=name: f"rank {r} of {n}, {nm}: {m}")
 
 

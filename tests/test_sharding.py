@@ -21,6 +21,7 @@ from cpkit.sharding import (
     thd_position_ids,
     zigzag_indices,
 )
+from cpkit.testing.reference import reference_shard
 
 
 def _te_partition(cu: list[int], rank: int, cp: int) -> list[int]:
@@ -181,3 +182,15 @@ def test_decreasing_offsets_are_named_as_such():
     v = err.value.violations[0]
     assert (v.field, v.value) == ("cu_seqlens (sequence 1)", -4)
     assert v.constraint == "offsets must not decrease (8 -> 4)" and "cumulative" in v.fix
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_shards_agree_with_the_plain_reference_slicing(cp):
+    # The dist tiers slice their references with reference_shard (no cpkit.sharding code): the
+    # two must agree, for sbhd and for THD with an empty sequence.
+    x = torch.randn(8 * cp, 2, 3)
+    cu = pad_cu_seqlens([13, 0, 40, 7], cp)
+    t = torch.randn(int(cu[-1]), 3)
+    for r in range(cp):
+        assert torch.equal(reference_shard(x, r, cp), shard_seq(x, r, cp, seq_dim=0))
+        assert torch.equal(reference_shard(t, r, cp, cu), shard_thd(t, cu, r, cp))

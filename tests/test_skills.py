@@ -158,6 +158,8 @@ def test_unbalanced_quotes_matter_only_in_checked_commands():
         ("torchrun --nproc-per-node 4 -m cpkit.cluster everything", "invalid choice: 'everything'"),
         ("torchrun -m cpkit.cluster all --nproc 4", "unrecognized arguments: --nproc 4"),
         ("torchrun train.py", None),
+        ("python examples/nope.py", "no file examples/nope.py"),
+        ("torchrun --nproc-per-node 2 examples/nope.py", "no file examples/nope.py"),
         ("pytest tests -m dist -k 'a or b' -n 2 --junitxml out/x.xml", None),
         ("python -m pytest tests/fixture_suite.py::TestGroup::test_member", None),
         ("pytest tests/fixture_suite.py::TestGroup::test_nope", "no symbol 'TestGroup.test_nope'"),

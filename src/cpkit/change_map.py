@@ -8,13 +8,21 @@ selects only the text check when it is documentation or evidence, its own file w
 test, and every test when it is code or configuration (an unmapped module could be imported by
 anything): add a row for a new module. Any change also selects the text check (ALWAYS), any
 module change the import-graph check (ANY_MODULE).
+
+A changed module also selects every test file that imports it, directly or through the cpkit
+modules it imports (`src/cpkit/import_graph.py::importing_tests`, read with `ast`), so a row
+cannot miss a test that reaches the module; rows add what imports do not show (the tests a
+scenario or a command runs). For a core module (layout, sharding) that is most of the suite:
+they are what most tests run.
 """
 
 from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
+
+from cpkit.import_graph import importing_tests
 
 __all__ = [
     "Row",
@@ -90,14 +98,15 @@ CHANGE_MAP: tuple[Row, ...] = (
                                 "tests/test_bench_window.py"),
         ("functional/test_bench.py",), "unit, dist"),
     Row(("src/cpkit/commands/layout.py",), ("tests/test_layout_cli.py",), (), "unit"),
-    Row(("src/cpkit/testing/bridge_src.py", "src/cpkit/testing/bridge_hcp.py", "src/cpkit/testing/scenarios/bridge_hcp.py",
-         "examples/bridge_a2a_p2p.py"),
+    Row(("src/cpkit/testing/bridge_src.py", "src/cpkit/testing/bridge_hcp.py", "src/cpkit/testing/scenarios/bridge_hcp.py"),
         ("tests/test_bridge_src.py", "tests/test_bridge_hcp_config.py", "tests/test_eval_cp_protocol.py"),
-        ("functional/test_bridge_hcp.py",),
+        ("functional/test_bridge_hcp.py", "functional/test_examples.py"),
         "unit, dist, gpu4; with CPKIT_BRIDGE_SRC set the Bridge side runs, else it skips with the reason"),
+    Row(("examples/",), ("tests/test_skills.py",), ("functional/test_examples.py",),
+        "dist: each example runs as written (a changed module selects the test when an example imports it)"),
     Row(("src/cpkit/testing/thread_ring.py",), ("tests/test_ring_threads.py",), (), "unit"),
     Row(("src/cpkit/cards/", "src/cpkit/skills/", "src/cpkit/anchors.py", "src/cpkit/strict_yaml.py",
-         "src/cpkit/repo.py", "src/cpkit/pytest_runner.py", "src/cpkit/change_map.py", "src/cpkit/cli.py",
+         "src/cpkit/repo.py", "src/cpkit/pytest_runner.py", "src/cpkit/change_map.py", "src/cpkit/import_graph.py", "src/cpkit/cli.py",
          "src/cpkit/commands/__init__.py", "src/cpkit/commands/cards.py", "src/cpkit/commands/skills.py",
          "src/cpkit/commands/validate.py", "src/cpkit/devices.py", "src/cpkit/testing/mutation.py",
          "cards/", "skills/"),
@@ -143,10 +152,24 @@ def _specificity(pattern: str) -> int:
     return len(pattern.rstrip("*"))
 
 
-def select_tests(changed: list[str]) -> Selection:
+#: The checkout this module lives in, when it is one (an editable install); the default root.
+_CHECKOUT = Path(__file__).resolve().parents[2]
+
+
+def _importing(path: str, root: Path | None) -> list[str]:
+    """Test files importing the changed module `path` (none for other paths or a deleted file)."""
+    if root is None:
+        root = _CHECKOUT if (_CHECKOUT / "tests").is_dir() else None
+    if root is None or not path.startswith("src/cpkit/") or not path.endswith(".py") or not (root / path).is_file():
+        return []
+    return importing_tests(path, root)
+
+
+def select_tests(changed: list[str], root: Path | None = None) -> Selection:
     """Test files covering the `changed` repository paths, per the rules in the module docstring.
     Where several rows name a path, the most specific pattern wins (`src/cpkit/testing/models.py`
-    over `src/cpkit/testing/`)."""
+    over `src/cpkit/testing/`); a changed module adds the test files importing it, read from
+    the checkout at `root` (default: the one this module is in, if any)."""
     files: dict[str, None] = {}
     reasons: dict[str, str] = {}
     everything = False
@@ -156,12 +179,14 @@ def select_tests(changed: list[str]) -> Selection:
         best = max((score for score, _ in scored), default=None)
         rows = [row for score, row in scored if score == best]
         is_test = path.startswith(("tests/", "functional/")) and PurePosixPath(path).name.startswith("test_")
+        importing = _importing(path, root)
         if rows:
             picked = [f for row in rows for f in (*row.unit, *row.functional)]
             if any(f in EVERYTHING for f in picked):
                 everything = True
                 reasons[path] = "everything"
             else:
+                picked += [f for f in importing if f not in picked]
                 reasons[path] = ", ".join(dict.fromkeys(picked))
                 files.update(dict.fromkeys(picked))
         elif is_test:
@@ -198,6 +223,8 @@ def skill_table() -> str:
     lines = ["| you changed | unit tests (CPU, fast) | functional tests | kinds that matter |",
              "|---|---|---|---|"]
     lines += [f"| {cell(r.changed)} | {cell(r.unit)} | {cell(r.functional)} | {r.kinds} |" for r in CHANGE_MAP]
+    lines += ["", "A changed module also selects every test file that imports it, directly or through the cpkit "
+              "modules it imports (`src/cpkit/import_graph.py::importing_tests`)."]
     return "\n".join([SKILL_TABLE_BEGIN, *lines, SKILL_TABLE_END])
 
 

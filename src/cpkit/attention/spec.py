@@ -21,6 +21,7 @@ from cpkit.attention.te import te_available, te_unavailable_reason
 
 __all__ = [
     "get_gpt_layer_spec_with_cp_attention",
+    "get_gpt_block_spec_with_cp_attention",
     "get_gpt_layer_spec_te",
     "replace_core_attention",
     "te_available",
@@ -100,6 +101,21 @@ def get_gpt_layer_spec_with_cp_attention(
     if options is not None:
         core = ModuleSpec(module=ContextParallelAttention, params={"options": options})
     return replace_core_attention(_call_with_supported(get_gpt_layer_local_spec, kwargs), core)
+
+
+def get_gpt_block_spec_with_cp_attention(config: Any, *, pp_rank: int = 0, vp_stage: int | None = None,
+                                         **layer_kwargs: Any) -> Any:
+    """The decoder block spec of a GPT with `ContextParallelAttention`: the layers of pipeline
+    stage `pp_rank` (this rank's rank in its pp group; MCore's `get_num_layers_to_build`), each
+    `get_gpt_layer_spec_with_cp_attention(**layer_kwargs)`, and the layer's own norm as the final
+    norm. Pass it to `GPTModel` as `transformer_layer_spec`. Given a bare layer spec, MCore takes
+    Transformer Engine's norm for the final norm whenever TE is importable, which cannot run a
+    CPU model (gloo ranks on a GPU host with TE)."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    layer = get_gpt_layer_spec_with_cp_attention(**layer_kwargs)
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=layer.submodules.input_layernorm)
 
 
 def get_gpt_layer_spec_te(*, qk_layernorm: bool = False, **mcore_kwargs: Any) -> ModuleSpec:

@@ -40,9 +40,12 @@ def check_command(argv: list[str], root: str | Path, parser: argparse.ArgumentPa
     exists (node ids checked with ast; `[params]` ignored) and every `-m` marker is registered.
     `python -m cpkit.bench <name>`: a known benchmark. `python -m cpkit.cluster ...` (or
     `torchrun [options] -m cpkit.cluster ...`): its arguments parse. `python -m cpkit.<mod>`: the
-    module exists.
+    module exists. `python examples/<name>.py` (or under torchrun): the example exists.
     """
     root = Path(root)
+    example = next((a for a in argv[1:] if a.startswith("examples/") and a.endswith(".py")), None)
+    if argv[0] in ("python", "python3", "torchrun") and example is not None and not (root / example).is_file():
+        return [f"`{' '.join(argv)}`: no file {example}"]
     program = program_of(argv)
     if program == "<unparsable>":
         return [f"cannot parse command: {argv[1]}"]

@@ -54,6 +54,10 @@ class GPTConfig:
     """Full (unsharded) sequence length."""
     dtype: torch.dtype = torch.float32
     seed: int = 1234
+    position_embedding_type: str = "rope"
+    """"rope" or "learned_absolute". MCore computes RoPE positions itself (from cu_seqlens and the
+    CP group under THD) and reads the batch's position_ids only for learned absolute embeddings,
+    so a test of the position_ids a CP path hands the model needs "learned_absolute"."""
     extra: dict = field(default_factory=dict)
     """Additional TransformerConfig keyword arguments."""
 
@@ -133,7 +137,8 @@ def build_gpt(
     device: Optional[torch.device] = None,
     vp_stage: Optional[int] = None,
 ):
-    """Build an MCore GPTModel (RoPE, no dropout) for `pg_collection`, weights from `cfg.seed`.
+    """Build an MCore GPTModel (RoPE unless `cfg.position_embedding_type` says otherwise, no
+    dropout) for `pg_collection`, weights from `cfg.seed`.
 
     The parallel sizes (tp, pp, cp) are read from the groups in `pg_collection`; pre/post
     processing follow this rank's pipeline stage. With virtual pipeline stages
@@ -200,7 +205,7 @@ def build_gpt(
         max_sequence_length=cfg.seq_length,
         pre_process=pp_rank == 0 and (vp_stage or 0) == 0,
         post_process=pp_rank == pp - 1 and (vp_stage or 0) == vp - 1,
-        position_embedding_type="rope",
+        position_embedding_type=cfg.position_embedding_type,
         share_embeddings_and_output_weights=False,
         pg_collection=pg_collection,
         **chunk,

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from cpkit.compat import new_pg_collection
 
-__all__ = ["attention_inputs", "masked_sink_reference", "per_sequence_reference", "sdpa_reference",
-           "single_rank_pg_collection", "token_sample"]
+__all__ = ["attention_inputs", "masked_sink_reference", "per_sequence_reference", "reference_shard",
+           "sdpa_reference", "single_rank_pg_collection", "token_sample"]
 
 _PG_FIELDS = ("tp", "pp", "mp", "cp", "dp", "tp_cp", "dp_cp", "tp_dp_cp", "embd", "pos_embd",
               "intra_dp_cp", "expt_dp", "intra_expt_dp", "expt_tp", "tp_ep", "tp_ep_pp", "ep")
@@ -55,6 +55,22 @@ def sdpa_reference(q, k, v, causal: bool, cu=None):
         qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
         outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal).transpose(0, 1))
     return torch.cat(outs)
+
+
+def reference_shard(x: torch.Tensor, cp_rank: int, cp_size: int, cu=None, seq_dim: int = 0) -> torch.Tensor:
+    """Rank `cp_rank`'s tokens of a full reference tensor, spelled out without cpkit.sharding (a
+    reference must not share the code under test): each sequence (all of `x` along `seq_dim`,
+    or each span of the THD offsets `cu`) cut into 2*cp_size equal chunks, chunk r then chunk
+    2*cp_size-1-r, sequence after sequence. Raises ValueError for a length not divisible by 2*cp."""
+    total = x.shape[seq_dim]
+    spans = [(0, total)] if cu is None else list(zip(cu[:-1].tolist(), cu[1:].tolist()))
+    parts = []
+    for start, end in spans:
+        if (end - start) % (2 * cp_size):
+            raise ValueError(f"reference_shard: sequence [{start}, {end}) is not divisible by 2*cp = {2 * cp_size}")
+        chunks = x.narrow(seq_dim, start, end - start).chunk(2 * cp_size, dim=seq_dim) if end > start else ()
+        parts += [chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]] if chunks else []
+    return torch.cat(parts, dim=seq_dim) if parts else x.narrow(seq_dim, 0, 0)
 
 
 def token_sample(length: int, seed: int, vocab: int, device=None) -> dict:

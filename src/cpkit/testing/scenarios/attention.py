@@ -2,9 +2,10 @@
 against single-rank full attention (outputs and gradients).
 
 Each rank builds the same full q, k, v and output gradient from the case's seed, computes a
-full-sequence reference on its own, shards everything with `cpkit.sharding` (the layout the CP
+full-sequence reference on its own, shards the inputs with `cpkit.sharding` (the layout the CP
 attention expects), runs `context_parallel_attention` and its backward over all ranks, and
-asserts output, dq, dk, dv against the sharded reference with `torch.testing.assert_close`.
+asserts output, dq, dk, dv with `torch.testing.assert_close` against the reference's slice cut by
+`cpkit.testing.reference.reference_shard` (plain chunking, no code shared with cpkit.sharding).
 Sizes and tolerances: see functional/test_attention.py.
 """
 
@@ -21,6 +22,7 @@ from cpkit.errors import CPConfigError
 from cpkit.sharding import pad_cu_seqlens, shard_seq, shard_thd
 from cpkit.testing.groups import new_hierarchical_groups
 from cpkit.testing.launcher import device
+from cpkit.testing.reference import reference_shard
 
 __all__ = ["DTYPES", "HEADS", "TOLERANCE", "attention_case", "cases", "cluster_cases"]
 
@@ -170,7 +172,7 @@ def attention_case(case: dict) -> dict:
     errors = {}
     for name, got, want in zip(("out", "dq", "dk", "dv"), (out, q_l.grad, k_l.grad, v_l.grad), ref):
         assert got.dtype == dtype, f"{name} dtype {got.dtype}, expected the input dtype {dtype}"
-        want = shard(want)
+        want = reference_shard(want, cp_rank, cp, cu)  # the expected slice, without cpkit.sharding
         atol = atol_factor if dtype == torch.float32 else atol_factor * want.abs().max().item()
         torch.testing.assert_close(got.float(), want, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
         errors[name] = (got.float() - want).abs().max().item()

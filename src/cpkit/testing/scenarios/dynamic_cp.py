@@ -36,9 +36,13 @@ TOL = {
 
 
 def cases(backend: str, world_size: int):
-    """The scheduled plan with p2p, all_gather and a2a, and the hand-built plan with idle ranks."""
+    """The scheduled plan with p2p, all_gather and a2a, the hand-built plan with idle ranks, and
+    the scheduled plan on a GPT with learned absolute position embeddings (the one kind that
+    reads the runtime's per-sequence position_ids: MCore derives RoPE positions itself)."""
     cases = [dict(id=f"scheduled-{comm}", comm=comm, plan="scheduled") for comm in ("p2p", "all_gather", "a2a")]
     cases.append(dict(id="idle-ranks-p2p", comm="p2p", plan="idle"))
+    cases.append(dict(id="scheduled-p2p-learned-positions", comm="p2p", plan="scheduled",
+                      positions="learned_absolute"))
     return cases
 
 
@@ -75,11 +79,12 @@ def dynamic_case(case):
     max_len = case.get("max_len", MAX_SEQ_LEN_PER_RANK) * scale
     world = dist.get_world_size()
     cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4,
-                    seq_length=2 * max(lens), dtype=dtype)
+                    seq_length=2 * max(lens), dtype=dtype, position_embedding_type=case.get("positions", "rope"))
     samples = _samples(lens, cfg.vocab_size, dev)
     total = float(sum(lens))
 
-    # Reference: one rank, cp=1, one sequence at a time.
+    # Reference: one rank, cp=1, one sequence at a time, positions arange(len) of each sequence
+    # (per_sequence_reference), nothing from cpkit.sharding.
     ref_pgc = single_rank_pg_collection()
     ref = build_gpt(cfg, ref_pgc, attention="local" if dtype == torch.float32 else "cpkit", device=dev)
     ref_loss = per_sequence_reference(ref, samples, ref_pgc, total_tokens=total)
