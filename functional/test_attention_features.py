@@ -72,13 +72,33 @@ FEATURE_TABLE = {
 }
 
 
+# feature -> {layout: the CUDA kernel that runs it, with the cuDNN frontend installed (extra
+# cpkit[kernels]) and without}: src/cpkit/attention/kernels.py's selection rule, tested on one GPU
+# by functional/test_kernels_gpu.py.
+_FE_BAND = "cuDNN frontend (band rectangles), every comm type; without it FlexAttention"
+_FE_BAND_THD = ("cuDNN frontend for a2a and no CP; FlexAttention for p2p, all_gather, a2a+p2p "
+                "(per-sequence offsets); without it FlexAttention")
+_FE_SINK = ("folded into the cuDNN frontend's forward for a2a and no CP; elsewhere applied after "
+            "the last merge; the sink gradient from the LSE")
+KERNEL_TABLE = {
+    "mla": dict.fromkeys(("sbhd", "thd"), "cuDNN frontend, v as it is, for a2a and no CP; p2p, all_gather, "
+                         "a2a+p2p pad v (one KV tensor); without it padded copies"),
+    "sink-off-by-one": dict.fromkeys(("sbhd", "thd"), _FE_SINK),
+    "sink-learnable": dict.fromkeys(("sbhd", "thd"), _FE_SINK),
+    "window-causal": {"sbhd": _FE_BAND, "thd": _FE_BAND_THD},
+    "window-two-sided": {"sbhd": _FE_BAND, "thd": _FE_BAND_THD},
+    "odd-thd-refused": {"thd": "-"},
+}
+
+
 def feature_table_markdown() -> str:
     """The feature x layout x comm type table of the attention skill, from the grid's matrix."""
-    lines = ["| feature | layout | " + " | ".join(COMMS) + " | TE |", "|" + "---|" * (len(COMMS) + 3)]
+    lines = ["| feature | layout | " + " | ".join(COMMS) + " | kernel (CUDA) | TE |", "|" + "---|" * (len(COMMS) + 4)]
     for feature, layouts in FEATURE_MATRIX.items():
         label, cell, te = FEATURE_TABLE[feature]
         for fmt in layouts:
-            lines.append(f"| {label} | {fmt} | " + " | ".join([cell] * len(COMMS)) + f" | {te[fmt]} |")
+            lines.append(f"| {label} | {fmt} | " + " | ".join([cell] * len(COMMS))
+                         + f" | {KERNEL_TABLE[feature][fmt]} | {te[fmt]} |")
     return "\n".join(lines)
 
 HEADS, KV_HEADS = 8, 4

@@ -31,11 +31,19 @@ EXAMPLES = {
         r"HIERARCHICAL_CONTEXT_PARALLEL_GROUPS a2a=\[0, 1\] p2p=\[0, 2\]",
         rf"loss at cp 4 \(a2a\+p2p \[2, 2\]\): {FLOAT}; at cp 1: {FLOAT}; largest gradient difference",
     ],
+    "bridge_a2a_p2p.py": [
+        r"HIERARCHICAL_CONTEXT_PARALLEL_GROUPS a2a=\[0, 1\] p2p=\[0, 2\]",
+        rf"loss at cp 4 \(a2a\+p2p \[2, 2\], Bridge's groups\): {FLOAT}; at cp 1: {FLOAT}; largest gradient difference",
+    ],
     "dynamic_cp_in_your_loop.py": [
         r"plan: \d+ micro-batches, CP sizes \[1, 2\]",
         rf"loss with dynamic CP: {FLOAT}; each sequence alone at cp 1: {FLOAT}",
     ],
 }
+
+
+# Examples that run Megatron-Bridge's code: skipped with the reason without a checkout.
+NEEDS_BRIDGE = ("bridge_a2a_p2p.py",)
 
 
 def test_every_example_is_tested():
@@ -44,6 +52,12 @@ def test_every_example_is_tested():
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_example_runs_as_written(name):
+    if name in NEEDS_BRIDGE:
+        from cpkit.testing.bridge_src import bridge_src
+
+        src, why = bridge_src()
+        if src is None:
+            pytest.skip(why)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}  # not under torchrun
     try:

@@ -27,7 +27,7 @@ from cpkit.sharding import shard_batch
 from cpkit.testing import device, grid_params, grid_result
 from cpkit.testing.compare import assert_grads_close
 from cpkit.testing.cpu_shim import install_mcore_cpu_shim
-from cpkit.testing.models import GPTConfig, build_gpt, eval_step, make_batch, named_gradients, train_step
+from cpkit.testing.models import FEATURE_MODELS, GPTConfig, build_gpt, eval_step, make_batch, named_gradients, train_step
 from cpkit.testing.reference import single_rank_pg_collection
 
 TOL = {
@@ -36,13 +36,7 @@ TOL = {
 }
 HEADS, KV_HEADS = 8, 4
 
-MODELS = {
-    # q_lora_rank is set: MCore 0.16's MLA builds its q projection without the TP group when
-    # q_lora_rank is None, which fails on groups passed by pg_collection (no parallel_state).
-    "mla": dict(multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=32, qk_head_dim=16,
-                qk_pos_emb_head_dim=8, v_head_dim=16, rope_type="rope"),
-    "window-learnable-softmax": dict(window_size=(8, 0), window_attn_skip_freq=2, softmax_type="learnable"),
-}
+MODELS = FEATURE_MODELS
 
 
 def _cases(backend: str, world_size: int) -> list[dict]:

@@ -1,14 +1,19 @@
 # Sourced by scripts/gpu-suites.sh and scripts/gpu-bench.sh: the environment of a GPU machine
 # without network (see README "GPU machines").
 # - NVLink multicast off (the lent machines do not support it).
-# - MCore from the wheel carried in .whl/ when it is not importable yet.
+# - MCore from the wheel carried in .whl/ when it is not importable yet; likewise the cuDNN
+#   frontend (cpkit[kernels]) when its wheel is there.
 # - Transformer Engine loads cuDNN itself; left alone it found the system's cuDNN 9.14 while
 #   torch had loaded its own 9.19, and failed with "libcudnn_cnn.so.9: undefined symbol"
 #   (or disabled its fused attention, leaving no CP backend). CUDNN_PATH points it at torch's,
 #   and LD_LIBRARY_PATH the loader (TE's core library names cuDNN's sub-libraries itself).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 if ! python3 -c "import megatron.core" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/megatron_core-*.whl
+fi
+# The cuDNN frontend (extra cpkit[kernels]) when its wheel is carried in .whl/ (scripts/kernels-wheel.sh).
+if ls .whl/nvidia_cudnn_frontend-*.whl >/dev/null 2>&1 && ! PYTHONPATH=/tmp/site python3 -c "import cudnn" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/nvidia_cudnn_frontend-*.whl
 fi
 # Absolute: tests start pytest and ranks in other working directories.
 export PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}

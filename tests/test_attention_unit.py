@@ -327,7 +327,7 @@ def test_options_reach_the_module_and_the_functional_entry(monkeypatch):
     from cpkit.attention import kernels
 
     real = kernels.kernel_candidates
-    monkeypatch.setattr(kernels, "kernel_candidates", lambda d, t, forced=None: seen.append(forced) or real(d, t, forced))
+    monkeypatch.setattr(kernels, "kernel_candidates", lambda d, t, forced=None, **kw: seen.append(forced) or real(d, t, forced, **kw))
     context_parallel_attention(q, k, v, cp_group=None, cp_comm_type="p2p", causal=True,
                                options=CPAttentionOptions(kernel="math"))
     assert seen and set(seen) == {"math"}

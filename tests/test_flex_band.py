@@ -168,3 +168,21 @@ def test_first_shapes_get_their_own_kernels_and_later_ones_share_a_dynamic_one(m
     assert [call(t) for t in range(100, 100 + flex_band.STATIC_SHAPES)] == [static] * flex_band.STATIC_SHAPES
     assert call(5000) is dynamic and call(6000) is dynamic
     assert call(100) is static  # a shape with its own kernel keeps it
+
+
+@pytest.mark.parametrize("wrapper", ["_flex_static", "_flex_dynamic"])
+def test_compiled_wrappers_call_nothing_behind_an_lru_cache(wrapper):
+    """Dynamo traces the FlexAttention wrappers; had they called a functools.lru_cache-wrapped
+    function, it would trace through the cache and warn ("silent incorrectness is a potential
+    risk"). Traced here with the eager backend on CPU: no such warning, and the result is
+    FlexAttention's."""
+    import warnings
+
+    q = torch.randn(1, 2, 128, 16, generator=torch.Generator().manual_seed(0))
+    fn = getattr(flex_band, wrapper)
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        got = torch.compile(fn, backend="eager", dynamic=wrapper == "_flex_dynamic")(q, q, q)
+    assert not [w for w in record if "lru_cache" in str(w.message)], [str(w.message) for w in record]
+    torch.testing.assert_close(got, flex_band._FLEX.flex_attention(q, q, q), **FP32)

@@ -38,33 +38,39 @@ def _chunk_view(x: torch.Tensor, a: int, chunks: int, c: int) -> torch.Tensor:
     return x.unflatten(-2, (a, chunks * width))[..., c * width:(c + 1) * width, :]
 
 
+# Buffers hold each tensor's heads flattened with its head dim ([..., w_i * d_i]), so q/k and v
+# of different head dims (MLA) travel in one buffer without padding.
+
+
 def _to_heads(tensors, a: int, chunks: int, c: int, group):
     """Start the all-to-all of head chunk c of sequence-split tensors, packed in one buffer."""
-    views = [_chunk_view(x, a, chunks, c).movedim(-3, 0) for x in tensors]  # [a, t, ..., w_i, d]
-    send = views[0].new_empty((*views[0].shape[:-2], sum(v.shape[-2] for v in views), views[0].shape[-1]))
+    views = [_chunk_view(x, a, chunks, c).flatten(-2).movedim(-2, 0) for x in tensors]  # [a, t, ..., w_i*d_i]
+    send = views[0].new_empty((*views[0].shape[:-1], sum(v.shape[-1] for v in views)))
     start = 0
     for view in views:
-        send[..., start:start + view.shape[-2], :].copy_(view)
-        start += view.shape[-2]
+        send[..., start:start + view.shape[-1]].copy_(view)
+        start += view.shape[-1]
     return all_to_all_async(send, group)
 
 
-def _arrived_heads(pending, rows: torch.Tensor, widths):
-    """The head-split tensors of a finished `_to_heads` ([a * t, ..., w_i, d] views in the row
-    order `rows`)."""
-    return pending.wait().flatten(0, 1).index_select(0, rows).split(widths, dim=-2)
+def _arrived_heads(pending, rows: torch.Tensor, shapes):
+    """The head-split tensors of a finished `_to_heads` ([a * t, ..., w_i, d_i] views in the row
+    order `rows`), given each one's (heads w_i, head dim d_i)."""
+    flat = pending.wait().flatten(0, 1).index_select(0, rows).split([w * d for w, d in shapes], dim=-1)
+    return [x.unflatten(-1, shape) for x, shape in zip(flat, shapes)]
 
 
 def _to_seq(tensors, rows: torch.Tensor, a: int, group):
-    """Start the all-to-all sending head-split [a * t, ..., w_i, d] tensors (row order `rows`)
+    """Start the all-to-all sending head-split [a * t, ..., w_i, d_i] tensors (row order `rows`)
     back to the sequence split: each is scattered to its received position in one packed
     buffer (one copy, no concatenation)."""
     first = tensors[0]
-    send = first.new_empty((*first.shape[:-2], sum(x.shape[-2] for x in tensors), first.shape[-1]))
+    send = first.new_empty((*first.shape[:-2], sum(x.shape[-2] * x.shape[-1] for x in tensors)))
     start = 0
     for x in tensors:
-        send[..., start:start + x.shape[-2], :].index_copy_(0, rows, x)
-        start += x.shape[-2]
+        width = x.shape[-2] * x.shape[-1]
+        send[..., start:start + width].index_copy_(0, rows, x.flatten(-2))
+        start += width
     return all_to_all_async(send.unflatten(0, (a, -1)), group)
 
 
@@ -72,9 +78,9 @@ def _arrived_seq(pending, outs, a: int, chunks: int, c: int) -> None:
     """Write a finished `_to_seq` of head chunk c into the sequence-split tensors `outs`."""
     recv, start = pending.wait(), 0
     for out in outs:
-        view = _chunk_view(out, a, chunks, c)
-        width = view.shape[-2]
-        view.copy_(recv[..., start:start + width, :].movedim(0, -3))
+        view = _chunk_view(out, a, chunks, c).flatten(-2)  # [t, ..., a, w * d]
+        width = view.shape[-1]
+        view.copy_(recv[..., start:start + width].movedim(0, -2))
         start += width
 
 
@@ -90,13 +96,14 @@ class _UlyssesAttention(torch.autograd.Function):
         band = None if window is None else Band(window, causal, seq, comm.rank if comm else 0, q.device)
         chunks = options.chunk_count(k.shape[-2] // a)
         widths = [x.shape[-2] // (a * chunks) for x in (q, k, v)]
+        shapes = [(w, x.shape[-1]) for w, x in zip(widths, (q, k, v))]
         # This rank's heads after the all-to-all: head chunk c is heads first + c*w .. + (c+1)*w.
         first = group_rank(a2a_group) * (q.shape[-2] // a)
         inbound = [_to_heads((q, k, v), a, chunks, c, a2a_group) for c in range(chunks)]
-        out = torch.empty_like(q)
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))  # v's head dim (MLA)
         outbound, saved = [], []
         for c in range(chunks):
-            qc, kc, vc = _arrived_heads(inbound[c], rows, widths)
+            qc, kc, vc = _arrived_heads(inbound[c], rows, shapes)
             sink_c = None if sink is None else sink[first + c * widths[0]:first + (c + 1) * widths[0]]
             oc, lse, kv = ring_forward(qc, kc, vc, comm, causal, scale, seq, options.kernel, band, sink_c)
             outbound.append(_to_seq([oc], rows, a, a2a_group))
@@ -123,7 +130,7 @@ class _UlyssesAttention(torch.autograd.Function):
         per = len(saved) // chunks
         for c in range(chunks):
             qc, oc, lse, *kv_tensors = saved[per * c:per * (c + 1)]
-            (dc,) = _arrived_heads(inbound[c], rows, [widths[0]])
+            (dc,) = _arrived_heads(inbound[c], rows, [(widths[0], ctx.shapes[2][-1])])
             kv = kv_from_saved(kv_tensors, ctx.kv_packed)
             dq, dk, dv = ring_backward(dc, qc, kv, oc, lse, comm, causal, scale, seq, kernel, band)
             if want_dsink:

@@ -91,7 +91,7 @@ class _AllGatherAttention(torch.autograd.Function):
         out = torch.empty_like(q, dtype=torch.float32)
         band = None if window is None else Band(window, causal, seq, group_rank(group), q.device, ring=False)
         if band is not None:  # sliding window: the local queries against all keys, band-masked
-            o, lse = band_fwd(q, K, V, band.mask_for(band.natural_keys(K.shape[0])), scale, kernel)
+            o, lse = band_fwd(q, K, V, band.natural_mask(K.shape[0]), scale, kernel)
             out.copy_(o)
         elif not causal:
             o, lse = attn_fwd(q, K, V, False, scale, kernel=kernel, **blocks.full_kw())
@@ -131,7 +131,7 @@ class _AllGatherAttention(torch.autograd.Function):
         dkv = torch.zeros_like(kv)
         dK, dV = dkv[:, 0], dkv[:, 1]
         if band is not None:
-            mask = band.mask_for(band.natural_keys(K.shape[0]))
+            mask = band.natural_mask(K.shape[0])
             dq, dk_b, dv_b = band_bwd(dout, q, K, V, out, lse, mask, scale, kernel)
             dK.add_(dk_b)
             dV.add_(dv_b)

@@ -20,10 +20,13 @@ more than the query itself).
 A block's band is a `BandMask`: the positions (and THD sequence ids) of its queries and keys
 plus the window, O(s_q + s_k), never the dense [s_q, s_k] mask until a kernel asks for it.
 
-Kernels: on CUDA, `band_fwd` / `band_bwd` run FlexAttention with the band as a block mask
-(`flex_band.py`: compute and memory follow the band; tiles wholly outside it are skipped); on
-CPU, with `kernel="math"`, or where FlexAttention fails for a shape (one warning, then exact
-math for that shape), exact float32 math with the dense mask (O(s_q * s_k) memory per block).
+Kernels: on CUDA, `band_fwd` / `band_bwd` run the cuDNN frontend where it is installed and the
+band is its diagonals (`cudnn_fe.py`: sbhd blocks as trimmed rectangles, THD whole sequences
+at a level of size 1; the backward from the final output and LSE, no recompute), else
+FlexAttention with the band as a block mask (`flex_band.py`: compute and memory follow the band;
+tiles wholly outside it are skipped); on CPU, with `kernel="math"`, or where both fail for a
+shape (one warning each, then the next one for that shape), exact float32 math with the dense
+mask (O(s_q * s_k) memory per block).
 """
 
 from __future__ import annotations
@@ -34,9 +37,10 @@ from typing import Optional
 
 import torch
 
-from cpkit.attention import flex_band
+from cpkit.attention import cudnn_fe, flex_band
 from cpkit.attention.chunks import LocalSeq
 from cpkit.attention.kernels import _bhsd, _from_bhsd, _math_scores
+from cpkit.attention.sink import apply_sink
 from cpkit.errors import CPConfigError
 from cpkit.sharding import segments_to_index
 
@@ -60,11 +64,15 @@ def _distance_range(window: Window, causal: bool) -> tuple[Optional[int], Option
 class BandMask:
     """The band of one block: query positions/sequence ids `q`, key positions/sequence ids `k`
     (each (index [n], seq id [n] or None)), the window and whether the mask is causal.
-    `kernel_cache` holds what a kernel derives from it (FlexAttention's block mask), so that
-    the backward reuses the forward's."""
+    `runs`: sbhd, the same positions as host runs ((global start, local start, length), ...)
+    for queries and keys; `ragged`: THD blocks of whole sequences against themselves, (int32
+    cu_seqlens, longest length). Kernels that take bands as diagonals (`cudnn_fe.py`) need one
+    of them. `kernel_cache` holds what a kernel derives from the band (FlexAttention's block
+    mask, cuDNN's rectangles), so that the backward reuses the forward's."""
 
-    def __init__(self, q, k, window: Window, causal: bool):
+    def __init__(self, q, k, window: Window, causal: bool, runs=None, ragged=None):
         self.q, self.k, self.window, self.causal = q, k, window, causal
+        self.runs, self.ragged = runs, ragged
         self.kernel_cache: dict = {}
 
     @property
@@ -158,11 +166,32 @@ class Band:
         # A ring asks which blocks are live: start THD's copy now; all_gather never asks.
         self._pending = self._start_offsets() if ring else None
 
+    def _ranges(self, rank: int) -> list[tuple[int, int]]:
+        """sbhd: the global position ranges `rank` holds, in local order."""
+        n, c = self.seq.size, self.seq.tokens // 2
+        return [(0, self.seq.tokens)] if n == 1 else [(i * c, (i + 1) * c) for i in _held(rank, n)]
+
+    def _runs(self, rank: int):
+        """sbhd: `rank`'s tokens as runs (global start, local start, length); THD: None."""
+        if self.seq.varlen:
+            return None
+        runs, local = [], 0
+        for a, b in self._ranges(rank):
+            runs.append((a, local, b - a))
+            local += b - a
+        return tuple(runs)
+
+    def _ragged(self, natural_keys: bool):
+        """THD at a level of size 1 against its own tokens: (int32 cu_seqlens, longest length)."""
+        seq = self.seq
+        if not seq.varlen or seq.size != 1 or not natural_keys:
+            return None
+        return seq.global_cu.to(self.device, torch.int32), int(seq.max_len)
+
     def _tokens(self, rank: int):
         seq = self.seq
         if not seq.varlen:
-            n, c = seq.size, seq.tokens // 2
-            ranges = [(0, seq.tokens)] if n == 1 else [(i * c, (i + 1) * c) for i in _held(rank, n)]
+            ranges = self._ranges(rank)
             return torch.cat([torch.arange(a, b, device=self.device) for a, b in ranges]), None
         cu = seq.global_cu.to(self.device)
         n = seq.size
@@ -219,12 +248,23 @@ class Band:
         if not self.live(src):
             return None
         if src not in self._blocks:  # the backward asks again: keep the kernel's derived masks
-            self._blocks[src] = self.mask_for(self._tokens(src))
+            runs = self._runs(src)
+            self._blocks[src] = BandMask(self._q, self._tokens(src), self.window, self.causal,
+                                         runs=None if runs is None else (self._runs(self.rank), runs),
+                                         ragged=self._ragged(natural_keys=True))
         return self._blocks[src]
 
     def mask_for(self, keys) -> BandMask:
-        """The band of this rank's queries against keys given as (global index, sequence id)."""
+        """The band of this rank's queries against keys given as (global index, sequence id)
+        (no host runs: kernels that need them fall back)."""
         return BandMask(self._q, keys, self.window, self.causal)
+
+    def natural_mask(self, total: int) -> BandMask:
+        """The band of this rank's queries against all `total` tokens of the level in natural
+        order (all_gather's gathered keys)."""
+        runs = None if self.seq.varlen else (self._runs(self.rank), ((0, 0, total),))
+        return BandMask(self._q, self.natural_keys(total), self.window, self.causal, runs=runs,
+                        ragged=self._ragged(natural_keys=self.seq.size == 1))
 
     def natural_keys(self, total: int):
         """(global index, sequence id) of all `total` tokens of the level in natural order."""
@@ -238,24 +278,45 @@ def _dense(x):
     return x if x.dim() == 4 else x.unsqueeze(1)  # THD [t, h, d] -> [t, 1, h, d]
 
 
-def band_fwd(q, k, v, band: BandMask, scale: float, kernel: Optional[str] = None):
-    """Attention of q over k/v where `band` allows it: (out like q, float32 LSE [b, h, s] or
-    [h, t]; -inf and zero output for rows that see no key). `kernel="math"` forces exact math."""
-    if flex_band.wanted(q, kernel):
-        got = flex_band.try_run(flex_band.fwd, q, k, v, band, scale)
+def band_fwd(q, k, v, band: BandMask, scale: float, kernel: Optional[str] = None,
+             sink: Optional[torch.Tensor] = None):
+    """Attention of q over k/v where `band` allows it: (out like q with v's head dim, float32
+    LSE [b, h, s] or [h, t]; -inf and zero output for rows that see no key). Kernels, in turn:
+    the cuDNN frontend where the band is its diagonals (`cudnn_fe.expressible`), FlexAttention
+    on CUDA, exact math (`kernel="math"` forces it). `sink` [h]: sink logits applied to this
+    block as the whole attention (out and LSE include them; out is float32 when the sink was
+    applied outside the kernel)."""
+    got = None
+    if cudnn_fe.usable(q, kernel) and cudnn_fe.expressible(band):
+        got = cudnn_fe.try_run(cudnn_fe.band_fwd, _fe_key(q, k, v, band), q, k, v, band, scale, sink)
         if got is not None:
             return got
-    return _math_band_fwd(q, k, v, band.dense(), scale)
+    if flex_band.wanted(q, kernel):
+        got = flex_band.try_run(flex_band.fwd, q, k, v, band, scale)
+    if got is None:
+        got = _math_band_fwd(q, k, v, band.dense(), scale)
+    return got if sink is None else apply_sink(*got, sink)
 
 
 def band_bwd(dout, q, k, v, out, lse, band: BandMask, scale: float, kernel: Optional[str] = None):
     """(dq, dk, dv) in the dtypes of q, k, v of one band-masked block, given the FINAL out and
-    LSE of the whole attention."""
+    LSE of the whole attention (a sink's included)."""
+    if cudnn_fe.usable(q, kernel) and cudnn_fe.expressible(band):
+        got = cudnn_fe.try_run(cudnn_fe.band_bwd, _fe_key(q, k, v, band) + ("bwd",), dout, q, k, v, out, lse,
+                               band, scale)
+        if got is not None:
+            return got
     if flex_band.wanted(q, kernel):
         got = flex_band.try_run(flex_band.bwd, q, k, v, band, scale, dout, out, lse)
         if got is not None:
             return got
     return _math_band_bwd(dout, q, k, v, out, lse, band.dense(), scale)
+
+
+def _fe_key(q, k, v, band: BandMask) -> tuple:
+    """What a cuDNN refusal is remembered by: layout, dtype, head dims, GQA, band kind."""
+    return ("band", q.dim(), q.dtype, q.shape[-1], v.shape[-1], q.shape[-2] != k.shape[-2],
+            band.window, band.causal)
 
 
 def _math_band_fwd(q, k, v, mask: torch.Tensor, scale: float):

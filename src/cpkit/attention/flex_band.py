@@ -19,7 +19,6 @@ warns once and `try_run` returns None, and the caller uses exact math for it fro
 
 from __future__ import annotations
 
-import functools
 import warnings
 from typing import Optional
 
@@ -37,13 +36,15 @@ def wanted(q: torch.Tensor, kernel: Optional[str]) -> bool:
     return q.is_cuda and kernel != "math" and _flex_module() is not None
 
 
-@functools.lru_cache(maxsize=None)
+try:  # resolved once at import: the compiled wrappers below read a plain module global
+    from torch.nn.attention import flex_attention as _FLEX
+except ImportError:  # a torch without FlexAttention
+    _FLEX = None
+
+
 def _flex_module():
-    try:
-        from torch.nn.attention import flex_attention as module
-    except ImportError:
-        return None
-    return module
+    """torch's FlexAttention module, or None where this torch has none."""
+    return _FLEX
 
 
 # Kernels specialised to their shapes are the fastest (a dynamic-shape kernel was 1.3x slower
@@ -51,21 +52,27 @@ def _flex_module():
 # limit FlexAttention would run uncompiled (O(s^2) memory). So the first STATIC_SHAPES shapes
 # get their own kernels and every later one (packed batches of ever-new lengths) shares one
 # dynamic-shape kernel. Two wrapper functions: dynamo keeps its compile cache per code object.
+# Dynamo traces the wrappers: they call nothing behind a functools.lru_cache (dynamo would trace
+# through the cache and warn of silent incorrectness), only the module global _FLEX.
 STATIC_SHAPES = 4
 _STATIC_KEYS: set = set()
+_COMPILED: dict = {}  # dynamic (bool) -> the compiled wrapper
 
 
 def _flex_static(*args, **kwargs):
-    return _flex_module().flex_attention(*args, **kwargs)
+    return _FLEX.flex_attention(*args, **kwargs)
 
 
 def _flex_dynamic(*args, **kwargs):
-    return _flex_module().flex_attention(*args, **kwargs)
+    return _FLEX.flex_attention(*args, **kwargs)
 
 
-@functools.lru_cache(maxsize=None)
 def _compiled(dynamic: bool):
-    return torch.compile(_flex_dynamic, dynamic=True) if dynamic else torch.compile(_flex_static, dynamic=False)
+    """The compiled wrapper (outside any traced code: a plain dict, built once)."""
+    if dynamic not in _COMPILED:
+        _COMPILED[dynamic] = (torch.compile(_flex_dynamic, dynamic=True) if dynamic
+                              else torch.compile(_flex_static, dynamic=False))
+    return _COMPILED[dynamic]
 
 
 def _attention(q, k, v, band):

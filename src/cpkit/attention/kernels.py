@@ -1,11 +1,13 @@
 """Single-device attention kernels that return the log-sum-exp, behind one small interface.
 
-    attn_fwd(q, k, v, causal, scale, **varlen) -> (out, lse)
+    attn_fwd(q, k, v, causal, scale, **varlen, sink=None) -> (out, lse)
     attn_bwd(dout, q, k, v, out, lse, causal, scale, **varlen) -> (dq, dk, dv)
 
-Layouts are sequence-first, like MCore's: dense q [s, b, h, d], k/v [s_k, b, h_kv, d]; varlen
-(THD) q [t, h, d], k/v [t_k, h_kv, d] with `cu_seqlens_q/k` (int32, [n + 1]) and
-`max_seqlen_q/k`. `out` has q's shape and dtype; `lse` is float32, [b, h, s] dense or [h, t]
+Layouts are sequence-first, like MCore's: dense q [s, b, h, d], k [s_k, b, h_kv, d], v
+[s_k, b, h_kv, d_v]; varlen (THD) q [t, h, d], k/v [t_k, h_kv, d / d_v] with `cu_seqlens_q/k`
+(int32, [n + 1]) and `max_seqlen_q/k`. v may have its own head dim (MLA): the cuDNN frontend
+and `math` take it as it is; the other kernels get zero-padded copies (exact) and the results
+are cut back. `out` has q's shape with v's head dim and q's dtype; `lse` is float32, [b, h, s] dense or [h, t]
 varlen (natural log of the softmax denominator of the scaled scores). `attn_bwd` takes the
 FINAL output and LSE of the whole (merged) attention, so it can recompute one block's share of
 the gradients; it returns grads in the dtypes of q, k, v. GQA: h % h_kv == 0, query head i uses
@@ -15,6 +17,10 @@ kv head i // (h / h_kv).
 s == s_k, varlen callers sequences of equal q and k lengths. Callers split anything else into
 an unmasked part and a square causal part, so no kernel's corner convention matters.
 
+`sink` [h] (attn_fwd only, for a block that is the whole attention): per-head sink logits in
+the softmax denominator (`sink.py`); the cuDNN frontend folds them into its kernel, other kernels
+get them applied to their output and LSE. The backward needs no sink: the final LSE holds it.
+
 Kernels (no O(s^2) tensor except `math`):
 - CPU: `cpu` = torch's CPU flash kernel (`_scaled_dot_product_flash_attention_for_cpu` and its
   backward; exact softmax, native GQA); `math` = plain PyTorch, a reference.
@@ -23,10 +29,17 @@ Kernels (no O(s^2) tensor except `math`):
   (`_efficient_attention_forward`), tried in that order; a kernel that raises for a shape/dtype
   is skipped for that shape/dtype from then on (with one warning). fp32 starts at `efficient`.
   cuDNN gets un-expanded GQA KV only if a one-off probe shows it gives the expanded result.
-- CUDA varlen: `flash` varlen (cu_seqlens); otherwise a loop over sequences of the dense kernels.
-- `kernel="cudnn"|"flash"|"efficient"|"math"` (`CPAttentionOptions.kernel`, default from
-  CPKIT_ATTN_KERNEL) forces one CUDA kernel (no fallback), for benchmarking; on CPU only `math`
-  is honoured.
+- `cudnn_fe`: the cuDNN frontend's SDPA torch ops (`cudnn_fe.py`; `nvidia-cudnn-frontend`, the
+  optional extra `cpkit[kernels]`): dense and THD, sinks, MLA head dims, backward from the
+  final output and LSE. The default rule on CUDA in 16 bits, where it imports: dense blocks of
+  one head dim try torch's `cudnn` first (the same engine, no extra dependency), then
+  `cudnn_fe`; MLA blocks (d_v != d), THD blocks and sinks go to `cudnn_fe` first. Without the
+  library: one warning, then the kernels above.
+- CUDA varlen: `cudnn_fe` varlen, then `flash` varlen (cu_seqlens); otherwise a loop over
+  sequences of the dense kernels.
+- `kernel="cudnn"|"cudnn_fe"|"flash"|"efficient"|"math"` (`CPAttentionOptions.kernel`, default
+  from CPKIT_ATTN_KERNEL) forces one CUDA kernel (no fallback; a missing cuDNN frontend warns
+  once and lets cpkit choose), for benchmarking; on CPU only `math` is honoured.
 
 Memory: sbhd <-> bshd/bhsd conversions are views (transpose/permute); flash's and efficient's
 backward make dout/out contiguous internally (one copy each), GQA expansion for efficient (and
@@ -42,7 +55,9 @@ from typing import Callable, Optional
 
 import torch
 
+from cpkit.attention import cudnn_fe
 from cpkit.attention.options import CUDA_KERNELS, KERNEL_ENV
+from cpkit.attention.sink import apply_sink
 
 __all__ = [
     "KERNEL_ENV",
@@ -220,8 +235,17 @@ def _efficient_bwd(dout, q, k, v, out, lse, causal, scale):
     return _bshd(dq), _reduce_kv(_bshd(dk), kv_heads), _reduce_kv(_bshd(dv), kv_heads)
 
 
+def _fe_fwd(q, k, v, causal, scale):
+    return cudnn_fe.fwd(q, k, v, scale, causal=causal)
+
+
+def _fe_bwd(dout, q, k, v, out, lse, causal, scale):
+    return cudnn_fe.bwd(dout, q, k, v, out, lse, scale, causal=causal)
+
+
 _DENSE: dict[str, tuple[Callable, Callable]] = {
     "cpu": (_cpu_fwd, _cpu_bwd),
+    "cudnn_fe": (_fe_fwd, _fe_bwd),
     "math": (_math_fwd, _math_bwd),
     "cudnn": (_cudnn_fwd, _cudnn_bwd),
     "flash": (_flash_fwd, _flash_bwd),
@@ -248,19 +272,55 @@ def _cudnn_native_gqa(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-def kernel_candidates(device: torch.device, dtype: torch.dtype, forced: Optional[str] = None) -> list[str]:
+# Kernels that take v with its own head dim; the others get zero-padded copies.
+_NATIVE_V_DIM = ("cudnn_fe", "math")
+
+
+def kernel_candidates(device: torch.device, dtype: torch.dtype, forced: Optional[str] = None,
+                      fe: Optional[bool] = None, mla: bool = False) -> list[str]:
     """The dense kernels tried, in order, for `device` and `dtype` (see the module docstring);
-    `forced` (one of CUDA_KERNELS) is the only one on CUDA. Raises ValueError for another name."""
+    `forced` (one of CUDA_KERNELS) is the only one on CUDA, except a "cudnn_fe" that `fe` (whether
+    the cuDNN frontend is usable; default: it imports) says is missing. `mla`: v has its own
+    head dim. Raises ValueError for another name."""
     if forced and forced not in CUDA_KERNELS:
         raise ValueError(f"attention kernel {forced!r}: must be one of {', '.join(CUDA_KERNELS)}, or None "
                          "to let cpkit choose")
     if device.type != "cuda":
         return ["math"] if forced == "math" else ["cpu", "math"]
-    if forced:
+    fe = cudnn_fe.available() if fe is None else fe
+    if forced and (forced != "cudnn_fe" or fe):
         return [forced]
     if dtype == torch.float32:
         return ["efficient", "math"]  # cuDNN and flash kernels are 16-bit only
-    return ["cudnn", "flash", "efficient"]
+    if not fe:
+        return ["cudnn", "flash", "efficient"]
+    return ["cudnn_fe", "cudnn", "flash", "efficient"] if mla else ["cudnn", "cudnn_fe", "flash", "efficient"]
+
+
+def _same_head_dims(direction: int, fn: Callable, args: tuple):
+    """`fn` (a kernel taking one head dim) on `args` with v, or q and k, zero-padded to the
+    larger head dim (exact: zero value columns give zero output columns, zero q/k columns add
+    nothing to the scores); the results cut back to the real head dims."""
+    def pad(x, d):
+        return x if x.shape[-1] == d else torch.nn.functional.pad(x, (0, d - x.shape[-1]))
+
+    if direction == 0:
+        q, k, v, *rest = args
+        d = max(q.shape[-1], v.shape[-1])
+        out, lse = fn(pad(q, d), pad(k, d), pad(v, d), *rest)
+        return out[..., :v.shape[-1]], lse
+    dout, q, k, v, out, lse, *rest = args
+    d = max(q.shape[-1], v.shape[-1])
+    dq, dk, dv = fn(pad(dout, d), pad(q, d), pad(k, d), pad(v, d), pad(out, d), lse, *rest)
+    return dq[..., :q.shape[-1]], dk[..., :k.shape[-1]], dv[..., :v.shape[-1]]
+
+
+def _call(direction: int, fn: Callable, name: str, args: tuple):
+    """`fn(*args)`, through `_same_head_dims` where v's head dim differs and `name` needs one."""
+    q, v = (args[0], args[2]) if direction == 0 else (args[1], args[3])
+    if q.shape[-1] != v.shape[-1] and name not in _NATIVE_V_DIM:
+        return _same_head_dims(direction, fn, args)
+    return fn(*args)
 
 
 def _run(direction: int, names: list[str], key: tuple, args: tuple, forced: bool):
@@ -269,11 +329,12 @@ def _run(direction: int, names: list[str], key: tuple, args: tuple, forced: bool
         if (name, key) in _FAILED:
             continue
         try:
-            return _DENSE[name][direction](*args)
+            return _call(direction, _DENSE[name][direction], name, args)
         except torch.OutOfMemoryError:
             raise
-        except RuntimeError as exc:  # NotImplementedError included: kernel not built/supported
-            if forced:
+        except Exception as exc:  # noqa: BLE001 - RuntimeError (NotImplementedError included); the
+            # cuDNN frontend's refusals also come as ValueError or its own error class
+            if forced or not (isinstance(exc, RuntimeError) or name == "cudnn_fe"):
                 raise
             errors.append(f"{name}: {exc}")
             _FAILED.add((name, key))
@@ -282,9 +343,10 @@ def _run(direction: int, names: list[str], key: tuple, args: tuple, forced: bool
     raise RuntimeError("cpkit attention: no kernel ran for " + repr(key) + ":\n" + "\n".join(errors))
 
 
-def _dense(direction: int, q, k, args: tuple, causal: bool, kernel: Optional[str]):
-    names = kernel_candidates(q.device, q.dtype, kernel)
-    key = (q.device.type, q.dtype, q.shape[-1], causal, q.shape[-2] != k.shape[-2])
+def _dense(direction: int, q, k, v, args: tuple, causal: bool, kernel: Optional[str]):
+    mla = q.shape[-1] != v.shape[-1]
+    names = kernel_candidates(q.device, q.dtype, kernel, fe=_fe_wanted(q, kernel, mla), mla=mla)
+    key = (q.device.type, q.dtype, q.shape[-1], v.shape[-1], causal, q.shape[-2] != k.shape[-2])
     return _run(direction, names, key, args, bool(kernel) and q.device.type == "cuda")
 
 
@@ -308,6 +370,22 @@ def _flash_varlen_bwd(dout, q, k, v, out, lse, causal, scale, cu_q, cu_k, max_q,
     )
 
 
+def _fe_wanted(q, kernel: Optional[str], needed: bool) -> bool:
+    """Whether the cuDNN frontend is a candidate; asks `cudnn_fe.usable` (which warns once when
+    the library is missing) only where the block needs it (`needed`) or `kernel` forces it."""
+    if kernel == "cudnn_fe" or needed:
+        return cudnn_fe.usable(q, kernel)
+    return cudnn_fe.available() and cudnn_fe.usable(q, kernel)
+
+
+def _fe_varlen_fwd(q, k, v, causal, scale, cu_q, cu_k, max_q, max_k, sink=None):
+    return cudnn_fe.varlen_fwd(q, k, v, scale, cu_q, cu_k, max_q, max_k, causal=causal, sink=sink)
+
+
+def _fe_varlen_bwd(dout, q, k, v, out, lse, causal, scale, cu_q, cu_k, max_q, max_k):
+    return cudnn_fe.varlen_bwd(dout, q, k, v, out, lse, scale, cu_q, cu_k, max_q, max_k, causal=causal)
+
+
 def _use_flash_varlen(q, kernel: Optional[str]) -> bool:
     return (
         q.device.type == "cuda"
@@ -322,9 +400,15 @@ def _varlen(direction: int, q, args: tuple, max_seqlens: tuple, kernel: Optional
     flash varlen where usable, given `max_seqlens` (q, k); after a RuntimeError it is marked failed
     for this dtype and head dim (with a warning) and not tried again. Otherwise one dense kernel call
     per sequence."""
+    if _fe_wanted(q, kernel, needed=True):
+        key = ("varlen", direction, q.dtype, q.shape[-1], args[2 + direction].shape[-1])
+        got = cudnn_fe.try_run((_fe_varlen_fwd, _fe_varlen_bwd)[direction], key, *args, *max_seqlens)
+        if got is not None:
+            return got
     if _use_flash_varlen(q, kernel):
         try:
-            return (_flash_varlen_fwd, _flash_varlen_bwd)[direction](*args, *max_seqlens)
+            return _call(direction, (_flash_varlen_fwd, _flash_varlen_bwd)[direction], "flash",
+                         (*args, *max_seqlens))
         except torch.OutOfMemoryError:
             raise
         except RuntimeError as exc:
@@ -335,7 +419,7 @@ def _varlen(direction: int, q, args: tuple, max_seqlens: tuple, kernel: Optional
 
 
 def _loop_fwd(q, k, v, causal, scale, cu_q, cu_k, kernel=None):
-    out = torch.zeros_like(q)
+    out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
     for (qs, qe), (ks, ke) in zip(_ranges(cu_q), _ranges(cu_k)):
         if qe > qs and ke > ks:
@@ -371,10 +455,10 @@ def _ranges(cu: torch.Tensor) -> list[tuple[int, int]]:
 def _check(q, k, v, causal, varlen):
     dims = 3 if varlen else 4
     what = "[t, heads, dim] with cu_seqlens" if varlen else "[s, b, heads, dim]"
-    if q.dim() != dims or k.dim() != dims or v.shape != k.shape:
+    if q.dim() != dims or k.dim() != dims or v.shape[:-1] != k.shape[:-1]:
         raise ValueError(
             f"attention kernel: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: "
-            f"expected {what} and v.shape == k.shape"
+            f"expected {what} and v.shape == k.shape but for v's head dim"
         )
     if q.shape[-1] != k.shape[-1] or q.shape[-2] % k.shape[-2] or (not varlen and q.shape[1] != k.shape[1]):
         raise ValueError(
@@ -400,23 +484,45 @@ def attn_fwd(
     max_seqlen_q: Optional[int] = None,
     max_seqlen_k: Optional[int] = None,
     kernel: Optional[str] = None,
+    sink: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q over k/v; returns (out like q, float32 LSE [b, h, s] or [h, t]).
+    """Attention of q over k/v; returns (out like q with v's head dim, float32 LSE [b, h, s] or
+    [h, t]).
 
-    Dense: q [s, b, h, d], k/v [s_k, b, h_kv, d]. Varlen (cu_seqlens_q given): q [t, h, d],
-    k/v [t_k, h_kv, d], `cu_seqlens_q/k` int32 offsets (same count of sequences), `max_seqlen_q/k`
-    upper bounds of the sequence lengths. `kernel`: force one CUDA kernel (CUDA_KERNELS; None
-    lets cpkit choose). Raises ValueError for inconsistent shapes or an unknown kernel.
+    Dense: q [s, b, h, d], k [s_k, b, h_kv, d], v [s_k, b, h_kv, d_v]. Varlen (cu_seqlens_q
+    given): q [t, h, d], k/v [t_k, h_kv, d / d_v], `cu_seqlens_q/k` int32 offsets (same count of
+    sequences), `max_seqlen_q/k` upper bounds of the sequence lengths. `kernel`: force one CUDA
+    kernel (CUDA_KERNELS; None lets cpkit choose). `sink` [h]: sink logits, for a block that is
+    the whole attention (out and LSE include them; out is float32 where they were applied
+    outside the kernel). Raises ValueError for inconsistent shapes or an unknown kernel.
     """
     varlen = cu_seqlens_q is not None
     _check(q, k, v, causal, varlen)
+    if sink is not None:
+        got = _fe_with_sink(q, k, v, causal, scale, sink, kernel, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                            max_seqlen_k)
+        if got is not None:
+            return got
+        out, lse = attn_fwd(q, k, v, causal, scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, kernel=kernel)
+        return apply_sink(out, lse, sink)
     if varlen:
         return _varlen(0, q, (q, k, v, causal, scale, cu_seqlens_q, cu_seqlens_k),
                        (max_seqlen_q, max_seqlen_k), kernel)
     if q.shape[0] == 0 or k.shape[0] == 0:
         lse = torch.full((q.shape[1], q.shape[2], q.shape[0]), float("-inf"), device=q.device)
-        return torch.zeros_like(q), lse
-    return _dense(0, q, k, (q, k, v, causal, scale), causal, kernel)
+        return q.new_zeros((*q.shape[:-1], v.shape[-1])), lse
+    return _dense(0, q, k, v, (q, k, v, causal, scale), causal, kernel)
+
+
+def _fe_with_sink(q, k, v, causal, scale, sink, kernel, cu_q, cu_k, max_q, max_k):
+    """The cuDNN frontend's forward with the sink folded in, or None where it is not usable."""
+    if not _fe_wanted(q, kernel, needed=True) or q.shape[0] == 0 or k.shape[0] == 0:
+        return None
+    key = ("sink", q.dim(), q.dtype, q.shape[-1], v.shape[-1], causal)
+    if cu_q is not None:
+        return cudnn_fe.try_run(_fe_varlen_fwd, key, q, k, v, causal, scale, cu_q, cu_k, max_q, max_k, sink)
+    return cudnn_fe.try_run(cudnn_fe.fwd, key, q, k, v, scale, causal=causal, sink=sink)
 
 
 def attn_bwd(
@@ -446,7 +552,7 @@ def attn_bwd(
                        (max_seqlen_q, max_seqlen_k), kernel)
     if q.shape[0] == 0 or k.shape[0] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    return _dense(1, q, k, (dout, q, k, v, out, lse, causal, scale), causal, kernel)
+    return _dense(1, q, k, v, (dout, q, k, v, out, lse, causal, scale), causal, kernel)
 
 
 def reference_attention(q, k, v, causal: bool, scale: Optional[float] = None) -> torch.Tensor:

@@ -9,8 +9,10 @@ the comm types and kernels, so nothing deep in a kernel path reads the environme
   `0` forces one mode.
 - CPKIT_A2A_CHUNKS: head chunks pipelined through the a2a and a2a+p2p all-to-alls (default 2; 1
   turns the overlap off).
-- CPKIT_ATTN_KERNEL: `cudnn`, `flash`, `efficient` or `math` forces one CUDA kernel (no
-  fallback), for benchmarking; on CPU only `math` is honoured.
+- CPKIT_ATTN_KERNEL: `cudnn`, `flash`, `efficient`, `math` or `cudnn_fe` (the cuDNN frontend,
+  extra `cpkit[kernels]`) forces one CUDA kernel (no fallback), for benchmarking; on CPU only
+  `math` is honoured. Unset, cpkit chooses per block (`kernels.py`'s module docstring: the cuDNN
+  frontend for sliding windows, THD, sinks and MLA where it is installed).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ __all__ = [
 P2P_BATCHED_ENV = "CPKIT_P2P_BATCHED"
 A2A_CHUNKS_ENV = "CPKIT_A2A_CHUNKS"
 KERNEL_ENV = "CPKIT_ATTN_KERNEL"
-CUDA_KERNELS = ("cudnn", "flash", "efficient", "math")
+CUDA_KERNELS = ("cudnn", "flash", "efficient", "math", "cudnn_fe")
 
 
 @dataclass(frozen=True)
@@ -49,8 +51,10 @@ class CPAttentionOptions:
     """Head chunks pipelined through the all-to-alls of a2a and a2a+p2p (1: no overlap); lowered
     to the largest count that divides the local KV heads."""
     kernel: Optional[str] = None
-    """Force one CUDA kernel (one of CUDA_KERNELS, no fallback); None lets cpkit choose. On CPU
-    only "math" is honoured."""
+    """Force one CUDA kernel (one of CUDA_KERNELS, no fallback); None lets cpkit choose (the rule
+    is in `kernels.py`'s docstring). "cudnn_fe" also takes the band (window) blocks off
+    FlexAttention; where the cuDNN frontend is not installed it warns once and cpkit chooses.
+    On CPU only "math" is honoured."""
 
     def __post_init__(self):
         if self.p2p_batched not in (None, True, False):

@@ -109,13 +109,11 @@ def ring_forward(q, k, v, comm: Optional[RingComm], causal: bool, scale: float, 
     `sink`: per-head sink logits of q's heads, applied once after the last merge (the output
     and LSE returned include it). Also the per-chunk step of `a2a.a2a_attention`."""
     n, rank = (comm.size, comm.rank) if comm is not None else (1, 0)
-    if n == 1:  # one block: nothing to merge, no fp32 copy of the output
+    if n == 1:  # one block: nothing to merge, no fp32 copy of the output; the kernel takes the sink
         if band is not None:
-            out, lse = band_fwd(q, k, v, band.block(rank), scale, kernel)
+            out, lse = band_fwd(q, k, v, band.block(rank), scale, kernel, sink=sink)
         else:
-            out, lse = attn_fwd(q, k, v, causal, scale, kernel=kernel, **seq.kw("full", "full"))
-        if sink is not None:
-            out, lse = apply_sink(out, lse, sink)
+            out, lse = attn_fwd(q, k, v, causal, scale, kernel=kernel, sink=sink, **seq.kw("full", "full"))
         return out.to(q.dtype), lse.float().contiguous(), (k, v)
     if k.shape != v.shape:  # one packed buffer per exchange holds k and v alike
         raise ValueError(f"ring_forward: k.shape {tuple(k.shape)} and v.shape {tuple(v.shape)} must "

@@ -13,7 +13,10 @@ the file says so.
 The output (`--out`, default bench-results/calibration.json) is the format cpkit.dynamic.cost
 reads: pass it with `CPKIT_CALIBRATION=FILE`, `cpkit schedule --calibration FILE`, or copy it over
 src/cpkit/dynamic/calibration_h200.json to ship it. `--device cpu` runs a small smoke version
-(CPU kernels, gloo ring) that checks the pipeline, not a calibration to use.
+(CPU kernels, gloo ring) that checks the pipeline, not a calibration to use. A calibration held
+to a measurement: `python -m cpkit.bench replay --write-calibration FILE` measures the model's
+rates with the kernels the replay times (the ring's diagonal and off-diagonal calls, the
+layer's GEMMs) and records how far the model then was from the replay.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from typing import Callable, NamedTuple
 
 from cpkit.anchors import resolve_anchor
 from cpkit.cards.schema import card_dirs, load_cards
+from cpkit.cards.upstream import check_upstream_maps
 from cpkit.pytest_runner import run_pytest
 
 __all__ = ["Collected", "Collector", "node_matches", "collect_node_ids", "ast_collect_node_ids", "check_cards"]
@@ -103,6 +104,7 @@ def check_cards(
         # The four parts of a feature live side by side: a card without a skill is half a feature.
         if (folder / "card.yaml").is_file() and not (root / "skills" / folder.name / "SKILL.md").is_file():
             problems.append(f"cards/{folder.name}/card.yaml: no matching skill skills/{folder.name}/SKILL.md")
+    problems += check_upstream_maps(root)
     pending: list[tuple[str, str]] = []  # (where, node id) waiting for collection
     for card in cards:
         for i, anchor in enumerate(card.evidence):

@@ -33,8 +33,10 @@ def status_report(
     run: bool = False,
     *,
     gpu_count: int | None = None,
+    ids: list[str] | None = None,
 ) -> dict:
-    """Follow-up status of every card (or one `feature`), as a JSON-able report.
+    """Follow-up status of every card (or one `feature`), as a JSON-able report; `ids` keeps
+    only those follow-ups (and runs only their tests).
 
     With `run=True`, the covering tests that fit this machine (unit and dist always; gpu1/gpu2/gpu4
     when at least 1/2/4 CUDA devices are visible) run in ONE pytest subprocess; each row's
@@ -54,6 +56,8 @@ def status_report(
     rows: list[dict] = []
     for card in cards:
         for item in card.follow_up_validation:
+            if ids is not None and item.id not in ids:
+                continue
             fits = gpu_count is not None and gpu_count >= GPUS_NEEDED.get(item.needs, 0)
             rows.append({
                 "feature": card.feature,

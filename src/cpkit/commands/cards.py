@@ -1,4 +1,4 @@
-"""`cpkit cards check` and `cpkit cards status [--feature F] [--run] [--json] [--out PATH]`."""
+"""`cpkit cards check` and `cpkit cards status [--feature F] [--run] [--json] [--out PATH] [--upstream PATH]`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from cpkit.cards import (
     FAILING_RESULTS,
     CardError,
     check_cards,
+    format_upstream_table,
+    upstream_status,
     format_status_table,
     status_report,
     write_report,
@@ -19,6 +21,7 @@ from cpkit.cards import (
 __all__ = ["add_parser", "DEFAULT_OUT"]
 
 DEFAULT_OUT = "bench-results/cards-status.json"
+DEFAULT_UPSTREAM_OUT = "bench-results/cards-upstream-status.json"
 
 
 def add_parser(sub) -> None:
@@ -38,6 +41,10 @@ def add_parser(sub) -> None:
     status.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
     status.add_argument("--out", type=Path, default=None,
                         help=f"evidence file written with --run (default: <root>/{DEFAULT_OUT})")
+    status.add_argument("--upstream", type=Path, default=None, metavar="PATH",
+                        help="an upstream checkout (or one of its cards, e.g. Megatron-Bridge's): per item of "
+                             "its card's follow_up_validation, the cpkit follow-ups and tests that answer it "
+                             "(cards/<feature>/upstream.yaml)")
     status.set_defaults(func=run_status)
 
 
@@ -55,6 +62,8 @@ def run_status(args) -> int:
     """Print the status table (or JSON); with --run also write the evidence file.
     0 when all run tests pass, 1 on failures or unloadable cards, 2 for an unknown feature."""
     root = repo_root(args.root)
+    if args.upstream is not None:
+        return _run_upstream_status(root, args)
     try:
         report = status_report(root, args.feature, args.run)
     except KeyError as exc:
@@ -72,3 +81,22 @@ def run_status(args) -> int:
         print(format_status_table(report["rows"]))
     failed = [r for r in report["rows"] if r["result"] in FAILING_RESULTS]
     return 1 if failed else 0
+
+
+def _run_upstream_status(root, args) -> int:
+    """`cpkit cards status --upstream PATH`: 0 when every upstream item is answered (and, with
+    --run, no answering test failed), 1 otherwise."""
+    try:
+        report = upstream_status(root, args.upstream, args.run,
+                                 last_report=args.out or Path(root) / DEFAULT_UPSTREAM_OUT)
+    except CardError as exc:
+        print("\n".join(exc.problems))
+        return 1
+    if args.run:
+        out = write_report(report, args.out or Path(root) / DEFAULT_UPSTREAM_OUT)
+        print(f"evidence written to {out}", file=sys.stderr)
+    print(json.dumps(report, indent=2) if args.json else format_upstream_table(report))
+    items = [i for card in report["cards"] for i in card["items"]]
+    bad = [i for i in items if i["result"] == "not mapped"
+           or any(f["result"] in FAILING_RESULTS for f in i["follow_ups"])]
+    return 1 if bad else 0

@@ -25,7 +25,8 @@ import json
 import re
 import sys
 
-from cpkit.dynamic.cost import COMM_TYPES, CostModel, ModelDims, load_calibration
+from cpkit.dynamic.cost import (COMM_TYPES, CostModel, ModelDims, load_calibration,
+                                replay_check_line)
 from cpkit.dynamic.invariants import PlanViolation, plan_violations
 from cpkit.dynamic.plan import Plan
 from cpkit.dynamic.scheduler import DEFAULT_BALANCE_TOLERANCE, needed_cp_sizes, schedule
@@ -195,7 +196,7 @@ def format_plan(plan: Plan, stats: dict, violations: list[PlanViolation], impl: 
         "",
         _step_time_line(stats, impl),
         f"  model: {stats['model']}",
-    ]
+    ] + ([f"  replay: {stats['replay_check']}"] if stats.get("replay_check") else [])
     if violations:
         lines += ["", f"{len(violations)} invariant(s) broken:"]
         lines += [f"  {v.property}: {v.detail}" for v in violations]
@@ -288,6 +289,7 @@ def plan_report(impl: str, lens, args, model: CostModel) -> tuple[Plan | None, d
         "speedup_vs_mcore": mcore_time / step if step and mcore_time else None,
         "mcore_error": next((v.detail for v in (violations if impl == "mcore" else other_violations)
                              if v.property == "no-crash"), None),
+        "replay_check": replay_check_line(model.calibration),
         "model": (f"hidden {d.hidden_size}, heads {d.num_heads}/{d.num_kv_heads} x {d.head_dim}, "
                   f"{d.num_layers} layers, {model.comm_type}, calibration "
                   f"{model.calibration.source.get('device', '?').split(';')[0]}"),

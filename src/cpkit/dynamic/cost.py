@@ -21,9 +21,13 @@ c chunks of l = ceil(L / c) tokens. Per rank and per layer, forward + backward:
   a2a: Q, K, V and the output, (c - 1) / c of each, forward and backward, none hidden.
 - c = 1: no communication.
 
-The step time of a plan is when its slowest rank finishes: a rank runs its micro-batches in
-order and a group starts when all its ranks are free (`CostModel.step_time`; MCore's schedule adds
-a barrier after every micro-batch: the sum over micro-batches of the slowest rank).
+The step time of a plan follows a step rule (cpkit.dynamic.step_rules, shared with the replay
+`python -m cpkit.bench replay`): "free" at PP = 1, where a rank runs its micro-batches in order
+and a group starts when all its ranks are free; "lockstep" where micro-batches end together (MCore's
+schedule, which waits after every micro-batch, and the pipeline at PP > 1).
+The ring's first step is the causal diagonal block, the other c - 1 the unmasked off-diagonal
+blocks (their own rates where the calibration has `attention_offdiag`); chunks are the runtime's:
+each sample padded to a multiple of 2c.
 
 Calibration (`Calibration`, JSON): attention TFLOP/s vs sequence length (FLOPs 3.5 * 2 * h * L^2
 * d, causal fwd+bwd, the convention of cpkit.bench.attention), GEMM TFLOP/s vs tokens, and link
@@ -46,6 +50,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from cpkit.dynamic.step_rules import step_end
 from cpkit.errors import CPConfigError, Violation
 
 __all__ = [
@@ -56,6 +61,7 @@ __all__ = [
     "ModelDims",
     "default_cost_model",
     "load_calibration",
+    "replay_check_line",
     "shipped_calibration_path",
 ]
 
@@ -113,6 +119,12 @@ class Calibration:
     link: [[bytes, seconds]] of one CP transfer (a ring step's send and receive) between two
         GPUs of the group; latency and bandwidth are fitted by least squares (one point: the
         `link_latency_s` given, bandwidth from the point).
+    attention_offdiag / attention_offdiag_packed: [[seq_len, TFLOP/s]] of the ring's unmasked
+        off-diagonal block of a sample of seq_len local tokens (q: seq_len against half of it,
+        the same FLOPs as the causal seq_len), single and packed (empty: the causal rates).
+    attention_packed_small / attention_offdiag_packed_small: the packed rates at
+        `attention_small_tokens_per_call` tokens per call (empty: interpolated from single to
+        packed); a call's rate is log-linear in its tokens between these anchors.
     """
 
     attention: tuple[tuple[float, float], ...]
@@ -123,6 +135,11 @@ class Calibration:
     link_latency_s: float = 20e-6
     attention_packed: tuple[tuple[float, float], ...] = ()
     attention_tokens_per_call: int = 32768
+    attention_offdiag: tuple[tuple[float, float], ...] = ()
+    attention_offdiag_packed: tuple[tuple[float, float], ...] = ()
+    attention_packed_small: tuple[tuple[float, float], ...] = ()
+    attention_offdiag_packed_small: tuple[tuple[float, float], ...] = ()
+    attention_small_tokens_per_call: int = 4096
     source: dict = field(default_factory=dict, compare=False)
 
     @classmethod
@@ -139,7 +156,13 @@ class Calibration:
             raise CPConfigError(bad)
         att, link = data["attention"], data["link"]
         packed = data.get("attention_packed") or {}
+        offdiag = data.get("attention_offdiag") or {}
         return cls(
+            attention_offdiag=tuple(tuple(p) for p in offdiag.get("points", ())),
+            attention_offdiag_packed=tuple(tuple(p) for p in offdiag.get("packed_points", ())),
+            attention_packed_small=tuple(tuple(p) for p in packed.get("small_points", ())),
+            attention_offdiag_packed_small=tuple(tuple(p) for p in offdiag.get("packed_small_points", ())),
+            attention_small_tokens_per_call=int(packed.get("small_tokens_per_call", 4096)),
             attention_packed=tuple(tuple(p) for p in packed.get("points", ())),
             attention_tokens_per_call=int(packed.get("tokens_per_call", 32768)),
             attention=tuple(tuple(p) for p in att["points"]),
@@ -148,7 +171,8 @@ class Calibration:
             attention_heads=int(att.get("heads", 32)),
             attention_head_dim=int(att.get("head_dim", 128)),
             link_latency_s=float(link.get("latency_s", 20e-6)),
-            source={k: v for k, v in data.items() if k not in ("attention", "attention_packed", "gemm", "link")},
+            source={k: v for k, v in data.items()
+                    if k not in ("attention", "attention_packed", "attention_offdiag", "gemm", "link")},
         )
 
     def link_fit(self) -> tuple[float, float]:
@@ -210,6 +234,7 @@ class ModelDims:
     num_layers: int = 32
     ffn_hidden_size: int | None = None
     bytes_per_element: int = 2
+    gated_linear_unit: bool = False
 
     def __post_init__(self):
         bad = [Violation(name, getattr(self, name), "must be an int >= 1", "pass e.g. 4096")
@@ -228,7 +253,8 @@ class ModelDims:
         """Forward + backward FLOPs of one layer's linear layers per token (3 x 2 x params)."""
         h, d = self.hidden_size, self.head_dim
         ffn = self.ffn_hidden_size or 4 * h
-        params = h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h + 2 * h * ffn
+        mlp = (3 if self.gated_linear_unit else 2) * h * ffn  # SwiGLU: two input projections
+        params = h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h + mlp
         return 6.0 * params
 
 
@@ -251,6 +277,16 @@ class CostModel:
         self._attention_rate = _LogLogCurve(cal.attention, "attention.points")
         self._packed_rate = (_LogLogCurve(cal.attention_packed, "attention_packed.points")
                              if cal.attention_packed else None)
+        self._off_rate = (_LogLogCurve(cal.attention_offdiag, "attention_offdiag.points")
+                          if cal.attention_offdiag else None)
+        self._off_packed_rate = (_LogLogCurve(cal.attention_offdiag_packed,
+                                              "attention_offdiag.packed_points")
+                                 if cal.attention_offdiag_packed else None)
+        self._small_rate = (_LogLogCurve(cal.attention_packed_small, "attention_packed.small_points")
+                            if cal.attention_packed_small else None)
+        self._off_small_rate = (_LogLogCurve(cal.attention_offdiag_packed_small,
+                                             "attention_offdiag.packed_small_points")
+                                if cal.attention_offdiag_packed_small else None)
         self._launch_s = self._attention_time_uncached(int(self._attention_rate.smallest))
         self._gemm_rate = _LogLogCurve(cal.gemm, "gemm.points")
         _LogLogCurve([(b, s) for b, s in cal.link], "link.points")  # validates
@@ -279,22 +315,40 @@ class CostModel:
         """Seconds of one causal fwd+bwd attention call over `tokens` on one GPU (one layer)."""
         return self._attention_time(int(tokens))
 
-    def _rate(self, length: int, call_tokens: int) -> float:
-        """TFLOP/s of sequences of `length` in a call of `call_tokens` tokens (module docstring)."""
-        single = self._attention_rate(length)
+    def _rate(self, length: int, call_tokens: int, offdiag: bool = False) -> float:
+        """TFLOP/s of sequences of `length` in a call of `call_tokens` tokens (module docstring);
+        `offdiag`: the ring's unmasked off-diagonal block, where calibrated. Log-linear in the
+        call's tokens between the anchors: one sequence (the single rate), the small packed call
+        and the full packed call (where calibrated), constant beyond the last."""
+        single_curve, packed_curve, small_curve = (self._attention_rate, self._packed_rate,
+                                                   self._small_rate)
+        if offdiag and self._off_rate is not None:
+            single_curve, packed_curve, small_curve = (self._off_rate, self._off_packed_rate,
+                                                       self._off_small_rate)
+        single = single_curve(length)
         full = self.calibration.attention_tokens_per_call
-        if self._packed_rate is None or call_tokens <= length or length >= full:
+        if packed_curve is None or call_tokens <= length or length >= full:
             return single
-        packed = self._packed_rate(length)
-        share = min(1.0, math.log(call_tokens / length) / math.log(full / length))
-        return math.exp(math.log(single) + share * (math.log(packed) - math.log(single)))
+        anchors = [(length, single)]
+        small = self.calibration.attention_small_tokens_per_call
+        if small_curve is not None and length < small < full:
+            anchors.append((small, small_curve(length)))
+        anchors.append((full, packed_curve(length)))
+        for (x0, y0), (x1, y1) in zip(anchors, anchors[1:]):
+            if call_tokens <= x1:
+                share = math.log(call_tokens / x0) / math.log(x1 / x0)
+                return math.exp(math.log(y0) + share * (math.log(y1) - math.log(y0)))
+        return anchors[-1][1]
 
-    def call_time(self, lengths: Sequence[int], heads_share: float = 1.0) -> float:
+    def call_time(self, lengths: Sequence[int], heads_share: float = 1.0,
+                  offdiag: bool = False) -> float:
         """Seconds of one varlen causal fwd+bwd attention call over sequences of `lengths`
-        (one layer), with `heads_share` of the model's heads (a2a: 1 / c); at least one launch."""
+        (one layer), with `heads_share` of the model's heads (a2a: 1 / c); at least one launch.
+        `offdiag`: the ring's off-diagonal block of those local lengths instead (same FLOPs)."""
         d = self.dims
         total = sum(lengths)
-        flops = sum(_attention_flops(L, d.num_heads, d.head_dim) / (self._rate(L, total) * 1e12)
+        flops = sum(_attention_flops(L, d.num_heads, d.head_dim)
+                    / (self._rate(L, total, offdiag) * 1e12)
                     for L in lengths if L > 0)
         return max(self._launch_s, heads_share * flops)
 
@@ -323,15 +377,17 @@ class CostModel:
 
     def _group_time_uncached(self, seq_lens: tuple[int, ...], cp_size: int) -> float:
         c = cp_size
-        chunks = [-(-L // c) for L in seq_lens]
+        chunks = [-(-L // (2 * c)) * 2 for L in seq_lens]  # the runtime pads to a multiple of 2c
         tokens = sum(chunks)
         if self.comm_type == "a2a" and c > 1:
             attention = self.call_time(seq_lens, heads_share=1.0 / c)
             comm = 2 * self.link_time((c - 1) / c * tokens * self._qkvo_bytes_per_token)
             return self.dims.num_layers * (self._gemm_time(tokens) + attention + comm)
         step_attention = self.call_time(chunks)  # one ring step: one call over every chunk
-        total = self._gemm_time(tokens) + c * step_attention
-        if c > 1:
+        total = self._gemm_time(tokens) + step_attention
+        if c > 1:  # the other c - 1 steps run the unmasked off-diagonal blocks
+            step_attention = self.call_time(chunks, offdiag=True)
+            total += (c - 1) * step_attention
             fwd_bytes = tokens * self._kv_bytes_per_token
             fwd, bwd = self.link_time(fwd_bytes), self.link_time(2 * fwd_bytes)
             if self.comm_type == "p2p":
@@ -373,17 +429,18 @@ class CostModel:
         samples one after another, each alone."""
         return [max(self._group_times(plan, mb), default=0.0) for mb in plan.microbatches]
 
-    def step_time(self, plan) -> float:
-        """Modeled seconds of one training step of `plan`: when its slowest rank finishes.
-
-        A rank runs its micro-batches in order, and a group starts when all its ranks have
-        finished their previous micro-batch (its CP communication waits for them); cpkit's
-        runtime has no other barrier, so static CP costs its slowest DP replica. A plan with
-        packed=False (MCore's hybrid CP schedule) also waits at a DPxCP barrier after every
-        micro-batch, as MCore's schedule does: the sum over micro-batches of the slowest rank.
+    def step_time(self, plan, rule: str = "free", pp_size: int = 1) -> float:
+        """Modeled seconds of one training step of `plan` under the step rule `rule` at
+        `pp_size` pipeline stages (cpkit.dynamic.step_rules: "free", cpkit's runtime at PP = 1,
+        where a group starts when all its ranks are free; "lockstep", where micro-batches end
+        together). A plan with packed=False (MCore's hybrid CP schedule) always runs lockstep:
+        MCore's schedule waits for the DPxCP group after every micro-batch.
         """
         if not plan.packed:
-            return sum(self.microbatch_times(plan))
+            rule = "lockstep"
+        if rule != "free" or pp_size != 1:
+            return step_end([[(g.ranks, t) for g, t in zip(mb.groups, self._group_times(plan, mb))]
+                             for mb in plan.microbatches], plan.dp_cp_size, rule, pp_size)
         ready = [0.0] * plan.dp_cp_size
         for mb in plan.microbatches:
             for g, t in zip(mb.groups, self._group_times(plan, mb)):
@@ -395,6 +452,20 @@ class CostModel:
                     for r in g.ranks:
                         ready[r] = end
         return max(ready, default=0.0)
+
+
+def replay_check_line(calibration: Calibration) -> str:
+    """One line saying how far the model with `calibration` was from the one-GPU replay that
+    measured it (its "replay_check", written by python -m cpkit.bench replay
+    --write-calibration), or that it was never held to one."""
+    check = calibration.source.get("replay_check")
+    if not isinstance(check, dict) or check.get("cpkit_median") is None:
+        return ("modeled only: this calibration was not held to a replay (python -m cpkit.bench "
+                "replay --write-calibration FILE measures one that is)")
+    where = ", ".join(str(check[k]) for k in ("device", "commit", "evidence") if check.get(k))
+    return (f"last calibration against the replay ({where}): the model was off by "
+            f"{check['cpkit_median']:.1%} median, {check['cpkit_max']:.1%} at most, on "
+            f"{check.get('batches', '?')} batches")
 
 
 @lru_cache(maxsize=1)

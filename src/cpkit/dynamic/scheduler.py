@@ -17,7 +17,9 @@ holds sum(ceil(L / k)) tokens.
      slowest, to the aligned block that finishes them first, packed into its last group when
      the tokens fit;
    - static CP (cpkit.dynamic.static): every sample at the batch's largest need;
-   - with a caller's `workload` only: the compute-only balancer (`balanced_plan`, below).
+   - with a caller's `workload`, or when micro-batches end together (`step_rule="lockstep"`
+     or pp_size > 1): the balancer (`balanced_plan`, below; without a workload it balances
+     the model's rank-seconds of each sample at its need).
 3. The fastest wins, static CP on ties: no plan is modeled slower than static CP.
 
 The compute-only balancer (`balanced_plan`; w = workload, W = a micro-batch's mean load per
@@ -383,6 +385,8 @@ def schedule(
     workload: Callable[[int], float] | None = None,
     balance_tolerance: float = DEFAULT_BALANCE_TOLERANCE,
     cost_model: CostModel | None = None,
+    step_rule: str = "free",
+    pp_size: int = 1,
 ) -> Plan:
     """Plan one global batch of packed samples over the DPxCP ranks with the least modeled step
     time (algorithm: module docstring).
@@ -400,6 +404,9 @@ def schedule(
         before the balancing candidate gives it more ranks.
     cost_model: cpkit.dynamic.cost.CostModel that times the candidates (default
         cpkit.dynamic.cost.default_cost_model(): the shipped calibration, a 4096-wide model).
+    step_rule, pp_size: the runtime's step semantics the candidates are timed under
+        (cpkit.dynamic.step_rules: "free", cpkit's runtime at PP = 1; "lockstep", micro-batches
+        end together, which pp_size > 1 implies).
 
     The plan is the faster, by the model, of the balancing candidate and static CP
     (cpkit.dynamic.static.static_cp_plan), static winning ties, so it is never modeled slower
@@ -424,11 +431,18 @@ def schedule(
     static = static_cp_plan(lens, needs, cost_model=model, min_cp_size=min_cp_size,
                             workloads=works or finish.workloads, **args)
     candidates = [("static", static), ("earliest-finish", finish)]
+    if works is None and (step_rule != "free" or pp_size > 1):
+        # Micro-batches end together: balance each one by the model's rank-seconds at the need.
+        works_lock = [model.estimate_sample_time(L, c) * c for L, c in zip(lens, needs)]
+        candidates.append(("balanced", balanced_plan(
+            lens, needs, works_lock, min_cp_size=min_cp_size, balance_tolerance=balance_tolerance,
+            **args)))
     if works is not None:  # the caller's compute-only workload: balance by it as well
         candidates.append(("balanced", balanced_plan(
             lens, needs, works, min_cp_size=min_cp_size, balance_tolerance=balance_tolerance,
             **args)))
-    timed = [(model.step_time(p), rank, name, p) for rank, (name, p) in enumerate(candidates)]
+    timed = [(model.step_time(p, step_rule, pp_size), rank, name, p)
+             for rank, (name, p) in enumerate(candidates)]
     step_time, _, name, chosen = min(timed, key=lambda t: (t[0], t[1]))
     return dataclasses.replace(chosen, step_time_s=step_time, static_step_time_s=timed[0][0],
                                candidate=name)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +33,7 @@ from typing import Any, Callable, ContextManager, Mapping, Optional
 
 import torch
 
-from cpkit.errors import CPConfigError
+from cpkit.testing.bridge_src import BRIDGE_SRC_ENV, bridge_src
 
 __all__ = [
     "BRIDGE_SRC_ENV",
@@ -47,9 +46,6 @@ __all__ = [
     "reinstall_context",
     "reinstall_impl",
 ]
-
-BRIDGE_SRC_ENV = "CPKIT_BRIDGE_SRC"
-"""Environment variable: the path of a Megatron-Bridge checkout's `src/` directory."""
 
 BRIDGE_MODULE_PATH = Path("megatron/bridge/training/eval_context_parallel_rebinding.py")
 """Where Bridge's eval-CP rebinding module lies under its `src/` directory."""
@@ -180,23 +176,8 @@ def reinstall_impl() -> EvalCPImpl:
 
 def _bridge_file() -> tuple[Optional[Path], str]:
     """(path of Bridge's rebinding module, "") or (None, why it was not found)."""
-    src = os.environ.get(BRIDGE_SRC_ENV)
-    if src:
-        path = Path(src).expanduser() / BRIDGE_MODULE_PATH
-        if not path.is_file():
-            raise CPConfigError.single(
-                BRIDGE_SRC_ENV, src, f"must be a Megatron-Bridge src/ directory containing {BRIDGE_MODULE_PATH}",
-                f"point {BRIDGE_SRC_ENV} at <Megatron-Bridge checkout>/src, or unset it to skip Bridge")
-        return path, ""
-    try:
-        spec = importlib.util.find_spec("megatron.bridge")
-    except (ImportError, ValueError):
-        spec = None
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        path = Path(location).parent.parent / BRIDGE_MODULE_PATH
-        if path.is_file():
-            return path, ""
-    return None, f"Megatron-Bridge not found: set {BRIDGE_SRC_ENV} to a checkout's src/ directory"
+    src, why = bridge_src(marker=BRIDGE_MODULE_PATH)
+    return (src / BRIDGE_MODULE_PATH if src is not None else None), why
 
 
 def _load_bridge(path: Path) -> Any:

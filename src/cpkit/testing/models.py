@@ -22,6 +22,7 @@ from cpkit.loss import forward_loss, global_loss, reduce_gradients, require_sing
 from cpkit.layout import P2P
 
 __all__ = [
+    "FEATURE_MODELS",
     "GPTConfig",
     "build_gpt",
     "build_gpt_chunks",
@@ -62,6 +63,18 @@ class GPTConfig:
 
     def with_(self, **changes) -> "GPTConfig":
         return replace(self, **changes)
+
+
+FEATURE_MODELS = {
+    # q_lora_rank is set: MCore 0.16's MLA builds its q projection without the TP group when
+    # q_lora_rank is None, which fails on groups passed by pg_collection (no parallel_state).
+    "mla": dict(multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=32, qk_head_dim=16,
+                qk_pos_emb_head_dim=8, v_head_dim=16, rope_type="rope"),
+    "window-learnable-softmax": dict(window_size=(8, 0), window_attn_skip_freq=2, softmax_type="learnable"),
+}
+"""GPTConfig.extra of the long-context attention features: MLA (q/k head dim 24 = 16 + 8 RoPE
+dims, v head dim 16) and gpt-oss's sliding window on every other layer with a learnable sink
+logit per head. MLA has no GQA: build it with num_query_groups=None."""
 
 
 def _block_spec(layer_spec, attention: AttentionBackend, config, vp_stage, pp_rank: int):
