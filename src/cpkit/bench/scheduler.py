@@ -9,6 +9,9 @@ lengths they run, plus the exposed CP communication of the ring):
 - MCore: megatron-core's BalancedCPScheduler (cpkit.dynamic.mcore), its groups' samples run one
   after another with a barrier after every micro-batch, as MCore's schedule runs them; its
   invariant violations are counted (a plan with violations is still timed);
+- Megatron-LM (when CPKIT_MLM_SRC names a checkout): its DefaultDynamicCPScheduler
+  (cpkit.dynamic.mlm), groups packed as cpkit's are; same lengths, same model; its violations
+  are counted (the whole DPxCP group is its documented fallback, not one);
 - static CP: every sample at the CP size the longest needs, DP replicas balanced by modeled time
   (cpkit.dynamic.static.static_cp_plan); it pays its slowest replica.
 
@@ -42,6 +45,7 @@ from cpkit.dynamic import schedule
 from cpkit.dynamic.cost import CostModel, load_calibration
 from cpkit.dynamic.invariants import plan_violations
 from cpkit.dynamic.mcore import SchedulerCrash, mcore_schedule
+from cpkit.dynamic.mlm import checkout_commit, mlm_schedule, mlm_src
 from cpkit.dynamic.scheduler import largest_group_size, needed_cp_sizes
 from cpkit.dynamic.static import static_cp_plan
 
@@ -89,6 +93,15 @@ def _one_batch(lens, n, M, model, repeats) -> dict:
         out["mcore_violations"] = [v.to_dict() for v in plan_violations(mplan)]
     except SchedulerCrash as err:
         out["mcore_s"], out["mcore_violations"] = None, [{"property": "no-crash",
+                                                          "detail": err.detail}]
+    if mlm_src() is not None:
+        try:
+            lplan = mlm_schedule(lens, n, M, timeout_s=120)
+            out["mlm_s"] = model.step_time(lplan)
+            out["mlm_violations"] = [v.to_dict() for v in
+                                     plan_violations(lplan, full_group_fallback=True)]
+        except SchedulerCrash as err:
+            out["mlm_s"], out["mlm_violations"] = None, [{"property": "no-crash",
                                                           "detail": err.detail}]
     return out
 
@@ -149,6 +162,7 @@ def main(argv=None) -> int:
     for mix in MIXES:
         for n, count in sizes.items():
             cap = min(largest_group_size(n), 64) * M
+            label = f"{mix} N={n} ({count} seqs)"
             per_batch = [_one_batch(sample_lengths(mix, count, cap, random.Random(args.seed + 1000 * b + n)),
                                     n, M, model, repeats=3) for b in range(batches)]
             med = lambda key: statistics.median(x[key] for x in per_batch)  # noqa: E731
@@ -164,8 +178,20 @@ def main(argv=None) -> int:
                 "mcore_violations": sum(len(x["mcore_violations"]) for x in per_batch),
                 "cpu_ms_median": med("cpu_ms"), "per_batch": per_batch,
             }
+            if mlm_src() is not None:
+                mlm = [x for x in per_batch if x["mlm_s"]]
+                row.update({
+                    "mlm_ms": 1e3 * statistics.median(x["mlm_s"] for x in mlm) if mlm else None,
+                    "vs_mlm": statistics.median(x["mlm_s"] / x["cpkit_s"] for x in mlm)
+                    if mlm else None,
+                    "mlm_violations": sum(len(x["mlm_violations"]) for x in per_batch),
+                })
+                cells.update({
+                    (label, "MLM ms"): "crash" if row["mlm_ms"] is None else f"{row['mlm_ms']:.0f}",
+                    (label, "MLM/cpkit"): "-" if row["vs_mlm"] is None else f"{row['vs_mlm']:.2f}",
+                    (label, "MLM violations"): str(row["mlm_violations"]),
+                })
             results.append(row)
-            label = f"{mix} N={n} ({count} seqs)"
             rows.append(label)
             cells.update({
                 (label, "cpkit ms"): f"{row['cpkit_ms']:.0f}",
@@ -183,9 +209,16 @@ def main(argv=None) -> int:
 
     columns = ["cpkit ms", "MCore ms", "static ms", "static/cpkit", "MCore/cpkit", "static won",
                "static cp", "cpkit cp sizes", "MCore violations", "cpu ms"]
+    mlm_commit = checkout_commit() if mlm_src() is not None else None
+    if mlm_commit is not None:
+        columns[2:2] = ["MLM ms"]
+        columns[5:5] = ["MLM/cpkit"]
+        columns.append("MLM violations")
     print(f"dynamic-CP scheduler, modeled step time ({model.dims.num_layers} layers, hidden "
           f"{model.dims.hidden_size}, {model.comm_type}), M={M} tokens per rank, {batches} "
           f"batch(es) per row; first schedule() call of the process {first_call_ms:.0f} ms")
+    if mlm_commit is not None:
+        print(f"Megatron-LM (MLM): DefaultDynamicCPScheduler of {mlm_src()} at {mlm_commit}")
     print(format_table(rows, columns, cells, corner="mix / DPxCP ranks"))
 
     vs_static = [r["vs_static"] for r in results]
@@ -210,7 +243,7 @@ def main(argv=None) -> int:
         "benchmark": NAME, "max_seq_len_per_rank": M, "batches": batches, "quick": args.quick,
         "model": {"dims": vars(model.dims), "comm_type": model.comm_type,
                   "calibration": model.calibration.source},
-        "first_call_ms": first_call_ms,
+        "first_call_ms": first_call_ms, "mlm_commit": mlm_commit,
         "targets": {k: bool(v) for k, v in checks.items()}, "results": results,
     }, args.out)
     print(f"json: {path}")

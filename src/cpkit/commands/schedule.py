@@ -1,9 +1,12 @@
 """`cpkit schedule`: plan one global batch with dynamic CP, check it, and print it.
 
 `--impl cpkit` (default) runs cpkit.dynamic.schedule; `--impl mcore` runs MCore's
-BalancedCPScheduler through cpkit.dynamic.mcore. Either plan is checked against the invariants
-of cpkit.dynamic.invariants (and run twice for determinism) and timed by the step-time model
-(cpkit.dynamic.cost) next to static CP and the other implementation.
+BalancedCPScheduler through cpkit.dynamic.mcore; `--impl mlm` runs Megatron-LM's
+DefaultDynamicCPScheduler from the checkout named by CPKIT_MLM_SRC (cpkit.dynamic.mlm; a call
+that does not return within 5 s is reported as the violation `no-crash`). The plan is checked
+against the invariants of cpkit.dynamic.invariants (and run twice for determinism) and timed by
+the step-time model (cpkit.dynamic.cost) next to static CP and the other implementations
+(Megatron-LM's beside cpkit's, MCore's and static CP's with --impl mlm).
 
 Text: a rank x micro-batch grid (cell "s3/cp4": rank runs sample 3 in a CP group of 4;
 "s1,s5/cp2": samples 1 and 5 packed together; "-": idle; a cell with many samples wraps onto
@@ -33,7 +36,8 @@ from cpkit.errors import CPConfigError
 __all__ = ["add_parser", "run", "format_plan", "parse_seq_lens", "plan_report"]
 
 _IDS_PER_LINE = 4  # sample ids per line of a grid cell; more wrap onto the next line
-IMPLS = ("cpkit", "mcore")
+IMPLS = ("cpkit", "mcore", "mlm")
+_MLM_TIMEOUT_S = 5.0  # a call takes milliseconds; with the worker's start, well under 30 s
 
 
 def add_parser(sub) -> None:
@@ -44,7 +48,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-seq-len-per-rank", type=int, required=True,
                    help="most tokens one rank may hold in a micro-batch")
     p.add_argument("--impl", choices=IMPLS, default="cpkit",
-                   help="scheduler: cpkit's (default) or MCore's BalancedCPScheduler")
+                   help="scheduler: cpkit's (default), MCore's BalancedCPScheduler or "
+                        "Megatron-LM's DefaultDynamicCPScheduler (needs CPKIT_MLM_SRC)")
     p.add_argument("--min-cp", type=int, default=1, help="smallest CP group size (power of two)")
     p.add_argument("--microbatch-group-size", type=int, default=None,
                    help="make the number of micro-batches a multiple of this (e.g. VPP stages)")
@@ -116,7 +121,7 @@ def _seconds(x) -> str:
     return "-" if x is None else f"{x * 1e3:.1f} ms"
 
 
-_NAMES = {"cpkit": "cpkit", "mcore": "MCore"}
+_NAMES = {"cpkit": "cpkit", "mcore": "MCore", "mlm": "Megatron-LM"}
 
 
 def _versus(this: str, other: str, ratio: float | None) -> str:
@@ -148,6 +153,9 @@ def _step_time_line(stats: dict, impl: str) -> str:
             line += _versus(this, "MCore", stats["speedup_vs_mcore"])
         elif stats.get("mcore_error"):
             line += f" ({stats['mcore_error']})"
+    if "cpkit_step_time_s" in stats:
+        line += (f"; cpkit {_seconds(stats['cpkit_step_time_s'])}"
+                 + _versus(this, "cpkit", stats.get("speedup_vs_cpkit")))
     return line
 
 
@@ -215,11 +223,19 @@ def _read_lens(args) -> list[int]:
 def _run_impl(impl: str, lens, args, model: CostModel):
     """(plan or None, violations) of one implementation, run twice for determinism."""
     from cpkit.dynamic.mcore import SchedulerCrash, mcore_schedule
+    from cpkit.dynamic.mlm import MLMCheckoutError, mlm_schedule
 
     def once():
         if impl == "mcore":
             return mcore_schedule(lens, dp_cp_size=args.dp_cp,
                                   max_seq_len_per_rank=args.max_seq_len_per_rank)
+        if impl == "mlm":
+            try:
+                return mlm_schedule(lens, args.dp_cp, args.max_seq_len_per_rank,
+                                    microbatch_group_size=args.microbatch_group_size,
+                                    min_cp_size=args.min_cp, timeout_s=_MLM_TIMEOUT_S)
+            except MLMCheckoutError as err:
+                raise ValueError(f"--impl mlm: {err}") from None
         return schedule(lens, dp_cp_size=args.dp_cp, max_seq_len_per_rank=args.max_seq_len_per_rank,
                         min_cp_size=args.min_cp, microbatch_group_size=args.microbatch_group_size,
                         balance_tolerance=args.balance_tolerance, cost_model=model)
@@ -229,7 +245,8 @@ def _run_impl(impl: str, lens, args, model: CostModel):
         again = once()
     except SchedulerCrash as err:
         return None, [PlanViolation("no-crash", err.detail)]
-    violations = plan_violations(plan, args.microbatch_group_size)
+    violations = plan_violations(plan, args.microbatch_group_size,
+                                 full_group_fallback=impl == "mlm")
     if json.dumps(plan.to_dict()) != json.dumps(again.to_dict()):
         violations.append(PlanViolation("deterministic", "two runs on the same input gave "
                                                          "different plans"))
@@ -248,13 +265,22 @@ def plan_report(impl: str, lens, args, model: CostModel) -> tuple[Plan | None, d
                             max_seq_len_per_rank=args.max_seq_len_per_rank, cost_model=model,
                             min_cp_size=args.min_cp, microbatch_group_size=args.microbatch_group_size)
     static_time = model.step_time(static)
-    other = "mcore" if impl == "cpkit" else "cpkit"
+    other = "cpkit" if impl == "mcore" else "mcore"
     other_plan, other_violations = _run_impl(other, lens, args, model)
     stats = dict(plan.stats.to_dict()) if plan is not None else {}
     step = model.step_time(plan) if plan is not None else None
     mcore_plan = plan if impl == "mcore" else other_plan
     mcore_time = model.step_time(mcore_plan) if mcore_plan is not None else None
     d = model.dims
+    if impl == "mlm":  # cpkit's plan beside Megatron-LM's
+        cpkit_plan, _ = _run_impl("cpkit", lens, args, model)
+        cpkit_time = model.step_time(cpkit_plan)
+        stats.update({
+            "cpkit_step_time_s": cpkit_time,
+            "speedup_vs_cpkit": cpkit_time / step if step else None,
+            "mlm_step_time_s": step,
+            "mlm_error": next((v.detail for v in violations if v.property == "no-crash"), None),
+        })
     stats.update({
         "modeled_step_time_s": step,
         "static_step_time_s": static_time,

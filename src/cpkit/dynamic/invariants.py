@@ -1,12 +1,14 @@
 """The invariants every dynamic-CP plan must keep, checked from the plan alone.
 
-Used for both implementations (cpkit's scheduler and MCore's BalancedCPScheduler through
-cpkit.dynamic.mcore), by `cpkit schedule` and by the property tests. Properties:
+Used for every implementation (cpkit's scheduler, MCore's BalancedCPScheduler through
+cpkit.dynamic.mcore, Megatron-LM's DefaultDynamicCPScheduler through cpkit.dynamic.mlm), by `cpkit schedule` and by the property tests. Properties:
 
 - `each-sample-once`: every sample id in exactly one group of one micro-batch;
 - `aligned-groups`: a group is a contiguous block of ranks whose size is a power of two, aligned
   to its size (first % size == 0) and inside one root block of N's binary decomposition, so the
-  registry (cpkit.dynamic.registry) created it up front;
+  registry (cpkit.dynamic.registry) created it up front; with `full_group_fallback`, the group
+  of all N ranks is accepted too (Megatron-LM's documented fallback; its parallel_state hands
+  out the DPxCP group for a group of N ranks);
 - `disjoint-groups`: no rank in two groups of one micro-batch;
 - `fits-memory`: no rank holds more than max_seq_len_per_rank tokens: sum of ceil(L / cp) over a
   packed group's samples, the largest ceil(L / cp) when they run one at a time (plan.packed);
@@ -48,10 +50,12 @@ def _roots(n: int) -> list[tuple[int, int]]:
     return roots
 
 
-def _block_problem(ranks: tuple[int, ...], n: int) -> str | None:
+def _block_problem(ranks: tuple[int, ...], n: int, full_group_fallback: bool) -> str | None:
     k = len(ranks)
     if k == 0:
         return "has no ranks"
+    if full_group_fallback and ranks == tuple(range(n)):
+        return None
     if ranks != tuple(range(ranks[0], ranks[0] + k)):
         return "is not a contiguous block"
     if k & (k - 1):
@@ -67,8 +71,10 @@ def _span(ranks) -> str:
     return f"[{ranks[0]}..{ranks[-1]}]" if ranks else "[]"
 
 
-def plan_violations(plan: Plan, microbatch_group_size: int | None = None) -> list[PlanViolation]:
-    """Every broken invariant of `plan` (at most one per property: the first place found)."""
+def plan_violations(plan: Plan, microbatch_group_size: int | None = None, *,
+                    full_group_fallback: bool = False) -> list[PlanViolation]:
+    """Every broken invariant of `plan` (at most one per property: the first place found).
+    `full_group_fallback`: accept the group of all dp_cp_size ranks (see aligned-groups)."""
     n, M, lens = plan.dp_cp_size, plan.max_seq_len_per_rank, plan.seq_lens
     found: dict[str, str] = {}
 
@@ -80,7 +86,7 @@ def plan_violations(plan: Plan, microbatch_group_size: int | None = None) -> lis
         owner: dict[int, tuple[int, ...]] = {}
         for g in mb.groups:
             where = f"micro-batch {m}: group {_span(g.ranks)}"
-            problem = _block_problem(tuple(g.ranks), n)
+            problem = _block_problem(tuple(g.ranks), n, full_group_fallback)
             if problem is None and g.cp_size != len(g.ranks):
                 problem = f"says cp_size {g.cp_size} but has {len(g.ranks)} ranks"
             if problem:

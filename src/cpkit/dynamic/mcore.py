@@ -26,17 +26,25 @@ from typing import Sequence
 
 from cpkit.dynamic.plan import CPGroupAssignment, Microbatch, Plan
 
-__all__ = ["MCORE_SCHEDULER", "SchedulerCrash", "mcore_schedule"]
+__all__ = ["MCORE_SCHEDULER", "SchedulerCrash", "groups_from_rank_lists", "mcore_schedule"]
 
 MCORE_SCHEDULER = "megatron/core/pipeline_parallel/hybrid_cp_schedule.py::BalancedCPScheduler"
 
 
 class SchedulerCrash(Exception):
-    """The scheduler raised or did not return; `detail` is one line saying what happened."""
+    """The scheduler raised or did not return; `detail` is one line saying what happened.
 
-    def __init__(self, detail: str):
-        super().__init__(detail)
+    `hang`: it did not return in time; `inputs`: the call's arguments (the message repeats
+    them), when the caller gave them; `error_type`: the class name of the exception upstream.
+    """
+
+    def __init__(self, detail: str, *, hang: bool = False, inputs: dict | None = None,
+                 error_type: str | None = None):
+        super().__init__(detail if inputs is None else f"{detail} (input: {inputs})")
         self.detail = detail
+        self.hang = hang
+        self.inputs = inputs
+        self.error_type = error_type
 
 
 class _StandInGroup:
@@ -87,8 +95,11 @@ def _last_line(err: BaseException) -> str:
     return text[-1] if text else type(err).__name__
 
 
-def _to_groups(per_rank: Sequence[Sequence[int]]) -> tuple[CPGroupAssignment, ...]:
-    """Ranks with the same sample list form one group (first rank order); idle ranks none."""
+def groups_from_rank_lists(
+    per_rank: Sequence[Sequence[int]],
+) -> tuple[CPGroupAssignment, ...]:
+    """One micro-batch of per-rank sample lists as CP groups: ranks with the same sample list
+    form one group (in first-rank order); idle ranks are in none."""
     by_samples: dict[tuple[int, ...], list[int]] = {}
     for rank, samples in enumerate(per_rank):
         if samples:
@@ -125,10 +136,11 @@ def mcore_schedule(
             _, sample_id_groups = scheduler.get_groups_and_subsamples(
                 [(i, L) for i, L in enumerate(lens)], None)
     except _Timeout:
-        raise SchedulerCrash(f"did not return within {timeout_s:g} s") from None
+        raise SchedulerCrash(f"did not return within {timeout_s:g} s", hang=True) from None
     except Exception as err:  # any crash inside MCore is a finding, reported in one line
         raise SchedulerCrash(_last_line(err)) from None
-    microbatches = tuple(Microbatch(groups=_to_groups(per_rank)) for per_rank in sample_id_groups)
+    microbatches = tuple(Microbatch(groups=groups_from_rank_lists(per_rank))
+                         for per_rank in sample_id_groups)
     needs = []
     for L in lens:
         try:
