@@ -28,6 +28,8 @@ __all__ = [
     "median",
     "format_table",
     "write_json",
+    "pyplot",
+    "PLOT_SKIPPED",
     "machine_info",
     "short_error",
     "profile_table",
@@ -237,3 +239,19 @@ def machine_info() -> dict:
     # says which side it is.
     info["env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith(RECORDED_ENV_PREFIXES)}
     return info
+
+
+PLOT_SKIPPED = "plot skipped: matplotlib is not installed (pip install cpkit[plot])"
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, or None where matplotlib is not installed
+    (plots are optional: `cpkit[plot]`)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt

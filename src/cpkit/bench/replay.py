@@ -40,7 +40,8 @@ from pathlib import Path
 
 import torch
 
-from cpkit.bench.common import DEFAULT_RESULTS_DIR, format_table, machine_info, write_json
+from cpkit.bench.common import (DEFAULT_RESULTS_DIR, PLOT_SKIPPED, format_table, machine_info, pyplot,
+                               write_json)
 from cpkit.bench.replay_calibration import calibration_from_timer
 from cpkit.bench.replay_kernels import KernelTimer
 from cpkit.bench.replay_plans import Batch, batches, plans, read_seq_lens_file
@@ -166,13 +167,9 @@ def _targets(summary: dict, results: list[dict]) -> dict[str, bool]:
 
 
 def _plot(path: Path, results: list[dict]) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "plot skipped: matplotlib is not installed (pip install cpkit[plot])"
+    plt = pyplot()
+    if plt is None:
+        return PLOT_SKIPPED
     fig, ax = plt.subplots(figsize=(12, 4.5))
     xs = range(len(results))
     for key, marker in (("static/cpkit", "o"), ("mcore/cpkit", "s"), ("mlm/cpkit", "^")):

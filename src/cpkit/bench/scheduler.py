@@ -40,7 +40,7 @@ import statistics
 import time
 from pathlib import Path
 
-from cpkit.bench.common import DEFAULT_RESULTS_DIR, format_table, write_json
+from cpkit.bench.common import DEFAULT_RESULTS_DIR, PLOT_SKIPPED, format_table, pyplot, write_json
 from cpkit.dynamic import schedule
 from cpkit.dynamic.cost import CostModel, load_calibration
 from cpkit.dynamic.invariants import plan_violations
@@ -108,13 +108,9 @@ def _one_batch(lens, n, M, model, repeats) -> dict:
 
 def _plot(path: Path, rows: list[dict]) -> str:
     """Grouped bars: median modeled step time per row for cpkit, MCore and static CP."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "plot skipped: matplotlib is not installed (pip install cpkit[plot])"
+    plt = pyplot()
+    if plt is None:
+        return PLOT_SKIPPED
     fig, ax = plt.subplots(figsize=(11, 4.5))
     width = 0.27
     xs = range(len(rows))
