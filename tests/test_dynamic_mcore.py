@@ -19,16 +19,10 @@ from cpkit.dynamic import schedule
 from cpkit.dynamic.invariants import PROPERTIES, PlanViolation, plan_violations
 from cpkit.dynamic.mcore import MCORE_SCHEDULER, SchedulerCrash, mcore_schedule
 from cpkit.dynamic.plan import CPGroupAssignment, Microbatch, Plan
+from cpkit.testing.plans import largest_pow2_le
 
 PROPERTY = settings(max_examples=60, derandomize=True, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow])
-
-
-def _largest_pow2_le(n: int) -> int:
-    k = 1
-    while k * 2 <= n:
-        k *= 2
-    return k
 
 
 @st.composite
@@ -36,7 +30,7 @@ def _batches(draw):
     """Valid batches: every sample fits the largest aligned group of N ranks."""
     n = draw(st.integers(1, 16))
     M = draw(st.integers(1, 64))
-    lens = draw(st.lists(st.integers(1, _largest_pow2_le(n) * M), min_size=1, max_size=12))
+    lens = draw(st.lists(st.integers(1, largest_pow2_le(n) * M), min_size=1, max_size=12))
     return lens, n, M
 
 

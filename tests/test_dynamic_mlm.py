@@ -35,6 +35,7 @@ from cpkit.dynamic.mlm import (
     mlm_schedule,
     skip_reason,
 )
+from cpkit.testing.plans import largest_pow2_le
 
 needs_checkout = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
 
@@ -46,18 +47,11 @@ BALANCED = "megatron/core/pipeline_parallel/hybrid_cp_schedule.py::BalancedCPSch
 PROBES = "cpkit.testing.mlm_probes:"
 
 
-def _largest_pow2_le(n: int) -> int:
-    k = 1
-    while k * 2 <= n:
-        k *= 2
-    return k
-
-
 @st.composite
 def _batches(draw, vpp: bool):
     """(seq_lens, dp_cp_size, max_seq_len_per_rank, microbatch_group_size or None)."""
     n = draw(st.integers(1, 16))
-    pad, largest = 2 * n, _largest_pow2_le(n)
+    pad, largest = 2 * n, largest_pow2_le(n)
     M = draw(st.integers(-(-pad // largest), 4 * pad))
     most = max(1, largest * M // pad)
     lens = [pad * k for k in draw(st.lists(st.integers(1, most), min_size=1, max_size=12))]

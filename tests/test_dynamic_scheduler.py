@@ -31,6 +31,7 @@ from cpkit.dynamic.plan import assign_slots
 from cpkit.dynamic.scheduler import balanced_plan, fastest_cp_size, needed_cp_sizes
 from cpkit.dynamic.static import static_cp_plan
 from cpkit.errors import CPConfigError
+from cpkit.testing.plans import largest_pow2_le
 
 PROPERTY = settings(
     max_examples=150, derandomize=True, deadline=None, database=None,
@@ -39,13 +40,6 @@ PROPERTY = settings(
 
 
 # ---------------------------------------------------------------- oracle (independent of the code)
-
-def _largest_pow2_le(n: int) -> int:
-    k = 1
-    while k * 2 <= n:
-        k *= 2
-    return k
-
 
 def _need(L: int, M: int, min_cp: int) -> int:
     cp = min_cp
@@ -57,20 +51,20 @@ def _need(L: int, M: int, min_cp: int) -> int:
 def _roots(n: int) -> list[tuple[int, int]]:
     roots, first = [], 0
     while first < n:
-        size = _largest_pow2_le(n - first)
+        size = largest_pow2_le(n - first)
         roots.append((first, size))
         first += size
     return roots
 
 
 def _valid(lens, n, M, min_cp) -> bool:
-    largest = _largest_pow2_le(n)
+    largest = largest_pow2_le(n)
     return n % min_cp == 0 and all(_need(L, M, min_cp) <= largest for L in lens)
 
 
 def _span(L: int, M: int, min_cp: int, largest: int) -> int:
     """Largest group a sample can lead: each rank gets a token of it (or its need forces more)."""
-    return max(_need(L, M, min_cp), _largest_pow2_le(min(L, largest)))
+    return max(_need(L, M, min_cp), largest_pow2_le(min(L, largest)))
 
 
 def _can_cover(lens, roots, M, min_cp) -> bool:
@@ -445,7 +439,7 @@ def _lengths(M: int, largest: int):
 def _cases(draw):
     n = draw(st.integers(1, 64))
     M = draw(st.integers(1, 64))
-    largest = _largest_pow2_le(n)
+    largest = largest_pow2_le(n)
     lens = draw(_lengths(M, largest))
     min_cp = draw(st.sampled_from([1, 2, 4, 8]))
     group_size = draw(st.one_of(st.none(), st.integers(1, 4)))
