@@ -24,14 +24,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from cpkit.bench.common import DEFAULT_RESULTS_DIR, machine_info, median, time_fn
+from cpkit.bench.common import DEFAULT_RESULTS_DIR, machine_info, median, source_commit, time_fn
 
 __all__ = ["main", "measure_attention", "measure_gemm", "measure_packed_attention", "measure_ring"]
 
@@ -153,14 +152,6 @@ def measure_ring(nbytes, cps, warmup, iters) -> dict:
     return out
 
 
-def _commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True, timeout=10).stdout.strip() or None
-    except Exception:  # noqa: BLE001 - informational only
-        return None
-
-
 def main(argv=None) -> int:
     """Measure, write the calibration JSON, print a summary. Returns the exit code."""
     from cpkit.dynamic.cost import load_calibration
@@ -201,7 +192,7 @@ def main(argv=None) -> int:
     ranks = min(4, gpus) if args.ring_ranks is None else args.ring_ranks
     info = machine_info()
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    origin = f"python -m cpkit.bench calibrate, {when}, commit {_commit()}"
+    origin = f"python -m cpkit.bench calibrate, {when}, commit {source_commit()}"
     device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu (smoke run)"
     if ranks >= 2:
         cps = [c for c in (2, 4) if c <= ranks]

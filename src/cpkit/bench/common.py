@@ -28,6 +28,7 @@ __all__ = [
     "median",
     "format_table",
     "write_json",
+    "source_commit",
     "pyplot",
     "PLOT_SKIPPED",
     "machine_info",
@@ -255,3 +256,15 @@ def pyplot():
     except ImportError:
         return None
     return plt
+
+
+def source_commit() -> str | None:
+    """The short commit of the checkout the benchmark runs from, or None outside a git checkout
+    (a copied tree) or without git: the evidence names its commit by hand then."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True, timeout=10).stdout.strip() or None
+    except Exception:  # noqa: BLE001 - informational only
+        return None

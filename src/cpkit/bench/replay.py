@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,7 +40,7 @@ from pathlib import Path
 import torch
 
 from cpkit.bench.common import (DEFAULT_RESULTS_DIR, PLOT_SKIPPED, format_table, machine_info, pyplot,
-                               write_json)
+                               source_commit, write_json)
 from cpkit.bench.replay_calibration import calibration_from_timer
 from cpkit.bench.replay_kernels import KernelTimer
 from cpkit.bench.replay_plans import Batch, batches, plans, read_seq_lens_file
@@ -190,14 +189,6 @@ def _plot(path: Path, results: list[dict]) -> str:
     return f"plot: {path}"
 
 
-def _commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True, timeout=10).stdout.strip() or None
-    except Exception:  # noqa: BLE001 - informational only
-        return None
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m cpkit.bench replay",
                                 description=__doc__.splitlines()[0])
@@ -253,7 +244,7 @@ def main(argv=None) -> int:
         cal = load_calibration(args.calibration)
     else:
         data = calibration_from_timer(timer, dims, link, device=dev_name, quick=args.tiny,
-                                      origin=f"python -m cpkit.bench replay, commit {_commit()}")
+                                      origin=f"python -m cpkit.bench replay, commit {source_commit()}")
         if args.write_calibration:
             Path(args.write_calibration).parent.mkdir(parents=True, exist_ok=True)
             Path(args.write_calibration).write_text(json.dumps(data, indent=2) + "\n")
@@ -331,7 +322,7 @@ def main(argv=None) -> int:
         "cpkit_max": max(errs) if errs else None,
         "all_plans_median": statistics.median(errs_all) if errs_all else None,
         "all_plans_max": max(errs_all) if errs_all else None,
-        "batches": len(results), "device": dev_name, "commit": _commit(), "link": link.name,
+        "batches": len(results), "device": dev_name, "commit": source_commit(), "link": link.name,
         "command": "python -m cpkit.bench replay " + " ".join(argv or []),
     }
     if args.write_calibration and not args.calibration:
@@ -340,7 +331,7 @@ def main(argv=None) -> int:
     for name, ok in checks.items():
         print(f"target {name}: {'PASS' if ok else 'MISS'}")
     path = write_json(NAME, {
-        "benchmark": NAME, "commit": _commit(), "device": dev_name, "machine": machine_info(),
+        "benchmark": NAME, "commit": source_commit(), "device": dev_name, "machine": machine_info(),
         "dims": vars(dims), "link": link.to_dict(), "step_rule": rule, "pp": args.pp,
         "warmup": args.warmup, "iters": args.iters, "shapes_measured": timer.measured,
         "calibration": cal.source, "summary": summary, "skipped": skipped,
