@@ -59,30 +59,23 @@ def batches(sets: list[str], per_cell: int, seed: int = 0, quick: bool = False,
             sizes: tuple[int, ...] | None = None, shrink: int = 1) -> list[Batch]:
     """The built-in batches of `sets` ("mix", "long"), `per_cell` per (mix, N, M) cell;
     `shrink` divides every length and M (CPU smoke runs of a tiny model)."""
-    out = [dataclasses.replace(b, seq_lens=tuple(max(1, L // shrink) for L in b.seq_lens),
-                               max_seq_len_per_rank=b.max_seq_len_per_rank // shrink)
-           for b in batches(sets, per_cell, seed, quick, sizes)] if shrink > 1 else None
-    if out is not None:
-        return out
+    if shrink > 1:
+        return [dataclasses.replace(b, seq_lens=tuple(max(1, L // shrink) for L in b.seq_lens),
+                                    max_seq_len_per_rank=b.max_seq_len_per_rank // shrink)
+                for b in batches(sets, per_cell, seed, quick, sizes)]
     out = []
     mix_sizes = sizes or ((8,) if quick else MIX_SIZES)
     long_sizes = sizes or ((8,) if quick else LONG_SIZES)
     for b in range(per_cell):
-        if "mix" in sets:
+        for name, ms in (("mix", MIX_M), ("mixlong", LONG_M)):  # the bench's mixes at two M ranges
+            if name not in sets:
+                continue
             for mix in ("lognormal", "long-tail"):
                 for n in mix_sizes:
-                    for M in MIX_M:
+                    for M in ms:
                         rng = random.Random(seed + 1000 * b + 7 * n + M)
                         lens = sample_lengths(mix, 8 * n, min(n, 64) * M, rng)
-                        out.append(Batch("mix", f"{mix} N={n} M={M // 1024}K #{b}", tuple(lens), n, M))
-        if "mixlong" in sets:
-            for mix in ("lognormal", "long-tail"):
-                for n in mix_sizes:
-                    for M in LONG_M:
-                        rng = random.Random(seed + 1000 * b + 7 * n + M)
-                        lens = sample_lengths(mix, 8 * n, min(n, 64) * M, rng)
-                        out.append(Batch("mixlong", f"{mix} N={n} M={M // 1024}K #{b}",
-                                         tuple(lens), n, M))
+                        out.append(Batch(name, f"{mix} N={n} M={M // 1024}K #{b}", tuple(lens), n, M))
         if "long" in sets:
             for n in long_sizes:
                 for M in LONG_M:
