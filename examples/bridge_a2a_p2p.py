@@ -32,7 +32,7 @@ from cpkit.layout import CPLayout
 from cpkit.sharding import shard_batch
 from cpkit.testing.bridge_hcp import DistInit, bridge_model_config, bridge_modules
 from cpkit.testing.bridge_src import bridge_src
-from cpkit.testing.cpu_shim import install_mcore_cpu_shim
+from cpkit.mcore_cpu import install_mcore_cpu_shim
 from cpkit.testing.models import GPTConfig, build_gpt, make_batch, named_gradients, train_step
 from cpkit.testing.reference import single_rank_pg_collection
 
@@ -92,6 +92,6 @@ if __name__ == "__main__":
             print(report)
         dist.destroy_process_group()
     else:  # spawn 4 ranks; a rank that fails or hangs past the timeout stops them all
-        from cpkit.testing.launcher import launch
+        from cpkit.launch import launch
 
         print(launch(main, 4, timeout=300)[0])

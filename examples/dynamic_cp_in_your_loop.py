@@ -19,7 +19,7 @@ from cpkit.dynamic.runtime import dynamic_cp_step
 from cpkit.groups import build_pg_collection
 from cpkit.layout import CPLayout
 from cpkit.loss import forward_loss
-from cpkit.testing.cpu_shim import install_mcore_cpu_shim
+from cpkit.mcore_cpu import install_mcore_cpu_shim
 
 LENS = [44, 12, 10, 14, 8, 16, 6]  # one global batch: tokens per sequence
 MAX_TOKENS_PER_RANK = 24  # the 44-token sequence needs CP 2, the others fit one rank
@@ -84,6 +84,6 @@ if __name__ == "__main__":
             print(report)
         dist.destroy_process_group()
     else:  # spawn 2 ranks; a rank that fails or hangs past the timeout stops them all
-        from cpkit.testing.launcher import launch
+        from cpkit.launch import launch
 
         print(launch(main, 2, timeout=300)[0])

@@ -17,7 +17,7 @@ from cpkit.groups import build_pg_collection
 from cpkit.layout import CPLayout
 from cpkit.loss import forward_loss, global_loss, reduce_gradients
 from cpkit.sharding import shard_batch
-from cpkit.testing.cpu_shim import install_mcore_cpu_shim
+from cpkit.mcore_cpu import install_mcore_cpu_shim
 
 SEQ, VOCAB, HEADS = 32, 128, 4
 
@@ -91,6 +91,6 @@ if __name__ == "__main__":
             print(report)
         dist.destroy_process_group()
     else:  # spawn 2 ranks; a rank that fails or hangs past the timeout stops them all
-        from cpkit.testing.launcher import launch
+        from cpkit.launch import launch
 
         print(launch(main, 2, timeout=300)[0])

@@ -16,7 +16,7 @@ from cpkit.groups import build_pg_collection, describe_groups
 from cpkit.layout import CPLayout
 from cpkit.loss import forward_loss, global_loss, reduce_gradients
 from cpkit.sharding import shard_batch
-from cpkit.testing.cpu_shim import install_mcore_cpu_shim
+from cpkit.mcore_cpu import install_mcore_cpu_shim
 
 SEQ, VOCAB, HEADS = 32, 128, 4
 HCP = [2, 2]  # [a2a size, p2p size]: a2a inside a node, p2p between nodes on a real cluster
@@ -90,6 +90,6 @@ if __name__ == "__main__":
             print(report)
         dist.destroy_process_group()
     else:  # spawn 4 ranks; a rank that fails or hangs past the timeout stops them all
-        from cpkit.testing.launcher import launch
+        from cpkit.launch import launch
 
         print(launch(main, 4, timeout=300)[0])

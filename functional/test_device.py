@@ -135,7 +135,7 @@ def _assert_module_matches(ours, theirs, dtype, seed):
 def test_module_at_cp1_matches_mcore_local_attention(world1, dtype_name, causal):
     """ContextParallelAttention at cp=1 on the GPU: MCore's DotProductAttention's output and
     gradients (sbhd, GQA)."""
-    from cpkit.testing.cpu_shim import mcore_on_cuda
+    from cpkit.mcore_cpu import mcore_on_cuda
 
     with mcore_on_cuda():  # this process may have run CPU tests under the shim before
         _module_at_cp1_matches_mcore_local_attention(dtype_name, causal)

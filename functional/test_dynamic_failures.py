@@ -10,7 +10,7 @@ from cpkit.dynamic import build_group_registry, schedule
 from cpkit.dynamic.runtime import dynamic_cp_step
 from cpkit.testing.models import GPTConfig, build_gpt
 from cpkit.testing import run_cases
-from cpkit.testing.cpu_shim import install_mcore_cpu_shim
+from cpkit.mcore_cpu import install_mcore_cpu_shim
 from cpkit.testing.reference import single_rank_pg_collection
 
 CFG = GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=32)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from cpkit.dynamic.p2p import PairSafeP2PCommunicator, pipeline_communicator
 from cpkit.testing import device, dist_params, grid_result
-from cpkit.testing.cpu_shim import install_mcore_cpu_shim
+from cpkit.mcore_cpu import install_mcore_cpu_shim
 
 UPSTREAM = "megatron/core/pipeline_parallel/p2p_communication.py::P2PCommunicator._communicate_shapes"
 ACTIVATION = (2, 1, 1)  # sent to the next stage

@@ -43,7 +43,7 @@ from cpkit.rank_grid import rank_groups
 from cpkit.testing.models import GPTConfig, build_gpt, build_gpt_chunks, named_gradients
 from cpkit.testing import device, grid_params, grid_result
 from cpkit.testing.compare import assert_grads_close
-from cpkit.testing.cpu_shim import install_mcore_cpu_shim
+from cpkit.mcore_cpu import install_mcore_cpu_shim
 from cpkit.testing.reference import per_sequence_reference, single_rank_pg_collection, token_sample
 
 WORLD = 4

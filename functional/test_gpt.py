@@ -29,7 +29,7 @@ from cpkit.testing.models import (
 from cpkit.sharding import shard_batch
 from cpkit.compat import get_pg
 from cpkit.testing import device, grid_params, grid_result
-from cpkit.testing.cpu_shim import install_mcore_cpu_shim
+from cpkit.mcore_cpu import install_mcore_cpu_shim
 from cpkit.testing.compare import assert_grads_close
 from cpkit.testing.reference import single_rank_pg_collection
 

@@ -26,7 +26,7 @@ from cpkit.layout import CPLayout
 from cpkit.sharding import shard_batch
 from cpkit.testing import device, grid_params, grid_result
 from cpkit.testing.compare import assert_grads_close
-from cpkit.testing.cpu_shim import install_mcore_cpu_shim
+from cpkit.mcore_cpu import install_mcore_cpu_shim
 from cpkit.testing.models import FEATURE_MODELS, GPTConfig, build_gpt, eval_step, make_batch, named_gradients, train_step
 from cpkit.testing.reference import single_rank_pg_collection
 

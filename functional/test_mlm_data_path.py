@@ -121,7 +121,7 @@ def training_step_case(delivered: list[dict]):
     from cpkit.groups import build_pg_collection
     from cpkit.layout import CPLayout
     from cpkit.testing.compare import assert_grads_close
-    from cpkit.testing.cpu_shim import install_mcore_cpu_shim
+    from cpkit.mcore_cpu import install_mcore_cpu_shim
     from cpkit.testing.models import GPTConfig, build_gpt, named_gradients
     from cpkit.testing.reference import per_sequence_reference, single_rank_pg_collection
 

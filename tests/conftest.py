@@ -9,7 +9,7 @@ import pytest
 @pytest.fixture(scope="session")
 def mcore_cpu(world1):
     """world1 plus the MCore CPU shim (a no-op where CUDA is available)."""
-    from cpkit.testing.cpu_shim import install_mcore_cpu_shim
+    from cpkit.mcore_cpu import install_mcore_cpu_shim
 
     install_mcore_cpu_shim()
     yield world1

@@ -21,7 +21,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from cpkit.attention.module import ContextParallelAttention
 from cpkit.compat import new_pg_collection
 from cpkit.errors import CPConfigError
-from cpkit.testing.cpu_shim import mcore_cpu_shim
+from cpkit.mcore_cpu import mcore_cpu_shim
 
 FP32_TOL = dict(rtol=1e-5, atol=1e-5)
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from cpkit.testing import cpu_shim
+from cpkit import mcore_cpu as cpu_shim
 
 
 def test_the_shim_installs_for_cpu_and_never_for_cuda(mcore_cpu):

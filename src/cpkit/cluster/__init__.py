@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     from cpkit.cluster.checks import CHECKS, JobShape, build_check, run_check
     from cpkit.cluster.coordinator import Coordinator, store_barrier
     from cpkit.cluster.report import Report, merge_outcomes
-    from cpkit.testing.launcher import _BACKEND_ENV
+    from cpkit.launch import _BACKEND_ENV
 
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl" and torch.cuda.device_count() < nproc:

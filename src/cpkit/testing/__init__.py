@@ -1,12 +1,11 @@
-"""Test support: the multi-rank launcher, pytest integration, the CPU shim for MCore, and the
-scenarios (`cpkit.testing.scenarios`) that both the functional tests and `python -m cpkit.cluster` run.
-
-Only this package may patch MCore (see cpkit.testing.cpu_shim); library code never does. The
+"""Test support: pytest integration, the scenarios (`cpkit.testing.scenarios`) that both the
+functional tests and `python -m cpkit.cluster` run, and the public launcher (`cpkit.launch`)
+re-exported for them. MCore is patched only by `cpkit.mcore_cpu` (CPU runs), never elsewhere. The
 pytest helpers (dist_params, grid_params, grid_result) are imported on first use, so that the
 launcher and the scenarios work where pytest is not installed (a cluster's training image).
 """
 
-from cpkit.testing.launcher import (
+from cpkit.launch import (
     CaseResult,
     LaunchTimeout,
     RankFailure,

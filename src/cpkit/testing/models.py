@@ -118,10 +118,10 @@ def _layer_spec(attention: AttentionBackend, num_layers: int, device: torch.devi
 
 
 def prepare_cpu() -> bool:
-    """Let these models run on CPU in this process: installs cpkit.testing.cpu_shim (MCore calls
+    """Let these models run on CPU in this process: installs cpkit.mcore_cpu (MCore calls
     CUDA in a few places). Returns False, doing nothing, when this process runs MCore on CUDA
     (the launcher's device). Benchmarks call this rather than patching MCore themselves."""
-    from cpkit.testing.cpu_shim import install_mcore_cpu_shim
+    from cpkit.mcore_cpu import install_mcore_cpu_shim
 
     return install_mcore_cpu_shim()
 
@@ -158,7 +158,7 @@ def build_gpt(
     pp = group_size(pp_group)
     cp = group_size(get_pg(pg_collection, "cp"))
     if device is None:  # the launcher's device for this process: cuda in an NCCL rank, else cpu
-        from cpkit.testing.launcher import device as launcher_device
+        from cpkit.launch import device as launcher_device
 
         device = launcher_device()
     device = torch.device(device)

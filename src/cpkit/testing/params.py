@@ -6,7 +6,7 @@ from typing import Any, Callable, Iterable
 
 import pytest
 
-from cpkit.testing.launcher import CaseResult, case_id_of, run_cases
+from cpkit.launch import CaseResult, case_id_of, run_cases
 
 __all__ = ["dist_params", "grid_params", "grid_result"]
 

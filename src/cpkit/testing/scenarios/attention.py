@@ -21,7 +21,7 @@ from cpkit.attention import context_parallel_attention, reference_attention
 from cpkit.errors import CPConfigError
 from cpkit.sharding import pad_cu_seqlens, shard_seq, shard_thd
 from cpkit.testing.groups import new_hierarchical_groups
-from cpkit.testing.launcher import device
+from cpkit.launch import device
 from cpkit.testing.reference import reference_shard
 
 __all__ = ["DTYPES", "HEADS", "TOLERANCE", "attention_case", "cases", "cluster_cases"]

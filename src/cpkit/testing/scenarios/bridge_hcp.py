@@ -66,8 +66,8 @@ def bridge_hcp_case(case):
     from cpkit.sharding import shard_batch
     from cpkit.testing.bridge_hcp import DistInit, bridge_model_config, bridge_modules
     from cpkit.testing.compare import assert_grads_close
-    from cpkit.testing.cpu_shim import install_mcore_cpu_shim
-    from cpkit.testing.launcher import device
+    from cpkit.mcore_cpu import install_mcore_cpu_shim
+    from cpkit.launch import device
     from cpkit.testing.models import FEATURE_MODELS, GPTConfig, build_gpt, eval_step, make_batch, named_gradients, train_step
     from cpkit.testing.reference import single_rank_pg_collection
 

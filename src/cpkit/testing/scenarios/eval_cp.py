@@ -13,8 +13,8 @@ from cpkit.eval_cp import build_eval_pg_collection, eval_cp_context, evaluate
 from cpkit.groups import build_pg_collection
 from cpkit.layout import CPLayout
 from cpkit.sharding import shard_batch
-from cpkit.testing.cpu_shim import install_mcore_cpu_shim
-from cpkit.testing.launcher import device
+from cpkit.mcore_cpu import install_mcore_cpu_shim
+from cpkit.launch import device
 from cpkit.testing.models import GPTConfig, build_gpt, eval_step, make_batch, train_step
 from cpkit.testing.reference import single_rank_pg_collection
 

@@ -13,7 +13,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from cpkit.testing.launcher import device
+from cpkit.launch import device
 
 __all__ = ["CASES", "FIELDS", "groups_case"]
 
