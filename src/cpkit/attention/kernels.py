@@ -211,7 +211,19 @@ def _cudnn_bwd(dout, q, k, v, out, lse, causal, scale, native_gqa=None):
     return _from_bhsd(dq), _reduce_kv(_from_bhsd(dk), kv_heads), _reduce_kv(_from_bhsd(dv), kv_heads)
 
 
+_EFFICIENT_MAX_DIM = 128
+
+
+def _efficient_head_dim(q):
+    # Refused above 128: its backward's dq was wrong at 192 (MLA 192/128 zero-padded; 17-55% of
+    # dq off on H100, torch 2.11), found by functional/test_kernel_conformance.py.
+    if q.shape[-1] > _EFFICIENT_MAX_DIM:
+        raise NotImplementedError(f"cpkit attention: kernel 'efficient' takes head dims up to {_EFFICIENT_MAX_DIM}, "
+                                  f"got {q.shape[-1]}; use 'flash', 'cudnn' or 'cudnn_fe' (or let cpkit choose)")
+
+
 def _efficient_fwd(q, k, v, causal, scale):
+    _efficient_head_dim(q)
     k, v = _expand_kv(k, q.shape[2]), _expand_kv(v, q.shape[2])
     res = _aten._efficient_attention_forward(
         _bshd(q), _bshd(k), _bshd(v), None, None, None, None, None, 0.0, 1 if causal else 0, True,
@@ -222,6 +234,7 @@ def _efficient_fwd(q, k, v, causal, scale):
 
 
 def _efficient_bwd(dout, q, k, v, out, lse, causal, scale):
+    _efficient_head_dim(q)
     kv_heads = k.shape[2]
     k, v = _expand_kv(k, q.shape[2]), _expand_kv(v, q.shape[2])
     s = q.shape[0]
@@ -547,6 +560,10 @@ def attn_bwd(
     """
     varlen = cu_seqlens_q is not None
     _check(q, k, v, causal, varlen)
+    # A block that was the whole attention with a sink applied outside the kernel has a float32
+    # output; the kernels read `out` and `dout` in q's dtype (flash refuses, cuDNN and efficient
+    # read the wrong bytes: NaN dq).
+    out, dout = out.to(q.dtype), dout.to(q.dtype)
     if varlen:
         return _varlen(1, q, (dout, q, k, v, out, lse, causal, scale, cu_seqlens_q, cu_seqlens_k),
                        (max_seqlen_q, max_seqlen_k), kernel)
