@@ -5,10 +5,13 @@ ready time. Samples are placed one by one, widest need first, then slowest first
 
 1. Sizes tried: the sample's need (smallest power of two that fits max_seq_len_per_rank); wider
    sizes, up to the fastest one (cpkit.dynamic.scheduler.fastest_cp_size), only for a sample
-   that would take longer at its need than a rank's mean load: short samples stay on few ranks
-   (no CP communication, full kernels), only the long ones are spread.
+   that would take longer at its need than `widen_above` (default a rank's mean load): short
+   samples stay on few ranks (no CP communication, full kernels), only the long ones spread.
 2. For each size, the aligned block with the earliest start (the latest ready time of its ranks);
-   the size and block that finish first win (lowest rank on ties).
+   its finish counts only the added time where the sample would pack into the block's last
+   group (step 3). The size and block that finish first win (lowest rank on ties); with a
+   `target` makespan, the narrowest size that finishes by the target wins instead, so a sample
+   takes no more ranks than the target needs.
 3. If that block's last group is the same block and the sample fits its tokens, the sample is
    packed into it (THD: one kernel call for both, better GEMM efficiency); otherwise it opens a
    new group, in the first micro-batch after every previous one of its ranks.
@@ -87,17 +90,24 @@ def earliest_finish_plan(
     cost_model: CostModel,
     microbatch_group_size: int | None = None,
     workloads: Sequence[float] | None = None,
+    target: float | None = None,
+    widen_above: float | None = None,
 ) -> Plan:
     """Plan a validated batch by earliest finish time (algorithm: module docstring).
 
     needs[i]: sample i's smallest CP size; widest(L, need): the largest size a sample may get
     (its fastest), asked only for the long samples.
     roots: the root blocks of N (cpkit.dynamic.scheduler.aligned_roots).
+    target: a makespan in seconds (step 2), or None for the earliest finish.
+    widen_above: samples slower than this at their need may take wider sizes (default: the
+    mean load per rank of every sample at its need).
     """
     lens, M, model = seq_lens, max_seq_len_per_rank, cost_model
     n = dp_cp_size
     at_need = [model.estimate_sample_time(L, c) for L, c in zip(lens, needs)]
     mean_load = sum(t * c for t, c in zip(at_need, needs)) / n
+    if widen_above is None:
+        widen_above = mean_load
     order = [i for *_, i in sorted(zip([-c for c in needs], [-t for t in at_need],
                                        [-L for L in lens], range(len(lens))))]
     times = _ReadyTimes(roots, n)
@@ -133,11 +143,11 @@ def earliest_finish_plan(
     # Sorted widest need first, then slowest: the single-rank samples that stay on one rank
     # form the tail of `order`; they need only the per-rank ready times (a heap).
     tail = len(order)
-    while tail and needs[order[tail - 1]] == 1 and at_need[order[tail - 1]] <= mean_load:
+    while tail and needs[order[tail - 1]] == 1 and at_need[order[tail - 1]] <= widen_above:
         tail -= 1
     for i in order[:tail]:
         need, sizes = needs[i], [needs[i]]
-        if at_need[i] > mean_load:
+        if at_need[i] > widen_above:
             k, wide = need * 2, widest(lens[i], need)
             while k <= wide:
                 sizes.append(k)
@@ -145,7 +155,17 @@ def earliest_finish_plan(
         best = None
         for size in sizes:
             start, first = times.earliest(size)
-            finish = start + model.sample_time(lens[i], size)
+            g = last[first]
+            if g is not None and g.first == first and g.size == size \
+                    and g.tokens + -(-lens[i] // size) <= M \
+                    and all(last[r] is g for r in range(first, first + size)):
+                # packed into that group: one kernel call for both (start == its ranks' end)
+                finish = start + model.group_time(g.lens + [lens[i]], size) - g.time
+            else:
+                finish = start + model.sample_time(lens[i], size)
+            if target is not None and finish <= target:
+                best = (finish, first, size)  # the narrowest size that meets the target
+                break
             if best is None or finish < best[0]:
                 best = (finish, first, size)
         place(i, best[1], best[2])

@@ -16,6 +16,11 @@ holds sum(ceil(L / k)) tokens.
      says a wider group finishes sooner (`fastest_cp_size`), and go, widest need first, then
      slowest, to the aligned block that finishes them first, packed into its last group when
      the tokens fit;
+   - the same list scheduling aimed at target makespans (TARGET_FACTORS times
+     `makespan_bound`, a lower bound on any plan's step time): each sample, widest need first,
+     takes the narrowest size whose earliest finish meets the target (else the earliest finish),
+     and every sample longer than a quarter of the target may widen. So a long sample spreads
+     wide while short ones stay narrow and pack: CP sizes mix inside a micro-batch;
    - static CP (cpkit.dynamic.static): every sample at the batch's largest need;
    - with a caller's `workload`, or when micro-batches end together (`step_rule="lockstep"`
      or pp_size > 1): the balancer (`balanced_plan`, below; without a workload it balances
@@ -52,6 +57,7 @@ __all__ = [
     "cp_size_for",
     "fastest_cp_size",
     "largest_group_size",
+    "makespan_bound",
     "needed_cp_sizes",
     "schedule",
 ]
@@ -59,6 +65,10 @@ __all__ = [
 DEFAULT_BALANCE_TOLERANCE = 0.03
 _FILL = 0.8  # token fill per micro-batch that B is planned for: headroom for packing
 _MAX_LISTED = 5  # per-sample violations listed in one error before "... and k more"
+# Makespan targets of the earliest-finish search, as multiples of makespan_bound: each finds
+# plans the others miss (over random long-tailed batches each wins about a fifth of the time).
+TARGET_FACTORS = (1.0, 1.1, 1.25, 1.5, 2.0)
+_WIDEN_SHARE = 0.25  # samples shorter than this share of the target stay on one rank (fast path)
 
 
 def _is_pow2(x: int) -> bool:
@@ -333,6 +343,20 @@ def fastest_cp_size(model: CostModel, seq_len: int, need: int, largest: int) -> 
     return best
 
 
+def makespan_bound(model: CostModel, lens: Sequence[int], needs: Sequence[int],
+                   widest: Callable[[int, int], int], dp_cp_size: int) -> float:
+    """A lower bound (estimated, ignoring packing) on any plan's step time: the longest sample at
+    its fastest size, or every sample's least rank-seconds (at its need or its fastest size)
+    spread evenly over the N ranks."""
+    longest, area = 0.0, 0.0
+    for L, c in zip(lens, needs):
+        k = widest(L, c)
+        at_fastest = model.estimate_sample_time(L, k)
+        longest = max(longest, at_fastest)
+        area += min(c * model.estimate_sample_time(L, c), k * at_fastest)
+    return max(longest, area / dp_cp_size)
+
+
 def balanced_plan(
     lens: Sequence[int],
     needs: Sequence[int],
@@ -425,12 +449,21 @@ def schedule(
     args = dict(dp_cp_size=dp_cp_size, max_seq_len_per_rank=max_seq_len_per_rank,
                 microbatch_group_size=microbatch_group_size)
     works = None if workload is None else _workloads(workload, lens)
-    finish = earliest_finish_plan(lens, needs, lambda L, c: fastest_cp_size(model, L, c, largest),
-                                  roots=aligned_roots(dp_cp_size),
-                                  cost_model=model, workloads=works, **args)
+    def widest(L, c):
+        return fastest_cp_size(model, L, c, largest)
+
+    finish_args = dict(roots=aligned_roots(dp_cp_size), cost_model=model, workloads=works, **args)
+    finish = earliest_finish_plan(lens, needs, widest, **finish_args)
     static = static_cp_plan(lens, needs, cost_model=model, min_cp_size=min_cp_size,
                             workloads=works or finish.workloads, **args)
     candidates = [("static", static), ("earliest-finish", finish)]
+    # The same list scheduling aimed at makespans from the lower bound up: the narrowest size
+    # that meets the target, so long samples widen (and mix CP sizes) only where they must.
+    bound = makespan_bound(model, lens, needs, widest, dp_cp_size)
+    for factor in TARGET_FACTORS:
+        target = bound * factor
+        candidates.append(("earliest-finish", earliest_finish_plan(
+            lens, needs, widest, target=target, widen_above=target * _WIDEN_SHARE, **finish_args)))
     if works is None and (step_rule != "free" or pp_size > 1):
         # Micro-batches end together: balance each one by the model's rank-seconds at the need.
         works_lock = [model.estimate_sample_time(L, c) * c for L, c in zip(lens, needs)]
