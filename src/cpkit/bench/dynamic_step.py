@@ -246,6 +246,11 @@ def main(argv=None) -> int:
                      timeout=args.timeout_s, args=(spec,))[0]
     except RankFailure as err:
         print(f"error: {err}\npartial results: {spec.partial_path}", file=sys.stderr)
+        partial = Path(spec.partial_path)
+        if partial.is_file():  # the batches that finished before the failure
+            done = json.loads(partial.read_text())["results"]
+            summarize(done)
+            print(f"the {len(done)} batches that finished (partial):\n{_table(done)}")
         return 1
     results = res["results"]
     summary = summarize(results)
