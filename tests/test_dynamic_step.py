@@ -120,3 +120,18 @@ def test_link_reports_every_bad_option_at_once():
     with pytest.raises(CPConfigError) as err:
         link.main(["--device", "cpu", "--ranks", "1", "--iters", "0", "--calibration", "/nonexistent"])
     assert {v.field for v in err.value.violations} == {"--ranks", "--iters", "--calibration"}
+
+
+def test_link_from_a_measured_table_updates_a_calibration(tmp_path):
+    from cpkit.bench import link
+    from cpkit.dynamic.cost import load_calibration, shipped_calibration_path
+
+    table = link.link_table_data({"cp2_batched": [[1 << 20, 30e-6], [1 << 24, 130e-6]]}, device="t",
+                                 origin="unit test")
+    src, cal = tmp_path / "link.json", tmp_path / "cal.json"
+    src.write_text(json.dumps(table))
+    cal.write_text(shipped_calibration_path().read_text())
+    assert link.main(["--from", str(src), "--calibration", str(cal)]) == 0
+    assert load_calibration(str(cal)).link == tuple(map(tuple, table["points"]))
+    with pytest.raises(CPConfigError, match="--from"):
+        link.main(["--from", str(src)])

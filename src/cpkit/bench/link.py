@@ -15,7 +15,8 @@ Written where they are read:
   `python -m cpkit.bench replay --link FILE` and `dynamic_step --link FILE` read
   (cpkit.bench.replay_timing.link_table);
 - `--calibration FILE`: that calibration's "link" section is replaced in place (what the cost
-  model reads: cpkit.dynamic.cost.Calibration.link; CPKIT_CALIBRATION=FILE or --calibration FILE).
+  model reads: cpkit.dynamic.cost.Calibration.link; CPKIT_CALIBRATION=FILE or --calibration FILE);
+  `--from LINK.json --calibration FILE` does it from a table measured before (no GPUs needed).
 """
 
 from __future__ import annotations
@@ -129,6 +130,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=300.0, help="launch timeout")
     p.add_argument("--calibration", default=None, help="also replace this calibration's link section")
     p.add_argument("--out", default=None, help=f"JSON (default {DEFAULT_RESULTS_DIR}/{NAME}.json)")
+    p.add_argument("--from", dest="from_file", default=None,
+                   help="no measurement: take the table of this link JSON (e.g. dynamic_step's) "
+                        "and write it into --calibration")
     return p
 
 
@@ -144,8 +148,17 @@ def main(argv=None) -> int:
     if args.calibration and not Path(args.calibration).is_file():
         bad.append(Violation("--calibration", args.calibration, "must be an existing calibration file",
                              "pass a file written by python -m cpkit.bench calibrate or replay"))
+    if args.from_file and not (Path(args.from_file).is_file() and args.calibration):
+        bad.append(Violation("--from", args.from_file, "must be an existing link JSON, with --calibration",
+                             "pass --from bench-results/link.json --calibration FILE"))
     if bad:
         raise CPConfigError(bad)
+    if args.from_file:
+        table = json.loads(Path(args.from_file).read_text())
+        print(format_link(table))
+        update_calibration(args.calibration, table)
+        print(f"calibration link section replaced from {args.from_file}: {args.calibration}")
+        return 0
     if args.device == "cuda" and torch.cuda.device_count() < args.ranks:
         print(f"error: --ranks {args.ranks} needs {args.ranks} GPUs, {torch.cuda.device_count()} "
               "visible; use --device cpu for a smoke run", file=sys.stderr)
