@@ -1,0 +1,137 @@
+"""The real-step bench's pure parts (cpkit.bench.dynamic_step, dynamic_step_rank, link): how a
+plan is run (MCore's one sample at a time, lockstep), which plans the registry can run, the
+summary's ratios and targets, the link table's fit, and every bad option reported at once."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cpkit.dynamic.plan import CPGroupAssignment, Microbatch, Plan
+from cpkit.errors import CPConfigError
+
+
+def _plan(mbs, packed=True, n=4):
+    lens = tuple(range(10, 10 + 1 + max(s for mb in mbs for g in mb for s in g[1])))
+    return Plan(microbatches=tuple(Microbatch(tuple(CPGroupAssignment(tuple(r), tuple(s), len(r))
+                                                    for r, s in mb)) for mb in mbs),
+                seq_lens=lens, dp_cp_size=n, max_seq_len_per_rank=64,
+                workloads=tuple(float(L) for L in lens), needed_cp_sizes=(1,) * len(lens), packed=packed)
+
+
+def test_a_packed_plan_runs_as_it_is_free():
+    from cpkit.bench.dynamic_step_rank import run_order
+
+    plan = _plan([[((0, 1), (0, 1)), ((2,), (2,)), ((3,), (3,))], [((0, 1, 2, 3), (4,))]])
+    ran, segments, lockstep = run_order(plan)
+    assert ran is plan and segments == [[0, 1]] and not lockstep
+
+
+def test_an_unpacked_plan_runs_one_sample_at_a_time_in_lockstep():
+    from cpkit.bench.dynamic_step_rank import run_order
+
+    plan = _plan([[((0, 1), (0, 1, 5)), ((2,), (2,)), ((3,), ())], [((0, 1, 2, 3), (4,))]], packed=False)
+    ran, segments, lockstep = run_order(plan)
+    assert lockstep and ran.packed and segments == [[0, 1, 2], [3]]
+    got = [[(g.ranks, g.samples) for g in mb.groups] for mb in ran.microbatches]
+    assert got == [[((0, 1), (0,)), ((2,), (2,))], [((0, 1), (1,))], [((0, 1), (5,))],
+                   [((0, 1, 2, 3), (4,))]]
+    # every sample of every group still runs exactly once, on its group
+    assert sorted(s for mb in ran.microbatches for s in mb.samples) == [0, 1, 2, 4, 5]
+
+
+def test_only_aligned_registry_blocks_are_runnable():
+    from cpkit.bench.dynamic_step_rank import unrunnable
+
+    assert unrunnable(_plan([[((0, 1), (0,)), ((2, 3), (1,))]]), (1, 2, 4)) is None
+    assert "aligned block" in unrunnable(_plan([[((1, 2), (0,))]]), (1, 2, 4))
+    assert "aligned block" in unrunnable(_plan([[((0, 1, 2), (0,))]]), (1, 2, 4))
+    assert "aligned block" in unrunnable(_plan([[((0, 1, 2, 3), (0,))]]), (1, 2))
+
+
+def _result(label, impl, tokens=1000):
+    return {"label": label, "tokens": tokens, "impl": impl}
+
+
+def _impl(step, fb, replayed, modeled, loss=2.0):
+    return {"step_s": [step, step * 1.1, step * 0.9], "fwd_bwd_s": [fb] * 3, "prep_s": [0.0] * 3,
+            "reduce_opt_s": [0.0] * 3, "replayed_s": replayed, "modeled_s": modeled, "loss": loss,
+            "replayed_comm_s": 0.0, "cp_sizes": [1], "microbatches": 1}
+
+
+def test_summary_ratios_and_targets():
+    from cpkit.bench.dynamic_step import _table, _targets, summarize
+
+    results = [_result("a", {"cpkit": _impl(1.0, 0.9, 0.9, 0.99), "static": _impl(1.5, 1.4, 1.2, 1.4),
+                             "mcore": {"error": "crash: x"}}),
+               _result("b", {"cpkit": _impl(2.0, 1.8, 1.2, 1.8), "static": _impl(1.8, 1.7, 1.7, 1.7, 2.2)})]
+    s = summarize(results)
+    assert results[0]["impl"]["cpkit"]["tokens_per_s"] == pytest.approx(1000.0)
+    assert s["cpkit"]["replay_over_fwd_bwd"] == pytest.approx((1.0 + 1.2 / 1.8) / 2)
+    assert s["static/cpkit"] == {"median": pytest.approx((1.5 + 0.9) / 2), "min": pytest.approx(0.9)}
+    assert results[1]["loss_spread"] == pytest.approx(0.2 / 2.1)
+    checks = _targets(s)
+    ok = {k.split(" (")[0]: v for k, v in checks.items()}
+    assert ok["cpkit: model within 10% of the real forward+backward"] is True
+    assert ok["cpkit: replay within 10% of the real forward+backward"] is False
+    assert ok["real step: cpkit >= static on every batch"] is False
+    text = _table(results)
+    assert "a mcore: crash: x" in text and "replay/real" in text
+
+
+def test_link_table_fits_the_rings_default_modes(tmp_path):
+    from cpkit.bench.link import format_link, link_table_data, update_calibration
+    from cpkit.bench.replay_timing import link_table
+    from cpkit.dynamic.cost import load_calibration, shipped_calibration_path
+
+    def line(lat, bw):
+        return [[b, lat + b / bw] for b in (1 << 16, 1 << 20, 1 << 24)]
+
+    meas = {"cp2_batched": line(10e-6, 100e9), "cp2_unbatched": line(50e-6, 1e9),
+            "cp4_batched": line(50e-6, 1e9), "cp4_unbatched": line(10e-6, 100e9)}
+    table = link_table_data(meas, device="test", origin="unit test")
+    assert table["latency_s"] == pytest.approx(10e-6) and table["bandwidth_GBps"] == pytest.approx(100.0)
+    assert table["fits"]["cp2_unbatched"]["bandwidth_GBps"] == pytest.approx(1.0)
+    assert "cp2_batched and cp4_unbatched" in table["what"] and "10.0 us" in format_link(table)
+    path = tmp_path / "link.json"
+    path.write_text(json.dumps(table))
+    read = link_table(str(path))  # what the replay reads
+    assert read.latency_s == pytest.approx(10e-6) and read.bandwidth == pytest.approx(100e9)
+    cal = tmp_path / "cal.json"
+    cal.write_text(shipped_calibration_path().read_text())
+    update_calibration(str(cal), table)  # what the cost model reads
+    assert load_calibration(str(cal)).link_fit() == (pytest.approx(10e-6), pytest.approx(100e9))
+
+
+def test_dynamic_step_reports_every_bad_option_at_once():
+    from cpkit.bench import dynamic_step
+
+    with pytest.raises(CPConfigError) as err:
+        dynamic_step.main(["--device", "cpu", "--ranks", "3", "--iters", "0", "--sets", "mix,short",
+                           "--families", "cpkit,te", "--link", "/nonexistent.json", "--budget-s", "0"])
+    assert {v.field for v in err.value.violations} == {"--ranks", "--iters", "--sets", "--families",
+                                                       "--link", "--budget-s"}
+
+
+def test_link_reports_every_bad_option_at_once():
+    from cpkit.bench import link
+
+    with pytest.raises(CPConfigError) as err:
+        link.main(["--device", "cpu", "--ranks", "1", "--iters", "0", "--calibration", "/nonexistent"])
+    assert {v.field for v in err.value.violations} == {"--ranks", "--iters", "--calibration"}
+
+
+def test_link_from_a_measured_table_updates_a_calibration(tmp_path):
+    from cpkit.bench import link
+    from cpkit.dynamic.cost import load_calibration, shipped_calibration_path
+
+    table = link.link_table_data({"cp2_batched": [[1 << 20, 30e-6], [1 << 24, 130e-6]]}, device="t",
+                                 origin="unit test")
+    src, cal = tmp_path / "link.json", tmp_path / "cal.json"
+    src.write_text(json.dumps(table))
+    cal.write_text(shipped_calibration_path().read_text())
+    assert link.main(["--from", str(src), "--calibration", str(cal)]) == 0
+    assert load_calibration(str(cal)).link == tuple(map(tuple, table["points"]))
+    with pytest.raises(CPConfigError, match="--from"):
+        link.main(["--from", str(src)])
