@@ -139,6 +139,10 @@ def test_the_repository_answers_every_item_of_bridges_hcp_card_it_records(tmp_pa
     """))
     (hcp,) = upstream_status(ROOT, checkout)["cards"]
     assert hcp["feature"] == "hierarchical-context-parallel"
+    # Bridge's card path itself, as the help says, also in a copied tree with no checkout marker.
+    (checkout / "pyproject.toml").unlink()
+    (by_path,) = upstream_status(ROOT, card)["cards"]
+    assert by_path["checkout"] == str(checkout.resolve()) and by_path["items"] == hcp["items"]
     assert [i["result"] != "not mapped" for i in hcp["items"]] == [True] * 4
     # Claims, apart from results; a GPU result, where recorded, is never shown as "covered".
     assert [i["result"].split(" (claim: ")[1] for i in hcp["items"]] == ["covered, open)", "covered)", "covered)",
