@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -250,3 +251,19 @@ def test_the_cards_modules_import_only_downward():
         cards = {m.rsplit(".", 1)[1] for m in cpkit_imports(imports(path, src), modules) if m.startswith("cpkit.cards.")}
         assert cards <= set(order[:i]), f"cpkit.cards.{name} imports {sorted(cards - set(order[:i]))}"
     assert {m for m in modules if m.startswith("cpkit.cards.")} == {f"cpkit.cards.{n}" for n in order}
+
+
+def test_a_run_that_only_skipped_a_follow_ups_tests_leaves_its_last_result(repo):
+    """A CPU run skips the GPU tests: their recorded GPU result must stay, not turn partial."""
+    write_last_result(repo / CARD, "two-gpus", result("abc1234"))
+    junit = repo / "run.xml"
+    run_fixture_suite(repo, junit)
+    tree = ET.parse(junit)
+    for case in tree.getroot().iter("testcase"):
+        if case.get("name") == "test_on_two_gpus":
+            ET.SubElement(case, "skipped", type="pytest.skip", message="needs 2 CUDA devices, found 0")
+    tree.write(junit)
+    recorded = {r.id for r in record_junit(repo, [junit], "2-core CPU", "def5678", dt.date(2026, 11, 2))}
+    assert "two-gpus" not in recorded and "builds" in recorded
+    last = {i.id: i.last_result for i in load_card(repo / CARD, repo).follow_up_validation}
+    assert last["two-gpus"] == result("abc1234")

@@ -36,9 +36,10 @@ class Recorded:
 def last_result_from_outcomes(covered_by: tuple[str, ...], outcomes: dict[str, str], *, machine: str, commit: str,
                               date: _dt.date, source: str) -> LastResult | None:
     """The last_result that junit `outcomes` (node id -> outcome) give a follow-up covered by
-    `covered_by`, or None when none of its covering tests ran. Each entry's outcome is the
-    worst of its cases ("not run" when it had none); the follow-up failed when one failed,
-    passed when every entry that ran passed (strict xfails count), else it is partial."""
+    `covered_by`, or None when none of its covering tests ran (all absent or skipped: a GPU test
+    skipped on a CPU machine leaves the GPU result alone). Each entry's outcome is the worst of
+    its cases ("not run" when it had none); the follow-up failed when one failed, passed when
+    every entry that ran passed (strict xfails count), else it is partial (some skipped)."""
     tests: dict[str, str] = {}
     counts: dict[str, int] = {}
     for entry in covered_by:
@@ -47,8 +48,8 @@ def last_result_from_outcomes(covered_by: tuple[str, ...], outcomes: dict[str, s
         for o in found:
             counts[o] = counts.get(o, 0) + 1
     ran = [t for t in tests.values() if t != "not run"]
-    if not ran:
-        return None
+    if set(ran) <= {"skipped"}:
+        return None  # nothing ran here (e.g. a GPU test skipped on a CPU machine): keep the last result
     outcome = "failed" if "failed" in ran else "passed" if set(ran) == {"passed"} else "partial"
     cases = ", ".join(f"{n} {o}" for o, n in counts.items())
     not_run = len(tests) - len(ran)
