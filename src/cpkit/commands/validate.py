@@ -165,7 +165,9 @@ def _card_rows(root: Path) -> list[dict]:
         if last and last["outcome"] != "passed":
             row["failed"].append(item["id"])
         if last and fresh.get("state") in ("stale", "unknown"):
-            row[fresh["state"]].append(f"{item['id']} ({fresh['why']})")
+            changed = fresh.get("changed") or []
+            named = ": " + ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+            row[fresh["state"]].append(f"{item['id']} ({fresh['why']}{named if changed else ''})")
     out = []
     for f, r in sorted(rows.items()):
         # The claim (covered/open) apart from what the last recorded results say now.
