@@ -28,6 +28,7 @@ class Freshness:
     changed: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
+        """JSON-able form, as status reports carry it."""
         return {"state": self.state, "why": self.why, "changed": list(self.changed)}
 
 
