@@ -236,8 +236,10 @@ def test_status_without_run_lists_follow_ups():
         ("two-gpus", "covered", "gpu2", None),
         ("multi-rank", "open", "dist", None),
     ]
+    assert [r["verdict"] for r in rows] == ["not run"] * 4  # a claim is not a result
     table = format_status_table(rows)
     assert table.splitlines()[0] == "demo-feature  [partial]"
+    assert "  builds  claim: covered, needs unit" in table.splitlines()
     assert "tests/fixture_suite.py::TestGroup::test_member" in table
 
 
@@ -288,10 +290,26 @@ def test_check_command_exit_codes(repo, capsys):
     assert err.value.code == 2
 
 
-def test_last_result_must_name_outcome_date_and_machine():
+def test_last_result_must_name_outcome_date_machine_and_commit():
     from cpkit.cards.schema import _check_follow_up
 
-    item = {"id": "x", "text": "t", "status": "covered", "needs": "gpu4", "covered_by": ["tests/a.py::b"]}
-    assert _check_follow_up({**item, "last_result": "passed 2026-11-21 on 4x NVIDIA H200: 3 passed"}, "f") == []
-    problems = _check_follow_up({**item, "last_result": "looked fine"}, "f")
-    assert problems == ["f.last_result: 'looked fine' must read '<passed|failed|partial> YYYY-MM-DD on <machine>: <detail>'"]
+    item = {"id": "x", "text": "t", "status": "covered", "needs": "gpu4", "covered_by": ["tests/a.py::b", "tests/a.py::c"]}
+    good = {"outcome": "passed", "date": "2026-11-22", "machine": "4x H200", "commit": "1ec52e4"}
+    assert _check_follow_up({**item, "last_result": good}, "f", TODAY.replace(year=2027)) == []
+    assert _check_follow_up({**item, "last_result": {**good, "detail": "3 of 3",
+                                                     "tests": {"tests/a.py::b": "passed", "tests/a.py::c": "not run"}}},
+                            "f", TODAY.replace(year=2027)) == []
+    (old,) = _check_follow_up({**item, "last_result": "passed 2026-11-21 on 4x NVIDIA H200: 3 passed"}, "f")
+    assert old.startswith("f.last_result: expected a mapping with keys outcome, date, machine, commit") and "got str" in old
+    bad = {"outcome": "fine", "date": "2026-11-22", "machine": "4x H200", "commit": "HEAD~1",
+           "tests": {"tests/a.py::zz": "passed", "tests/a.py::b": "ok"}, "by": "me"}
+    assert sorted(_check_follow_up({**item, "last_result": bad}, "f", TODAY.replace(year=2027))) == sorted([
+        "f.last_result.by: unknown key (allowed: outcome, date, machine, commit, detail, tests)",
+        "f.last_result.outcome: 'fine' is not one of passed, failed, partial",
+        "f.last_result.commit: 'HEAD~1' is not a git commit (7 to 40 hex digits)",
+        "f.last_result.tests: 'tests/a.py::zz' is not a covered_by entry of this follow-up",
+        "f.last_result.tests['tests/a.py::b']: 'ok' is not one of passed, failed, skipped, not run",
+    ])
+    missing = _check_follow_up({**item, "last_result": {"outcome": "passed", "date": "2030-01-01"}}, "f", TODAY)
+    assert missing == ["f.last_result.date: '2030-01-01' is in the future", "f.last_result.machine: missing required key",
+                       "f.last_result.commit: missing required key"]

@@ -58,11 +58,29 @@ def test_each_upstream_item_shows_the_follow_ups_and_tests_that_answer_it(repo, 
     assert (card["project"], card["feature"]) == ("Demo-Upstream", "demo-feature")
     assert [i["answered_by"] for i in card["items"]] == [["builds"], ["all-params", "two-gpus"]]
     assert card["items"][0]["follow_ups"][0]["covered_by"][0] == "tests/fixture_suite.py::test_fast"
-    assert card["items"][0]["result"] == "covered"
+    # "covered" is the card's claim, shown apart; the result is what the tests showed: nothing yet.
+    assert card["items"][0]["result"] == "not run (claim: covered)"
 
 
 def test_the_card_file_itself_may_be_given(repo, upstream):
     assert upstream_status(repo, upstream / UPSTREAM_CARD)["cards"][0]["feature"] == "demo-feature"
+
+
+def test_a_card_path_is_taken_without_a_checkout_marker_or_copied_elsewhere(repo, upstream, tmp_path, capsys):
+    """Bridge's card in a tree with no .git or pyproject.toml (a copied skills/ folder), and the
+    card copied under another name: the first by its path, the second by its items."""
+    (upstream / "pyproject.toml").unlink()
+    card = upstream / UPSTREAM_CARD
+    (report_card,) = upstream_status(repo, card)["cards"]
+    assert report_card["checkout"] == str(upstream.resolve())
+    elsewhere = tmp_path / "loose" / "their-card.yaml"
+    elsewhere.parent.mkdir()
+    elsewhere.write_text(card.read_text())
+    assert main(["cards", "status", "--root", str(repo), "--upstream", str(elsewhere)]) == 0
+    assert "1. Add a test that builds a widget." in capsys.readouterr().out
+    other = tmp_path / "loose" / "other.yaml"
+    other.write_text("follow_up_validation:\n  - Something else entirely.\n")
+    assert main(["cards", "status", "--root", str(repo), "--upstream", str(other)]) == 1
 
 
 def test_run_gives_each_item_the_worst_result_and_a_later_status_shows_it(repo, upstream, capsys):
@@ -71,11 +89,14 @@ def test_run_gives_each_item_the_worst_result_and_a_later_status_shows_it(repo, 
                  "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     items = report["cards"][0]["items"]
-    assert items[0]["result"] == "passed"
-    assert items[1]["result"] == "passed, needs gpu2"  # this machine has no GPUs
+    assert items[0]["result"] == "passed (claim: covered)"
+    assert items[1]["result"] == "passed, not run (needs gpu2) (claim: covered)"  # this machine has no GPUs
     capsys.readouterr()
     assert main(["cards", "status", "--root", str(repo), "--upstream", str(upstream), "--out", str(out)]) == 0
-    assert f"builds (covered, unit): last run: passed at {report['generated_at']}" in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    # The copy is no git checkout: that run's staleness cannot be known, and says so.
+    assert "builds (claim: covered, needs unit): passed (last run here), staleness unknown" in shown
+    assert f"last run here: passed at {report['generated_at']}" in shown
 
 
 def test_an_upstream_item_without_an_answer_fails_the_command(repo, upstream, capsys):
@@ -118,5 +139,14 @@ def test_the_repository_answers_every_item_of_bridges_hcp_card_it_records(tmp_pa
     """))
     (hcp,) = upstream_status(ROOT, checkout)["cards"]
     assert hcp["feature"] == "hierarchical-context-parallel"
+    # Bridge's card path itself, as the help says, also in a copied tree with no checkout marker.
+    (checkout / "pyproject.toml").unlink()
+    (by_path,) = upstream_status(ROOT, card)["cards"]
+    assert by_path["checkout"] == str(checkout.resolve()) and by_path["items"] == hcp["items"]
     assert [i["result"] != "not mapped" for i in hcp["items"]] == [True] * 4
-    assert [i["result"] for i in hcp["items"]] == ["covered, open", "covered", "covered", "covered"]
+    # Claims, apart from results; a GPU result, where recorded, is never shown as "covered".
+    assert [i["result"].split(" (claim: ")[1] for i in hcp["items"]] == ["covered, open)", "covered)", "covered)",
+                                                                         "covered)"]
+    assert all("covered" not in i["result"].split(" (claim: ")[0] for i in hcp["items"])
+    gpu4 = next(f for f in hcp["items"][0]["follow_ups"] if f["id"] == "bridge-hcp-gpu4")
+    assert gpu4["verdict"] == "not run" and gpu4["last_result"] is None

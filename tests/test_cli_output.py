@@ -38,15 +38,15 @@ def test_cards_status_of_this_repository_fits_100_columns(capsys):
 
 def test_long_result_goes_on_its_own_indented_lines():
     report = status_report(ROOT)
-    row = next(r for r in report["rows"] if r["last_result"] and len(r["last_result"]) > 100)
+    row = next(r for r in report["rows"] if r["last_result"] and len(r["last_result"].get("detail", "")) > 100)
     text = format_status_table([row])
     lines = text.splitlines()
     assert max(map(len, lines)) <= 100
     head = next(i for i, line in enumerate(lines) if line.startswith(f"  {row['id']}"))
-    assert lines[head].split() == [row["id"], row["status"], row["needs"]]
-    assert lines[head + 1].startswith("      last: passed")
+    assert lines[head].split() == [row["id"], "claim:", f"{row['status']},", "needs", row["needs"]]
+    assert lines[head + 1].startswith(f"      last result: {row['last_result']['outcome']} on ")
     words = " ".join(line.strip() for line in lines[head + 1:]).split()
-    assert " ".join(row["last_result"].split()) in " ".join(words)  # wrapped, nothing cut
+    assert " ".join(row["last_result"]["detail"].split()) in " ".join(words)  # wrapped, nothing cut
 
 
 @pytest.mark.parametrize("argv", [["cards", "status"], ["cards", "check"], ["skills", "check"], ["validate"]])

@@ -45,7 +45,7 @@ BAD_SKILLS = {
     "long_body.SKILL.md": f"{SKILL}: body: 530 lines, at most 500",
     "unknown_subcommand.SKILL.md": f"{SKILL}:19: `cpkit cards` has no subcommand 'frobnicate'",
     "unknown_flag.SKILL.md": f"{SKILL}:19: `cpkit cards status` has no option --fast",
-    "group_without_subcommand.SKILL.md": f"{SKILL}:18: `cpkit cards` needs a subcommand (check, status)",
+    "group_without_subcommand.SKILL.md": f"{SKILL}:18: `cpkit cards` needs a subcommand (check, status, record)",
     "inline_command.SKILL.md": f"{SKILL}:14: `cpkit cards` has no subcommand 'run'",
     "missing_test_path.SKILL.md": f"{SKILL}:22: `pytest tests/test_nothing_here.py`: does not exist",
     "missing_test_node.SKILL.md": f"{SKILL}:20: `pytest tests/fixture_suite.py::test_slow`: no symbol 'test_slow'",

@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 from cpkit.anchors import resolve_anchor
+from cpkit.cards.nodes import node_matches
 from cpkit.cards.schema import card_dirs, load_cards
 from cpkit.cards.upstream import check_upstream_maps
 from cpkit.pytest_runner import run_pytest
 
-__all__ = ["Collected", "Collector", "node_matches", "collect_node_ids", "ast_collect_node_ids", "check_cards"]
+__all__ = ["Collected", "Collector", "collect_node_ids", "ast_collect_node_ids", "check_cards"]
 
 _PARAMS = re.compile(r"\[.*\]$")
 
@@ -31,12 +32,6 @@ class Collected(NamedTuple):
 
 #: A collector maps (root, repo-relative test files) to Collected.
 Collector = Callable[[Path, list[str]], Collected]
-
-
-def node_matches(entry: str, node_id: str) -> bool:
-    """True when the covered_by `entry` names `node_id`: the same id, or a file, class or
-    parametrized base name that contains it."""
-    return node_id == entry or node_id.startswith(entry + "::") or node_id.startswith(entry + "[")
 
 
 def collect_node_ids(root: str | Path, files: list[str]) -> Collected:

@@ -21,6 +21,10 @@ __all__ = [
     "GPUS_NEEDED",
     "CARD_KEYS",
     "FOLLOW_UP_KEYS",
+    "LAST_RESULT_KEYS",
+    "OUTCOMES",
+    "TEST_OUTCOMES",
+    "LastResult",
     "FollowUp",
     "Card",
     "CardError",
@@ -56,17 +60,53 @@ CARD_KEYS = {
     "follow_up_validation": "list[follow_up]",
 }
 FOLLOW_UP_KEYS = {"id": "str", "text": "str", "status": "str", "covered_by": "list[str]", "needs": "str",
-                  "last_result": "str"}
-# An open item may have no coverage yet. `last_result` records the last run where this machine
-# cannot repeat it (a GPU run seen from a CPU machine): "<outcome> <YYYY-MM-DD> on <machine>: <detail>".
+                  "last_result": "last_result"}
+# An open item may have no coverage yet. `last_result` records the last measured run of the
+# covering tests (a GPU run seen from a CPU machine): what came out, where, when and at which commit.
 _FOLLOW_UP_OPTIONAL = {"covered_by", "last_result"}
-_LAST_RESULT = re.compile(r"^(passed|failed|partial) \d{4}-\d{2}-\d{2} on \S.*$")
+#: Keys of a follow-up's `last_result` mapping (`detail` and `tests` optional).
+LAST_RESULT_KEYS = {"outcome": "str", "date": "date", "machine": "str", "commit": "str", "detail": "str",
+                    "tests": "mapping"}
+_LAST_RESULT_OPTIONAL = {"detail", "tests"}
+#: A last_result's outcome: every test that ran passed, one failed, or some were skipped or not run.
+OUTCOMES = ("passed", "failed", "partial")
+#: The outcome of one covering test (a covered_by entry) in `last_result.tests`.
+TEST_OUTCOMES = ("passed", "failed", "skipped", "not run")
+_COMMIT = re.compile(r"^[0-9a-f]{7,40}$")
 
 _SLUG = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
 _DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 
 
 # ----------------------------------------------------------------------------- schema
+
+
+@dataclass(frozen=True)
+class LastResult:
+    """The last measured run of a follow-up's covering tests: `outcome` (OUTCOMES) on `machine`
+    at `commit` on `date`; `tests` gives each covered_by entry's own outcome (TEST_OUTCOMES)
+    where the run recorded them, else the outcome stands for every covering test."""
+
+    outcome: str
+    date: _dt.date
+    machine: str
+    commit: str
+    detail: str | None = None
+    tests: tuple[tuple[str, str], ...] = ()
+
+    def test_outcome(self, entry: str) -> str:
+        """The recorded outcome of one covered_by entry ("not run" when the run left it out)."""
+        return dict(self.tests).get(entry, "not run") if self.tests else self.outcome
+
+    def to_dict(self) -> dict:
+        """The mapping as written in card.yaml (JSON-able)."""
+        out = {"outcome": self.outcome, "date": self.date.isoformat(), "machine": self.machine,
+               "commit": self.commit}
+        if self.detail:
+            out["detail"] = self.detail
+        if self.tests:
+            out["tests"] = dict(self.tests)
+        return out
 
 
 @dataclass(frozen=True)
@@ -78,7 +118,7 @@ class FollowUp:
     status: str
     needs: str
     covered_by: tuple[str, ...] = ()
-    last_result: str | None = None
+    last_result: LastResult | None = None
 
 
 @dataclass(frozen=True)
@@ -145,7 +185,8 @@ def _date_problem(value: Any, today: _dt.date) -> str | None:
     return None
 
 
-def _check_follow_up(item: Any, where: str) -> list[str]:
+def _check_follow_up(item: Any, where: str, today: _dt.date | None = None) -> list[str]:
+    today = today or _dt.date.today()
     if not isinstance(item, dict):
         return [f"{where}: expected a mapping with keys {', '.join(FOLLOW_UP_KEYS)}, got {type(item).__name__}"]
     problems = [f"{where}.{k}: unknown key (allowed: {', '.join(FOLLOW_UP_KEYS)})" for k in item if k not in FOLLOW_UP_KEYS]
@@ -164,9 +205,44 @@ def _check_follow_up(item: Any, where: str) -> list[str]:
         problems.append(f"{where}.needs: {needs!r} is not one of {', '.join(NEEDS)}")
     if status == "covered" and not item.get("covered_by"):
         problems.append(f"{where}.covered_by: a covered item needs at least one pytest node id")
-    last = item.get("last_result")
-    if isinstance(last, str) and not _LAST_RESULT.match(last):
-        problems.append(f"{where}.last_result: {last!r} must read '<passed|failed|partial> YYYY-MM-DD on <machine>: <detail>'")
+    if "last_result" in item:
+        problems += _last_result_problems(item["last_result"], item.get("covered_by"), f"{where}.last_result", today)
+    return problems
+
+
+def _last_result_problems(value: Any, covered_by: Any, where: str, today: _dt.date) -> list[str]:
+    """Problems of a follow-up's last_result mapping (LAST_RESULT_KEYS)."""
+    keys = ", ".join(LAST_RESULT_KEYS)
+    if not isinstance(value, dict):
+        return [f"{where}: expected a mapping with keys {keys} (detail and tests optional), got "
+                f"{type(value).__name__}; e.g. outcome: passed, date: 2026-11-22, machine: 4x H200, commit: 1ec52e4"]
+    problems = [f"{where}.{k}: unknown key (allowed: {keys})" for k in value if k not in LAST_RESULT_KEYS]
+    for key, kind in LAST_RESULT_KEYS.items():
+        if key not in value:
+            if key not in _LAST_RESULT_OPTIONAL:
+                problems.append(f"{where}.{key}: missing required key")
+            continue
+        if kind == "date":
+            problem = _date_problem(value[key], today)
+        elif kind == "mapping":
+            problem = None if isinstance(value[key], dict) and value[key] else "expected a non-empty mapping"
+        else:
+            problem = _type_problem(value[key], kind)
+        if problem:
+            problems.append(f"{where}.{key}: {problem}")
+    outcome, commit = value.get("outcome"), value.get("commit")
+    if isinstance(outcome, str) and outcome not in OUTCOMES:
+        problems.append(f"{where}.outcome: {outcome!r} is not one of {', '.join(OUTCOMES)}")
+    if isinstance(commit, str) and not _COMMIT.match(commit):
+        problems.append(f"{where}.commit: {commit!r} is not a git commit (7 to 40 hex digits)")
+    tests = value.get("tests")
+    if isinstance(tests, dict):
+        entries = set(covered_by) if isinstance(covered_by, list) else set()
+        for entry, result in tests.items():
+            if entry not in entries:
+                problems.append(f"{where}.tests: {entry!r} is not a covered_by entry of this follow-up")
+            if result not in TEST_OUTCOMES:
+                problems.append(f"{where}.tests[{entry!r}]: {result!r} is not one of {', '.join(TEST_OUTCOMES)}")
     return problems
 
 
@@ -190,7 +266,7 @@ def _schema_problems(data: Any, today: _dt.date) -> list[str]:
                 problem = f"expected a list of follow-up items, got {type(value).__name__}"
             else:
                 for i, item in enumerate(value):
-                    problems += _check_follow_up(item, f"{key}[{i}]")
+                    problems += _check_follow_up(item, f"{key}[{i}]", today)
                 ids = [item.get("id") for item in value if isinstance(item, dict)]
                 dupes = sorted({i for i in ids if isinstance(i, str) and ids.count(i) > 1})
                 problem = f"duplicate follow-up ids: {', '.join(dupes)}" if dupes else None
@@ -216,11 +292,15 @@ def _status_rule_problems(status: object, items: list[dict]) -> list[str]:
                 "GPU follow-ups' last_result passed, else 'verified_cpu'"]
     if status == "verified_gpu":
         unproven = [str(i.get("id")) for i in items if i.get("needs") in GPUS_NEEDED
-                    and not str(i.get("last_result") or "").startswith("passed ")]
+                    and not _passed(i.get("last_result"))]
         if unproven:
             return [f"validation_status: 'verified_gpu' but GPU follow-ups have no passed last_result "
                     f"({', '.join(unproven)}); record the GPU run or use 'verified_cpu'"]
     return []
+
+
+def _passed(last: Any) -> bool:
+    return isinstance(last, dict) and last.get("outcome") == "passed"
 
 
 def load_card(path: str | Path, root: str | Path | None = None, *, today: _dt.date | None = None) -> Card:
@@ -245,7 +325,7 @@ def load_card(path: str | Path, root: str | Path | None = None, *, today: _dt.da
     follow_ups = tuple(
         FollowUp(
             id=i["id"], text=i["text"], status=i["status"], needs=i["needs"],
-            covered_by=tuple(i.get("covered_by") or ()), last_result=i.get("last_result"),
+            covered_by=tuple(i.get("covered_by") or ()), last_result=_last_result(i.get("last_result")),
         )
         for i in data["follow_up_validation"]
     )
@@ -263,6 +343,13 @@ def load_card(path: str | Path, root: str | Path | None = None, *, today: _dt.da
         evidence=tuple(data["evidence"]),
         follow_up_validation=follow_ups,
     )
+
+
+def _last_result(data: dict | None) -> LastResult | None:
+    if data is None:
+        return None
+    return LastResult(outcome=data["outcome"], date=_dt.date.fromisoformat(data["date"]), machine=data["machine"],
+                      commit=data["commit"], detail=data.get("detail"), tests=tuple((data.get("tests") or {}).items()))
 
 
 def _rel(path: Path, root: Path) -> str:

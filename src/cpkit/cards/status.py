@@ -9,12 +9,13 @@ import platform
 import textwrap
 from pathlib import Path
 
-from cpkit.cards.check import node_matches
-from cpkit.cards.schema import GPUS_NEEDED, CardError, card_dirs, load_cards
+from cpkit.cards.freshness import FRESH, STALE, UNKNOWN, ChangeIndex, Freshness, head_commit
+from cpkit.cards.nodes import node_matches
+from cpkit.cards.schema import GPUS_NEEDED, CardError, FollowUp, card_dirs, load_cards
 from cpkit.devices import cuda_device_count
 from cpkit.pytest_runner import run_pytest
 
-__all__ = ["FAILING_RESULTS", "status_report", "card_status", "format_status_table", "write_report"]
+__all__ = ["FAILING_RESULTS", "verdict", "node_result", "status_report", "card_status", "format_status_table", "write_report"]
 
 #: Display width of `cpkit cards status`.
 WIDTH = 100
@@ -25,6 +26,39 @@ FAILING_RESULTS = ("failed", "error", "not collected")
 
 def _node_outcomes(node: str, outcomes: dict[str, str]) -> list[str]:
     return [o for n, o in outcomes.items() if node_matches(node, n)]
+
+
+def _measured(item: FollowUp, changes: ChangeIndex | None) -> tuple[dict, dict | None]:
+    """Per covering entry, its last measured result (result, machine, date, commit, staleness),
+    and the follow-up's own staleness (over all its tests that have a result)."""
+    last = item.last_result
+    measured: dict[str, dict] = {}
+    for node in item.covered_by:
+        result = last.test_outcome(node) if last else "not run"
+        entry = {"result": result, "machine": None, "date": None, "commit": None, "freshness": None}
+        if last and result != "not run":
+            entry.update(machine=last.machine, date=last.date.isoformat(), commit=last.commit)
+            if changes is not None:
+                entry["freshness"] = changes.freshness(last.commit, [node]).to_dict()
+        measured[node] = entry
+    if last is None or changes is None:
+        return measured, None
+    if not item.covered_by:
+        return measured, Freshness(UNKNOWN, "no covering tests tie this result to code").to_dict()
+    ran = [n for n, m in measured.items() if m["result"] != "not run"] or list(item.covered_by)
+    return measured, changes.freshness(last.commit, ran).to_dict()
+
+
+def verdict(row: dict) -> str:
+    """What a row's tests last showed, never the card's claim: this run's result, else the last
+    recorded outcome with ", stale" or ", staleness unknown" where it applies, else "not run"."""
+    if row.get("result") and not str(row["result"]).startswith("needs "):
+        return row["result"]
+    last, fresh = row.get("last_result"), row.get("freshness")
+    if not last:
+        return f"not run ({row['result']})" if row.get("result") else "not run"
+    state = (fresh or {}).get("state", UNKNOWN)
+    return last["outcome"] + {FRESH: "", STALE: ", stale"}.get(state, ", staleness unknown")
 
 
 def status_report(
@@ -38,6 +72,11 @@ def status_report(
     """Follow-up status of every card (or one `feature`), as a JSON-able report; `ids` keeps
     only those follow-ups (and runs only their tests).
 
+    Each row keeps the card's claim (`status`: covered or open) apart from what was measured:
+    `last_result` (the recorded run: outcome, date, machine, commit), `freshness` (stale when a
+    file under its tests changed since that commit, see cpkit.cards.freshness; unknown without
+    git or the commit), `measured` (per covering entry: its recorded result and staleness) and
+    `verdict` (cpkit.cards.status.verdict).
     With `run=True`, the covering tests that fit this machine (unit and dist always; gpu1/gpu2/gpu4
     when at least 1/2/4 CUDA devices are visible) run in ONE pytest subprocess; each row's
     `result` is then passed, failed, error, skipped, "not collected", "no tests" or "needs gpuN".
@@ -53,12 +92,14 @@ def status_report(
     if run and gpu_count is None:
         needs_gpu = any(i.needs in GPUS_NEEDED and i.covered_by for c in cards for i in c.follow_up_validation)
         gpu_count = cuda_device_count() if needs_gpu else 0
+    changes = ChangeIndex(root)
     rows: list[dict] = []
     for card in cards:
         for item in card.follow_up_validation:
             if ids is not None and item.id not in ids:
                 continue
             fits = gpu_count is not None and gpu_count >= GPUS_NEEDED.get(item.needs, 0)
+            measured, freshness = _measured(item, changes)
             rows.append({
                 "feature": card.feature,
                 "validation_status": card.validation_status,
@@ -68,7 +109,9 @@ def status_report(
                 "text": item.text,
                 "covered_by": list(item.covered_by),
                 "result": None,
-                "last_result": item.last_result,
+                "last_result": item.last_result.to_dict() if item.last_result else None,
+                "freshness": freshness,
+                "measured": measured,
                 "results": {},
                 "_run": run and fits and bool(item.covered_by),
                 "_why": None if fits else f"needs {item.needs}",
@@ -77,6 +120,7 @@ def status_report(
         "generated_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "feature": feature,
         "run": run,
+        "commit": head_commit(root),
         "cuda_device_count": gpu_count,
         "python": platform.python_version(),
         "host": platform.node(),
@@ -92,18 +136,18 @@ def status_report(
         report["pytest"] = {"command": pytest_run.command, "exit_code": pytest_run.exit_code}
     for row in rows:
         run_it, why = row.pop("_run"), row.pop("_why")
-        if not run:
-            continue
-        if not row["covered_by"]:
-            row["result"] = "no tests"
-        elif not run_it:
-            row["result"] = why + (f"; last: {row['last_result']}" if row["last_result"] else "")
-        else:
-            for node in row["covered_by"]:
-                found = _node_outcomes(node, outcomes)
-                # Worst outcome wins: one skipped parameter makes the node "skipped".
-                row["results"][node] = max(found, key=_RANK.__getitem__) if found else "not collected"
-            row["result"] = max(row["results"].values(), key=_RANK.__getitem__)
+        if run:
+            if not row["covered_by"]:
+                row["result"] = "no tests"
+            elif not run_it:
+                row["result"] = why
+            else:
+                for node in row["covered_by"]:
+                    found = _node_outcomes(node, outcomes)
+                    # Worst outcome wins: one skipped parameter makes the node "skipped".
+                    row["results"][node] = max(found, key=_RANK.__getitem__) if found else "not collected"
+                row["result"] = max(row["results"].values(), key=_RANK.__getitem__)
+        row["verdict"] = verdict(row)
     return report
 
 
@@ -114,9 +158,10 @@ def card_status(root: str | Path, feature: str | None = None, run: bool = False)
 
 
 def format_status_table(rows: list[dict], width: int = WIDTH) -> str:
-    """Human-readable status within `width` columns: per card a heading, per follow-up one line
-    (id, status, needs, and the result when it fits), a long result on its own indented lines,
-    then the covering node ids, grouped by file."""
+    """Human-readable status within `width` columns: per card a heading; per follow-up its id,
+    the card's claim and needs, then what was measured (this run's result, or the last recorded
+    one: outcome, machine, commit, date, and "STALE" naming the changed files under its tests,
+    or why the staleness is unknown), then each covering test with its own result."""
     lines: list[str] = []
     by_card: dict[str, list[dict]] = {}
     for row in rows:
@@ -125,40 +170,72 @@ def format_status_table(rows: list[dict], width: int = WIDTH) -> str:
         if lines:
             lines.append("")
         lines.append(f"{feature}  [{card_rows[0]['validation_status']}]")
-        widths = [max(len(str(r[k])) for r in card_rows) for k in ("id", "status", "needs")]
         for row in card_rows:
-            head = "  " + "  ".join(str(row[k]).ljust(w) for k, w in zip(("id", "status", "needs"), widths))
-            result = row["result"] or (f"last: {row['last_result']}" if row["last_result"] else "-")
-            if len(head) + 2 + len(result) <= width:
-                lines.append(f"{head}  {result}".rstrip())
-            else:
-                lines.append(head.rstrip())
-                lines += textwrap.wrap(result, width, initial_indent=" " * 6, subsequent_indent=" " * 8,
-                                       break_on_hyphens=False)
+            lines.append(f"  {row['id']}  claim: {row['status']}, needs {row['needs']}")
+            for text in _measured_lines(row):
+                lines += _wrap(text, width, 6)
             lines += _node_lines(row, width)
     return "\n".join(lines) if lines else "no cards"
 
 
+def _wrap(text: str, width: int, indent: int) -> list[str]:
+    return textwrap.wrap(text, width, initial_indent=" " * indent, subsequent_indent=" " * (indent + 2),
+                         break_on_hyphens=False, break_long_words=True)
+
+
+def _measured_lines(row: dict) -> list[str]:
+    """The row's measured result, apart from the claim: this run's, then the last recorded one."""
+    out = []
+    if row.get("result"):
+        out.append(f"run here: {row['result']}")
+    last, fresh = row.get("last_result"), row.get("freshness") or {}
+    if not last:
+        if not row.get("result"):
+            out.append("last result: none recorded (--run runs its tests here)" if row["covered_by"]
+                       else "last result: no tests")
+        return out
+    state = fresh.get("state", UNKNOWN)
+    mark = {FRESH: "", STALE: ": STALE"}.get(state, ": staleness unknown")
+    out.append(f"last result: {last['outcome']} on {last['machine']} at {last['commit']}, {last['date']}{mark}")
+    if state == STALE:
+        changed = fresh["changed"]
+        shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
+        out.append(f"stale: {fresh['why']}: {shown}")
+    elif state != FRESH:
+        out.append(f"staleness unknown: {fresh.get('why') or 'no staleness check'}")
+    if last.get("detail"):
+        out.append(f"detail: {last['detail']}")
+    return out
+
+
+def node_result(node: str, row: dict) -> str:
+    """One covering entry's result: this run's, else its last recorded one with its commit."""
+    if node in row["results"]:
+        return f"{row['results'][node]} here"
+    m = row.get("measured", {}).get(node) or {"result": "not run"}
+    if m["result"] == "not run":
+        return "not run"
+    state = (m.get("freshness") or {}).get("state", UNKNOWN)
+    return f"{m['result']} at {m['commit']}" + {FRESH: "", STALE: ", stale"}.get(state, ", staleness unknown")
+
+
 def _node_lines(row: dict, width: int) -> list[str]:
-    """Covering node ids at indent 6 (with their own result when several ran); where a line would
-    pass `width`, the file stands alone and its `::test` parts follow at indent 8."""
+    """Covering node ids at indent 6 with their own result; where a line would pass `width`,
+    the file stands alone and its `::test` parts follow at indent 8 (wrapped if still too long)."""
     out: list[str] = []
     by_file: dict[str, list[str]] = {}
     for node in row["covered_by"]:
         by_file.setdefault(node.split("::")[0], []).append(node)
     for file, nodes in by_file.items():
-        labels = [_with_result(n, row) for n in nodes]
+        shown = row["results"] or row.get("last_result")
+        labels = [f"{n}  ({node_result(n, row)})" if shown else n for n in nodes]
         if all(6 + len(label) <= width for label in labels):
             out += [" " * 6 + label for label in labels]
         else:
             out.append(" " * 6 + file)
-            out += [" " * 8 + label[len(file):] for label in labels]
+            for label in labels:
+                out += _wrap(label[len(file):], width, 8)
     return out
-
-
-def _with_result(node: str, row: dict) -> str:
-    result = row["results"].get(node)
-    return f"{node} ({result})" if result and len(row["results"]) > 1 else node
 
 
 def write_report(report: dict, path: str | Path) -> Path:

@@ -20,12 +20,14 @@ import datetime as _dt
 import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Iterator, Optional
 
 import yaml
 
+from cpkit.cards.freshness import FRESH, STALE, UNKNOWN, ChangeIndex, head_commit
 from cpkit.cards.schema import CardError, card_dirs, load_cards
+from cpkit.cards.status import node_result, status_report, verdict
 from cpkit.strict_yaml import StrictYAMLError, load_strict_yaml
 
 __all__ = [
@@ -150,20 +152,31 @@ def read_upstream_items(card_path: str | Path) -> list[str]:
 
 
 def _checkout_root(upstream: Path) -> Path:
-    """The checkout root holding `upstream` (a checkout root already, or a file inside one)."""
-    if upstream.is_dir():
-        return upstream
+    """The checkout root holding the file `upstream`: the nearest folder with .git or pyproject.toml."""
     for folder in upstream.parents:
         if (folder / ".git").exists() or (folder / "pyproject.toml").is_file():
             return folder
     return upstream.parent
 
 
-def _applies(m: UpstreamMap, upstream: Path, checkout: Path) -> Optional[Path]:
-    card = checkout / m.card
-    if upstream.is_file():
-        return card if card.resolve() == upstream.resolve() else None
-    return card if card.is_file() else None
+def _applies(m: UpstreamMap, upstream: Path) -> Optional[tuple[Path, Path]]:
+    """(upstream card, checkout root) when the map's card is at `upstream`, else None.
+    `upstream` is a checkout root, or a card file: one whose path ends with the map's `card`
+    (the checkout is what comes before it, marked or not), or, copied elsewhere, one that
+    lists an item of the map word for word (the checkout then is the nearest marked folder)."""
+    if upstream.is_dir():
+        card = upstream / m.card
+        return (card, upstream) if card.is_file() else None
+    tail = PurePosixPath(m.card).parts
+    if upstream.parts[-len(tail):] == tail:
+        return upstream, Path(*upstream.parts[:-len(tail)])
+    try:
+        items = read_upstream_items(upstream)
+    except CardError:
+        return None
+    if {i.text for i in m.items} & set(items):
+        return upstream, _checkout_root(upstream)
+    return None
 
 
 @contextlib.contextmanager
@@ -180,41 +193,56 @@ def _src_env(m: UpstreamMap, checkout: Path) -> Iterator[None]:
         os.environ.pop(name, None)
 
 
-def _last_results(path: Optional[Path]) -> dict[tuple[str, str], str]:
-    """(feature, follow-up id) -> "<result> at <time>" from an earlier --run's report file."""
+def _last_results(path: Optional[Path]) -> tuple[dict[tuple[str, str], str], Optional[str]]:
+    """(feature, follow-up id) -> "<result> at <time>" from an earlier --run's report file, and
+    the commit that run was at (None when it did not record one)."""
     if path is None or not path.is_file():
-        return {}
+        return {}, None
     try:
         report = json.loads(path.read_text(encoding="utf-8"))
-        return {(card["feature"], f["id"]): f"{f['result']} at {report['generated_at']}"
-                for card in report["cards"] for item in card["items"] for f in item["follow_ups"] if f["result"]}
+        return ({(card["feature"], f["id"]): f"{f['result']} at {report['generated_at']}"
+                 for card in report["cards"] for item in card["items"] for f in item["follow_ups"] if f["result"]},
+                report.get("commit"))
     except (ValueError, KeyError, TypeError):
-        return {}
+        return {}, None
+
+
+def _with_last_run(row: dict, last_run: Optional[str], commit: Optional[str], changes: ChangeIndex) -> dict:
+    """The row with `last_run` (an earlier --run here); where the row has no result of its own,
+    its verdict becomes that run's, marked stale or staleness unknown as its commit says."""
+    row = dict(row, last_run=last_run)
+    if last_run and row["verdict"].startswith("not run"):
+        fresh = changes.freshness(commit, row["covered_by"]) if commit else None
+        state = fresh.state if fresh else UNKNOWN
+        row["last_run"] = last_run + (f" (commit {commit})" if commit else "")
+        row["verdict"] = f"{last_run.split(' at ')[0]} (last run here)" + (
+            {FRESH: "", STALE: ", stale"}.get(state, ", staleness unknown"))
+    return row
 
 
 def upstream_status(root: str | Path, upstream: str | Path, run: bool = False, *,
                     last_report: Optional[Path] = None) -> dict:
-    """Per item of each upstream card found at `upstream` (a checkout root or a card file): the
-    cpkit follow-ups answering it, their covering tests and, with `run=True`, their results
+    """Per item of each upstream card found at `upstream` (a checkout root or a card file, see
+    _applies): the cpkit follow-ups answering it (status_report's rows: the claim apart from the
+    last measured result and its staleness), their covering tests and, with `run=True`, their results
     (the tests run as `cpkit cards status --run` runs them, with the map's src_env pointing at
     the checkout's src/). An item with no answer has answered_by [] and result "not mapped".
     Without `run`, each follow-up's `last_run` comes from `last_report` (the file an earlier
     run wrote), where it has one.
     Raises CardError when no upstream.yaml applies to `upstream` or a card does not load."""
-    from cpkit.cards.status import status_report
-
     root = Path(root).resolve()
     upstream = Path(upstream).expanduser().resolve()
-    checkout = _checkout_root(upstream)
     maps, problems = load_upstream_maps(root)
     if problems:
         raise CardError(problems)
-    last = {} if run else _last_results(last_report)
+    last, last_commit = ({}, None) if run else _last_results(last_report)
+    changes = ChangeIndex(root)
     cards = []
     for m in maps:
-        card_path = _applies(m, upstream, checkout)
-        if card_path is None:
+        found = _applies(m, upstream)
+        if found is None:
             continue
+        card_path, checkout = found
         with _src_env(m, checkout):
             answering = sorted({i for item in m.items for i in item.answered_by})
             rows = {r["id"]: r for r in status_report(root, m.feature, run, ids=answering)["rows"]}
@@ -224,23 +252,23 @@ def upstream_status(root: str | Path, upstream: str | Path, run: bool = False, *
             answer = by_text.get(text)
             answered = [rows[i] for i in (answer.answered_by if answer else ()) if i in rows]
             items.append(dict(text=text, answered_by=[r["id"] for r in answered],
-                              follow_ups=[dict({k: r[k] for k in ("id", "status", "needs", "covered_by", "result",
-                                                                   "last_result")},
-                                               last_run=last.get((m.feature, r["id"]))) for r in answered],
-                              result=_item_result(answered, run) if answered else "not mapped"))
+                              follow_ups=[_with_last_run(r, last.get((m.feature, r["id"])), last_commit, changes)
+                                          for r in answered],
+                              result=_item_result(answered) if answered else "not mapped"))
         cards.append(dict(project=m.project, card=m.card, checkout=str(checkout), feature=m.feature, items=items))
     if not cards:
         wanted = ", ".join(f"{m.card} ({m.project}, cards/{m.feature})" for m in maps) or "none"
         raise CardError([f"{upstream}: no upstream card of cpkit's upstream.yaml files found there; they name {wanted}"])
     generated = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    return dict(generated_at=generated, upstream=str(upstream), run=run, cards=cards)
+    return dict(generated_at=generated, upstream=str(upstream), run=run, commit=head_commit(root), cards=cards)
 
 
-def _item_result(rows: list[dict], run: bool) -> str:
-    """The distinct results of the answering follow-ups (with run), else their statuses."""
-    if run:
-        return ", ".join(dict.fromkeys(r["result"] or "-" for r in rows))
-    return ", ".join(dict.fromkeys(r["status"] for r in rows))
+def _item_result(rows: list[dict]) -> str:
+    """What the answering follow-ups' tests showed (this run's results, else their last recorded
+    results with their staleness, else "not run"), then the card's claim apart: never a claim
+    in place of a result."""
+    shown = ", ".join(dict.fromkeys(verdict(r) for r in rows))
+    return f"{shown} (claim: {', '.join(dict.fromkeys(r['status'] for r in rows))})"
 
 
 def format_upstream_table(report: dict) -> str:
@@ -255,8 +283,16 @@ def format_upstream_table(report: dict) -> str:
             lines.append(f"  {n}. {item['text']}")
             lines.append(f"     result: {item['result']}")
             for f in item["follow_ups"]:
-                shown = (f["result"] or (f"last run: {f['last_run']}" if f.get("last_run") else None)
-                         or (f"last: {f['last_result']}" if f["last_result"] else "not run (--run runs it)"))
-                lines.append(f"     {f['id']} ({f['status']}, {f['needs']}): {shown}")
-                lines += [f"       {node}" for node in f["covered_by"]]
+                lines.append(f"     {f['id']} (claim: {f['status']}, needs {f['needs']}): {f['verdict']}")
+                last = f["last_result"]
+                if last:
+                    lines.append(f"       last result: {last['outcome']} on {last['machine']} at {last['commit']}, "
+                                 f"{last['date']}")
+                    fresh = f["freshness"] or {}
+                    if fresh.get("state") != "fresh":
+                        lines.append(f"       {fresh.get('state', 'unknown')}: {fresh.get('why', '')}")
+                if f.get("last_run"):
+                    lines.append(f"       last run here: {f['last_run']}")
+                lines += [f"       {node}  ({node_result(node, f)})" if (f["results"] or last) else f"       {node}"
+                          for node in f["covered_by"]]
     return "\n".join(lines)

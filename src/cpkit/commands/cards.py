@@ -1,7 +1,9 @@
-"""`cpkit cards check` and `cpkit cards status [--feature F] [--run] [--json] [--out PATH] [--upstream PATH]`."""
+"""`cpkit cards check`, `cpkit cards status [--feature F] [--run] [--json] [--out PATH] [--upstream PATH]`
+and `cpkit cards record --junit PATH --machine M [--commit SHA]`."""
 
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import sys
 from pathlib import Path
@@ -14,6 +16,7 @@ from cpkit.cards import (
     format_upstream_table,
     upstream_status,
     format_status_table,
+    record_junit,
     status_report,
     write_report,
 )
@@ -46,6 +49,22 @@ def add_parser(sub) -> None:
                              "its card's follow_up_validation, the cpkit follow-ups and tests that answer it "
                              "(cards/<feature>/upstream.yaml)")
     status.set_defaults(func=run_status)
+
+    record = cards_sub.add_parser(
+        "record", help="write a junit file's outcomes into the last_result of the follow-ups its tests cover",
+        description="Write the outcomes of pytest junit files (pytest --junitxml PATH, e.g. a GPU run) into "
+                    "the last_result of every card follow-up whose covering tests they ran: per covering test "
+                    "passed, failed, skipped or not run, with the machine, the commit and the date.")
+    record.add_argument("--junit", type=Path, action="append", required=True, metavar="PATH",
+                        help="a junit XML file written by pytest --junitxml (repeat for several)")
+    record.add_argument("--machine", required=True, help='where the tests ran, e.g. "4x H100 (torch 2.11, MCore 0.19.2)"')
+    record.add_argument("--commit", default=None,
+                        help="the commit the tests ran at (default: this checkout's HEAD)")
+    record.add_argument("--date", type=_dt.date.fromisoformat, default=None,
+                        help="YYYY-MM-DD of the run (default: the junit file's timestamp, else today)")
+    record.add_argument("--feature", help="only this card (its folder name)")
+    record.add_argument("--root", type=Path, default=None, help="repository root (default: found from cwd)")
+    record.set_defaults(func=run_record)
 
 
 def run_check(args) -> int:
@@ -100,3 +119,29 @@ def _run_upstream_status(root, args) -> int:
     bad = [i for i in items if i["result"] == "not mapped"
            or any(f["result"] in FAILING_RESULTS for f in i["follow_ups"])]
     return 1 if bad else 0
+
+
+def run_record(args) -> int:
+    """Write the junit outcomes into the cards; print one line per follow-up written.
+    0 when at least one follow-up was written, 1 when none of the junit's tests cover one or a
+    card does not load, 2 for an unreadable junit file or no commit."""
+    root = repo_root(args.root)
+    try:
+        recorded = record_junit(root, args.junit, args.machine, args.commit, args.date, args.feature)
+    except ValueError as exc:
+        if isinstance(exc, CardError):
+            print("\n".join(exc.problems))
+            return 1
+        print(f"cpkit cards record: {exc}", file=sys.stderr)
+        return 2
+    for r in recorded:
+        tests = dict(r.result.tests)
+        counts = ", ".join(f"{sum(v == o for v in tests.values())} {o}" for o in dict.fromkeys(tests.values()))
+        print(f"{r.card}: {r.id}: {r.result.outcome} at {r.result.commit} ({counts})")
+    if not recorded:
+        print(f"cpkit cards record: no follow-up's covering tests are in {', '.join(map(str, args.junit))}",
+              file=sys.stderr)
+        return 1
+    print(f"recorded {len(recorded)} follow-up{'s' * (len(recorded) != 1)}; check with: cpkit cards check",
+          file=sys.stderr)
+    return 0

@@ -159,10 +159,26 @@ def _card_rows(root: Path) -> list[dict]:
     rows = {}
     for item in status:
         feature = item.get("feature", "?")
-        row = rows.setdefault(feature, {"covered": 0, "open": 0})
+        row = rows.setdefault(feature, {"covered": 0, "open": 0, "stale": [], "unknown": [], "failed": []})
         row["covered" if item.get("status") == "covered" else "open"] += 1
-    return [{"feature": f, "check": "card follow-ups", "ok": True, "seconds": 0.0, "failures": [],
-             "result": f"{r['covered']} covered, {r['open']} open"} for f, r in sorted(rows.items())]
+        last, fresh = item.get("last_result"), item.get("freshness") or {}
+        if last and last["outcome"] != "passed":
+            row["failed"].append(item["id"])
+        if last and fresh.get("state") in ("stale", "unknown"):
+            changed = fresh.get("changed") or []
+            named = ": " + ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+            row[fresh["state"]].append(f"{item['id']} ({fresh['why']}{named if changed else ''})")
+    out = []
+    for f, r in sorted(rows.items()):
+        # The claim (covered/open) apart from what the last recorded results say now.
+        measured = ", ".join(f"{len(r[k])} {k}" for k in ("stale", "unknown", "failed") if r[k])
+        out.append({"feature": f, "check": "card follow-ups", "ok": True, "seconds": 0.0, "failures": [],
+                    "result": f"claims {r['covered']} covered, {r['open']} open"
+                              + (f"; last results: {measured}" if measured else ""),
+                    "notes": [f"last result stale: {s}" for s in r["stale"]]
+                             + [f"last result staleness unknown: {s}" for s in r["unknown"]]
+                             + [f"last result not passed: {s}" for s in r["failed"]]})
+    return out
 
 
 def _print_table(rows: list[dict], out) -> None:
@@ -177,6 +193,9 @@ def _print_table(rows: list[dict], out) -> None:
     for r in rows:
         for f in r["failures"][:20]:
             print(f"FAILED [{r['feature']} / {r['check']}] {f}", file=out)
+    for r in rows:
+        for note in r.get("notes", ())[:20]:
+            print(f"[{r['feature']}] {note}", file=out)
 
 
 def run(args) -> int:

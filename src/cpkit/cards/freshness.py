@@ -1,0 +1,98 @@
+"""Whether a recorded result still holds: a follow-up's `last_result` names the commit it was
+measured at; it is stale when a file its covering tests cover changed since that commit
+(`git diff --name-only COMMIT`, uncommitted changes included), where "cover" is what
+`cpkit validate --changed` runs for a changed path: the change map's rows and the import graph
+(src/cpkit/change_map.py::select_tests). Without git, or with a commit this clone does not
+have (a shallow clone, a copy without .git), the staleness is "unknown", never fresh."""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from cpkit.cards.nodes import node_file
+from cpkit.change_map import select_tests
+
+__all__ = ["FRESH", "STALE", "UNKNOWN", "Freshness", "ChangeIndex", "head_commit"]
+
+FRESH, STALE, UNKNOWN = "fresh", "stale", "unknown"
+
+
+@dataclass(frozen=True)
+class Freshness:
+    """`state` (fresh, stale or unknown), why, and the changed paths under the tests (stale)."""
+
+    state: str
+    why: str
+    changed: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        """JSON-able form, as status reports carry it."""
+        return {"state": self.state, "why": self.why, "changed": list(self.changed)}
+
+
+def _git(root: Path, *args: str) -> subprocess.CompletedProcess | None:
+    try:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def head_commit(root: str | Path) -> str | None:
+    """The short commit of HEAD in the checkout at `root`, or None without git or a checkout."""
+    proc = _git(Path(root), "rev-parse", "--short=12", "HEAD")
+    return proc.stdout.strip() if proc is not None and proc.returncode == 0 else None
+
+
+class ChangeIndex:
+    """Changed paths since a commit and the test files each one selects, for the checkout at
+    `root`; git is asked once per commit, the change map once per path."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root).resolve()
+        probe = _git(self.root, "rev-parse", "--is-inside-work-tree")
+        self.git_error = None if probe is not None and probe.returncode == 0 else (
+            "git is not installed" if probe is None else "no git checkout here")
+        self._since: dict[str, tuple[tuple[str, ...] | None, str]] = {}
+        self._selects: dict[str, tuple[frozenset[str], bool]] = {}
+
+    def changed_since(self, commit: str) -> tuple[tuple[str, ...] | None, str]:
+        """(paths changed since `commit`, committed or not; None when unknown, with the reason)."""
+        if commit not in self._since:
+            self._since[commit] = self._diff(commit)
+        return self._since[commit]
+
+    def _diff(self, commit: str) -> tuple[tuple[str, ...] | None, str]:
+        if self.git_error:
+            return None, self.git_error
+        known = _git(self.root, "rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}")
+        if known is None or known.returncode != 0:
+            return None, f"commit {commit} is not in this clone (shallow, or from another branch)"
+        diff = _git(self.root, "diff", "--name-only", "--no-renames", commit, "--")
+        if diff is None or diff.returncode != 0:
+            return None, f"git diff {commit} failed: {(diff.stderr if diff else '').strip()}"
+        return tuple(p for p in diff.stdout.splitlines() if p), ""
+
+    def _selected(self, path: str) -> tuple[frozenset[str], bool]:
+        if path not in self._selects:
+            sel = select_tests([path], self.root)
+            self._selects[path] = (frozenset(sel.files), sel.everything)
+        return self._selects[path]
+
+    def covers(self, path: str, test_file: str) -> bool:
+        """True when a change of `path` selects `test_file` (src/cpkit/change_map.py::select_tests)."""
+        files, everything = self._selected(path)
+        return everything or test_file in files or any(f.endswith("/") and test_file.startswith(f) for f in files)
+
+    def freshness(self, commit: str, nodes: list[str] | tuple[str, ...]) -> Freshness:
+        """Whether a result measured at `commit` for the tests `nodes` (node ids or files) still holds."""
+        changed, why = self.changed_since(commit)
+        if changed is None:
+            return Freshness(UNKNOWN, why)
+        files = sorted({node_file(n) for n in nodes})
+        under = tuple(p for p in changed if any(self.covers(p, f) for f in files))
+        if under:
+            return Freshness(STALE, f"{len(under)} file{'s' * (len(under) != 1)} under its tests changed since {commit}",
+                             under)
+        return Freshness(FRESH, f"nothing under its tests changed since {commit}")
