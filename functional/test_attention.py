@@ -8,7 +8,9 @@ sharded reference with `torch.testing.assert_close`.
 
 Grid: every comm type (a2a+p2p as [2,1] and [1,2] on 2 ranks, [2,2] on 4) x causal/no mask x
 sbhd/THD x GQA/MHA, in fp32; plus every comm type in bf16 and fp16 (causal, GQA) on gloo; plus
-a2a on 4 ranks rejecting 6 heads and 2 kv heads with a CPConfigError on every rank.
+a2a on 4 ranks rejecting 6 heads and 2 kv heads with a CPConfigError on every rank; plus the
+forced ring modes and a2a head chunks that differ from the defaults (`_variant_cases`). One
+launch per backend and world size runs all of it (NCCL start-up is paid once per grid).
 
 Sizes and tolerances (documented, per dtype):
 - gloo: s = 64 (sbhd, b = 2) and 5 packed sequences of 3..40 tokens padded to 2*cp (THD),
@@ -19,7 +21,7 @@ Sizes and tolerances (documented, per dtype):
   reference of the same (rounded) inputs: rtol = 2e-2 (bf16) / 5e-3 (fp16), atol = the same
   factor times the reference's largest magnitude (rounding of each block's output and grads
   to the input dtype).
-- nccl: bf16, sbhd s = 8K (b = 2) and 32K (b = 1), THD 4 sequences totalling ~24K, 8 heads,
+- nccl: bf16, sbhd s = 8K (b = 2) and, causal GQA only, 32K (b = 1), THD 4 sequences totalling ~24K, 8 heads,
   head dim 64. Reference: float32 memory-efficient SDPA on one GPU (no O(s^2) memory) of the
   same rounded inputs, KV heads expanded. Tolerance as bf16 above.
 """
@@ -29,65 +31,88 @@ from __future__ import annotations
 import torch
 import pytest
 
+from cpkit.attention.options import CPAttentionOptions
 from cpkit.testing import dist_params, run_cases
-from cpkit.testing.scenarios.attention import attention_case as _scenario, cases as _cases
+from cpkit.testing.scenarios.attention import HEADS, attention_case as _scenario, cases as _cases
 
 
 _RESULTS: dict = {}
+
+
+def _ring_size(case, world_size: int) -> int:
+    return world_size if case["comm"] == "p2p" else world_size // case["a2a"]
+
+
+def _local_kv_heads(case, world_size: int) -> int:
+    kv = case.get("kv_heads", HEADS // 2 if case["gqa"] else HEADS)
+    return kv // (world_size if case["comm"] == "a2a" else case["a2a"])
+
+
+def _variant_cases(backend: str, world_size: int) -> list[dict]:
+    """The speed settings forced through CPAttentionOptions, as cases of the same launch: the
+    ring as separate isend/irecv calls or one batched call per step (p2p, a2a+p2p), and the
+    all-to-alls unpipelined or in up to 4 head chunks (a2a, a2a+p2p). Only settings that change
+    what runs: the forced ring mode that is not the default for the ring's size (a ring of 1
+    exchanges nothing), and a chunk count that, lowered to what the local KV heads divide,
+    differs from the default's. The ring: GQA, causal (blocks skipped) and no mask, sbhd and
+    THD; the chunks: GQA and MHA (different local KV heads), sbhd and THD, causal only (the mask
+    does not split heads). Not the 32K sbhd cases (neither depends on the length)."""
+    default = CPAttentionOptions()
+    out = []
+    for case in _cases(backend, world_size):
+        if "rejects" in case["id"] or case["dtype"] not in ("fp32", "bf16") or case["s"] > 8192:
+            continue
+        if case["comm"] in ("p2p", "a2a+p2p") and case["gqa"] and _ring_size(case, world_size) > 1:
+            batched = not default.ring_batched(_ring_size(case, world_size))
+            out.append(dict(case, id=f"{case['id']}-ring-{'batched' if batched else 'separate'}",
+                            options=dict(p2p_batched=batched)))
+        if case["comm"] in ("a2a", "a2a+p2p") and case["causal"]:  # the mask does not split heads
+            local = _local_kv_heads(case, world_size)
+            for chunks in (1, 4):
+                if CPAttentionOptions(a2a_chunks=chunks).chunk_count(local) != default.chunk_count(local):
+                    out.append(dict(case, id=f"{case['id']}-chunks{chunks}", options=dict(a2a_chunks=chunks)))
+    return out
 
 
 def _grid(backend: str, world_size: int):
     key = (backend, world_size)
     if key not in _RESULTS:
         timeout = 1200 if backend == "nccl" else 300
-        _RESULTS[key] = run_cases(_scenario, _cases(backend, world_size), world_size,
-                                  backend=backend, timeout=timeout, pg_timeout=300)
+        _RESULTS[key] = run_cases(_scenario, _cases(backend, world_size) + _variant_cases(backend, world_size),
+                                  world_size, backend=backend, timeout=timeout, pg_timeout=300)
     return _RESULTS[key]
 
 
-def _params():
+def _params(cases_for, keep=lambda case: True):
     params = []
     for p in dist_params((2, 4)):
         backend, world_size = p.values
-        for case in _cases(backend, world_size):
-            params.append(pytest.param(backend, world_size, case["id"], marks=p.marks,
-                                       id=f"{p.id}-{case['id']}"))
+        for case in cases_for(backend, world_size):
+            if keep(case):
+                params.append(pytest.param(backend, world_size, case["id"], marks=p.marks,
+                                           id=f"{p.id}-{case['id']}"))
     return params
 
 
-@pytest.mark.parametrize("backend,world_size,case_id", _params())
+@pytest.mark.parametrize("backend,world_size,case_id", _params(_cases))
 def test_cp_attention_matches_full_attention(backend, world_size, case_id):
     _grid(backend, world_size)[case_id].check()
 
 
-def _check_subset(backend, world_size, keep) -> None:
-    """Run the fp32 and bf16 grid cases that `keep` selects in one launch (with whatever
-    environment the caller set) and check each against its single-rank reference."""
-    cases = [c for c in _cases(backend, world_size) if c["dtype"] in ("fp32", "bf16") and keep(c)]
-    assert len(cases) >= 4
-    for result in run_cases(_scenario, cases, world_size, backend=backend, timeout=600).values():
-        result.check()
+@pytest.mark.parametrize("backend,world_size,case_id", _params(_variant_cases, lambda c: "p2p_batched" in c["options"]))
+def test_forced_ring_mode_matches_full_attention(backend, world_size, case_id):
+    """The ring forced to separate isend/irecv calls (even ranks sending first) or to one
+    batched call per step, where that is not the default for the ring's size (auto: batched
+    for a ring of 2, separate for more), against the same single-rank reference."""
+    _grid(backend, world_size)[case_id].check()
 
 
-@pytest.mark.parametrize("mode", ["0", "1"], ids=["separate", "batched"])
-@pytest.mark.parametrize("backend,world_size", dist_params((2, 4)))
-def test_forced_ring_mode_matches_full_attention(backend, world_size, mode, monkeypatch):
-    """The ring forced to separate isend/irecv calls (CPKIT_P2P_BATCHED=0, even ranks sending
-    first) or to one batched call per step (1) gives the results of the default (auto: batched
-    for a ring of 2, separate for more): p2p and a2a+p2p, causal and no mask, sbhd and THD,
-    against the same single-rank reference."""
-    monkeypatch.setenv("CPKIT_P2P_BATCHED", mode)  # inherited by the spawned ranks
-    _check_subset(backend, world_size, lambda c: c["comm"] in ("p2p", "a2a+p2p") and c["gqa"])
-
-
-@pytest.mark.parametrize("chunks", ["1", "4"])
-@pytest.mark.parametrize("backend,world_size", dist_params((2, 4)))
-def test_a2a_head_chunks_match_full_attention(backend, world_size, chunks, monkeypatch):
-    """a2a and a2a+p2p with the all-to-alls unpipelined (CPKIT_A2A_CHUNKS=1) or cut into up to 4
-    head chunks (lowered to what the local KV heads divide) give the results of the default (2),
-    against the same single-rank reference."""
-    monkeypatch.setenv("CPKIT_A2A_CHUNKS", chunks)  # inherited by the spawned ranks
-    _check_subset(backend, world_size, lambda c: c["comm"] in ("a2a", "a2a+p2p") and "rejects" not in c["id"])
+@pytest.mark.parametrize("backend,world_size,case_id", _params(_variant_cases, lambda c: "a2a_chunks" in c["options"]))
+def test_a2a_head_chunks_match_full_attention(backend, world_size, case_id):
+    """a2a and a2a+p2p with the all-to-alls unpipelined (1 chunk) or cut into up to 4 head
+    chunks (lowered to what the local KV heads divide), where that differs from the default
+    (2), against the same single-rank reference."""
+    _grid(backend, world_size)[case_id].check()
 
 
 # ---------------------------------------------------------------------------------------------

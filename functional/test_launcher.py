@@ -62,6 +62,25 @@ def _crash_on_rank1_late_progress(case):
     return case
 
 
+def _abort_on_rank1():
+    if dist.get_rank() == 1:
+        print("a Python line before the crash", file=sys.stderr)
+        os.write(2, b"CUDA error: an illegal memory access was encountered (from C)\n")
+        os.abort()
+    time.sleep(30)  # rank 0 is stopped by the launcher
+    return dist.get_rank()
+
+
+def _segfault_in_case(case):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if case == "crash" and dist.get_rank() == 0:
+        os.write(2, b"NCCL WARN Cuda failure 'invalid argument' (from C)\n")
+        os.kill(os.getpid(), signal.SIGSEGV)
+    time.sleep(0.5 if case == "crash" else 0)
+    return case
+
+
 def _exit_zero_on_rank1():
     if dist.get_rank() == 1:
         os._exit(0)  # gone without a result and without an error
@@ -181,6 +200,31 @@ def test_crashed_rank_keeps_the_other_ranks_finished_cases():
     assert res["a"].values == {0: "a"}
     assert sorted(res["a"].errors) == [1]
     assert "exit code 7" in res["a"].errors[1]
+
+
+@pytest.mark.dist
+def test_rank_killed_by_a_signal_is_reported_with_its_stderr():
+    """SIGABRT (what a CUDA or cuDNN abort looks like): the report names the rank, the signal
+    and the last lines the rank wrote to stderr, from Python and from C alike."""
+    with pytest.raises(RankFailure) as info:
+        launch(_abort_on_rank1, 2, timeout=120)
+    text = str(info.value)
+    assert info.value.rank == 1
+    assert "rank 1 of 2 died with exit code -6 (signal 6: SIGABRT)" in text, text
+    assert "a Python line before the crash" in text and "illegal memory access was encountered (from C)" in text
+    assert "_abort_on_rank1" in text  # faulthandler's stack of the dying rank
+
+
+@pytest.mark.dist
+def test_case_grid_names_the_case_a_crashed_rank_was_running():
+    """run_cases: a rank that segfaults in its second case is reported on that case, with its
+    rank, the signal, its stderr's last lines; the finished case keeps its results."""
+    res = run_cases(_segfault_in_case, ["fine", "crash", "later"], 2, timeout=120, pg_timeout=30)
+    assert res["fine"].check().values == {0: "fine", 1: "fine"}
+    err = res["crash"].errors[0]
+    assert "while rank 0 ran case crash" in err and "signal 11: SIGSEGV" in err, err
+    assert "Cuda failure 'invalid argument' (from C)" in err and "_segfault_in_case" in err, err
+    assert res["later"].errors[0].startswith("not run: case crash"), res["later"].errors
 
 
 @pytest.mark.dist

@@ -23,7 +23,10 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
+from cpkit.gpu_claim import CLAIM_ENV, claim_gpus, visible_gpu_ids
+from cpkit.launch_times import record_grid_times, record_times
 from cpkit.notices import child_warnoptions
+from cpkit.rank_stderr import StderrFollower, capture_stderr, describe_exit
 
 __all__ = [
     "LaunchTimeout",
@@ -36,6 +39,7 @@ __all__ = [
 
 DEFAULT_TIMEOUT_S = 300.0
 _BACKEND_ENV = "CPKIT_LAUNCH_BACKEND"
+_BIND_ENV = "CPKIT_NCCL_BIND_DEVICE"  # "1": init_process_group(device_id=...): eager NCCL, split subgroups
 # Set in a rank process only: where run_cases reports finished cases as they complete.
 _progress_queue = None
 
@@ -83,14 +87,17 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def _worker(rank, world_size, backend, store_path, dump_dir, pg_timeout_s, fn, args, kwargs, out_q,
-            parent_pid=None, cuda_visible=None):
+            parent_pid=None, cuda_visible=None, gpu_ids=None, threads=None):
     global _progress_queue
+    capture_stderr(os.path.join(dump_dir, f"rank{rank}.stderr"))
     if parent_pid is not None:
         _die_with_parent(parent_pid)
     if not (cuda_visible if cuda_visible is not None else backend == "nccl"):
         # A gloo rank runs on CPU: hide the GPUs before torch first looks for them, so that
         # nothing in the rank (MCore, a kernel choice, an RNG fork) initializes CUDA by accident.
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    elif gpu_ids is not None:  # the GPUs this launch claimed (cpkit.gpu_claim): rank r on the r-th
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu_ids
     _progress_queue = out_q
     # A stack dump on SIGUSR1 lets the parent show where a hung rank is stuck.
     dump_file = open(os.path.join(dump_dir, f"rank{rank}.stacks"), "w")
@@ -113,9 +120,12 @@ def _worker(rank, world_size, backend, store_path, dump_dir, pg_timeout_s, fn, a
         # 32 ms instead of microseconds in the eval_cp bench (torchrun sets 1 thread for this).
         # gloo ranks compute on CPU with test-sized tensors: one thread each, as under torchrun,
         # so that a 16-core host is not slower than a 2-core one (idle intra-op pools spin).
-        torch.set_num_threads(1 if backend == "gloo" else max(1, (os.cpu_count() or 1) // world_size))
+        torch.set_num_threads(1 if backend == "gloo" else threads or 1)
+        bind = {}
         if backend != "gloo":
             torch.cuda.set_device(rank)
+            if os.environ.get(_BIND_ENV) == "1":
+                bind["device_id"] = torch.device("cuda", rank)
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(
             backend,
@@ -123,6 +133,7 @@ def _worker(rank, world_size, backend, store_path, dump_dir, pg_timeout_s, fn, a
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=pg_timeout_s),
+            **bind,
         )
         # On error, report before tearing the group down: tearing down first would wake the
         # healthy ranks with connection errors that could arrive ahead of the real cause.
@@ -189,7 +200,7 @@ def _collect_stacks(procs, ranks, dump_dir) -> dict[int, str]:
     return stacks
 
 
-def _raise_failure(procs, out_q, world_size, rank, payload, progress):
+def _raise_failure(procs, out_q, world_size, rank, payload, progress, follower):
     """Stop every rank and raise RankFailure for `rank`, listing other ranks' errors after it."""
     details = {rank: payload}
     deadline = time.monotonic() + 0.5  # errors the first failure caused elsewhere, if any
@@ -205,8 +216,7 @@ def _raise_failure(procs, out_q, world_size, rank, payload, progress):
     # A rank that died without a word (a crash, a kill) is often the root cause: name it.
     for r, p in enumerate(procs):
         if r not in details and p.exitcode not in (None, 0, 1):
-            details[r] = f"rank {r} died with exit code {p.exitcode} (signal {-p.exitcode})" if p.exitcode < 0 \
-                else f"rank {r} died with exit code {p.exitcode}"
+            details[r] = describe_exit(r, world_size, p.exitcode, follower.tail(r))
     _stop(procs)
     text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in details.items())
     raise RankFailure(f"rank {rank} of {world_size} failed first:\n{text}", rank, details, progress)
@@ -234,11 +244,35 @@ def launch(
     `pg_timeout` bounds every collective (default: the launch timeout), so an out-of-step
     rank errors instead of hanging. `cuda_visible` (default: only under nccl) lets a gloo rank
     see the GPUs; otherwise gloo ranks run with CUDA hidden and one intra-op thread each.
+
+    Under nccl the launch first claims `world_size` GPUs of the host (cpkit.gpu_claim; waits
+    while other launches hold them; CPKIT_GPU_CLAIM=0: no claim, rank r on visible GPU r), so
+    that launches smaller than the host run side by side. A rank that dies by a signal is
+    reported with the last lines it wrote to stderr (each rank's stderr also reaches this
+    process's stderr as it is written).
     """
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend={backend!r}: must be 'gloo' or 'nccl'")
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: must be >= 1")
+    if backend != "nccl" or os.environ.get(CLAIM_ENV) == "0":
+        return _launch(fn, world_size, backend, timeout, args, kwargs, pg_timeout, cuda_visible, _on_progress,
+                       None, max(1, (os.cpu_count() or 1) // world_size))
+    from cpkit.devices import cuda_device_count
+
+    count = cuda_device_count()
+    asked = time.monotonic()
+    with claim_gpus(world_size, visible_gpu_ids(count)) as mine:
+        record_times([dict(launch=getattr(fn, "__name__", str(fn)), world_size=world_size, gpus=mine,
+                            claim_wait_s=round(time.monotonic() - asked, 2))])
+        # Share the cores by GPU: launches side by side must not oversubscribe them either.
+        threads = max(1, (os.cpu_count() or 1) // max(world_size, count))
+        return _launch(fn, world_size, backend, timeout, args, kwargs, pg_timeout, cuda_visible, _on_progress,
+                       ",".join(mine), threads)
+
+
+def _launch(fn, world_size, backend, timeout, args, kwargs, pg_timeout, cuda_visible, _on_progress,
+            gpu_ids, threads):
     ctx = mp.get_context("spawn")
     tmp = tempfile.mkdtemp(prefix="cpkit-launch-")
     out_q = ctx.Queue()
@@ -247,7 +281,7 @@ def launch(
         ctx.Process(
             target=_worker,
             args=(r, world_size, backend, os.path.join(tmp, "store"), tmp, pg_timeout_s,
-                  fn, tuple(args), kwargs, out_q, os.getpid(), cuda_visible),
+                  fn, tuple(args), kwargs, out_q, os.getpid(), cuda_visible, gpu_ids, threads),
             name=f"cpkit-rank{r}",
             daemon=True,
         )
@@ -255,6 +289,7 @@ def launch(
     ]
     results: dict[int, Any] = {}
     progress: list[tuple[int, Any]] = []
+    follower = StderrFollower([os.path.join(tmp, f"rank{r}.stderr") for r in range(world_size)])
 
     def handle(message) -> None:
         kind, rank, payload = message
@@ -265,7 +300,7 @@ def launch(
             if _on_progress is not None:
                 _on_progress(rank, payload)
         elif kind == "error":
-            _raise_failure(procs, out_q, world_size, rank, payload, progress)
+            _raise_failure(procs, out_q, world_size, rank, payload, progress, follower)
 
     def gone() -> list[int]:
         # Exit code 0 counts too: a rank that exited cleanly without a result (os._exit(0) in
@@ -281,6 +316,7 @@ def launch(
                 idle = False
             except queue_mod.Empty:
                 idle = True
+            follower.poll()
             if idle and gone():
                 # Give a raising rank's error (or a clean rank's result) a moment to arrive
                 # before blaming a crash; keep every other message that arrives meanwhile.
@@ -293,15 +329,9 @@ def launch(
                 dead = gone()
                 if dead:
                     r = dead[0]
-                    code = procs[r].exitcode
-                    if code == 0:
-                        msg = f"rank {r} of {world_size} exited (code 0) without a result or an error"
-                    elif code < 0:
-                        msg = f"rank {r} of {world_size} died with exit code {code} (signal {-code})"
-                    else:
-                        msg = f"rank {r} of {world_size} died with exit code {code}"
+                    msg = describe_exit(r, world_size, procs[r].exitcode, follower.tail(r))
                     _stop(procs)
-                    raise RankFailure(msg, r, {r: msg}, progress)
+                    raise RankFailure(f"launch of {getattr(fn, '__name__', fn)}: {msg}", r, {r: msg}, progress)
             if len(results) < world_size and time.monotonic() > deadline:
                 hung = [r for r in range(world_size) if r not in results]
                 stacks = _collect_stacks(procs, hung, tmp)
@@ -317,6 +347,7 @@ def launch(
         return [results[r] for r in range(world_size)]
     finally:
         _stop(procs)
+        follower.poll()
         out_q.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -412,6 +443,7 @@ def run_cases(
     if len(set(ids)) != len(ids):
         raise ValueError(f"case ids must be unique, got {ids}")
     results = {cid: CaseResult(cid) for cid in ids}
+    started = time.monotonic()
 
     def record(rank, i, entry):
         ok, payload, seconds = entry
@@ -426,6 +458,7 @@ def run_cases(
         per_rank = launch(_run_case_list, world_size, backend=backend, timeout=timeout,
                           args=(fn, cases), pg_timeout=pg_timeout)
     except RankFailure as exc:
+        record_grid_times(fn, backend, world_size, results, started)
         # Finished cases keep their results; the first unfinished one carries the failure
         # (the hung ranks' stacks, or the crash), and the rest were not run.
         done: dict[int, set[int]] = {}
@@ -433,20 +466,21 @@ def run_cases(
             i, entry = pickle.loads(payload)
             record(rank, i, entry)
             done.setdefault(i, set()).add(rank)
-        unfinished = [i for i in range(len(ids)) if len(done.get(i, ())) < world_size]
         what = "timed out" if isinstance(exc, LaunchTimeout) else "the launch failed"
-        for i in unfinished:
-            for r in range(world_size):
-                if r in done.get(i, ()):
-                    continue
-                if i == unfinished[0]:
-                    detail = exc.details.get(r) or "; ".join(f"rank {k}: {v.strip().splitlines()[-1]}"
-                                                           for k, v in exc.details.items())
-                    results[ids[i]].errors[r] = f"{what}; rank {r}:\n{detail}"
-                else:
-                    results[ids[i]].errors[r] = f"not run: case {ids[unfinished[0]]} {what}"
+        for r in range(world_size):
+            # Cases run in order: a rank's first unfinished case is the one it was running.
+            running = next((i for i in range(len(ids)) if r not in done.get(i, ())), None)
+            if running is None:
+                continue
+            detail = exc.details.get(r) or "; ".join(f"rank {k}: {v.strip().splitlines()[-1]}"
+                                                   for k, v in exc.details.items())
+            results[ids[running]].errors[r] = f"{what} while rank {r} ran case {ids[running]}:\n{detail}"
+            for i in range(running + 1, len(ids)):
+                results[ids[i]].errors[r] = f"not run: case {ids[running]} {what} on rank {r}"
         return results
     for rank, entries in enumerate(per_rank):
         for i, entry in enumerate(entries):
             record(rank, i, entry)
+    record_grid_times(fn, backend, world_size, results, started)
     return results
+

@@ -14,7 +14,7 @@ import pytest
 
 from cpkit.devices import cuda_device_count
 
-__all__ = ["GPU_MARKERS", "cuda_device_count", "auto_workers", "world1"]
+__all__ = ["GPU_MARKERS", "cuda_device_count", "auto_workers", "world1", "xdist_group_of"]
 
 GPU_MARKERS = {"gpu1": 1, "gpu2": 2, "gpu4": 4}
 
@@ -39,9 +39,10 @@ def auto_workers(cpus: int) -> int:
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
     """On a many-core host (a GPU machine) spread the suite over xdist workers, so that the
-    README's plain `python3 -m pytest` is not slower there than on CI's 2 cores: one worker per
-    test file (a file's case grid shares one launch) and one worker for every GPU test (they share
-    the GPUs). `-n N` (`-n 0`: none) overrides."""
+    README's plain `python3 -m pytest` is not slower there than on CI's 2 cores: one xdist group
+    per test file (a file's case grid shares one launch), per file and GPU count for the NCCL
+    tests (xdist_group_of), so that a 2-GPU grid runs beside another file's on the other GPUs
+    (each NCCL launch claims its GPUs: cpkit.gpu_claim). `-n N` (`-n 0`: none) overrides."""
     if os.environ.get("PYTEST_XDIST_WORKER") or not config.pluginmanager.hasplugin("xdist"):
         return
     if config.option.numprocesses is not None or config.getoption("usepdb", False):
@@ -58,8 +59,8 @@ def pytest_collection_modifyitems(config, items):
     # A worker sees `loadgroup` (xdist resets its `dist` to "no"); the main process sees `dist`.
     if getattr(config.option, "loadgroup", False) or getattr(config.option, "dist", "no") == "loadgroup":
         for item in items:
-            gpu = any(item.get_closest_marker(name) for name in GPU_MARKERS)
-            item.add_marker(pytest.mark.xdist_group("gpu" if gpu else item.nodeid.split("::")[0]))
+            markers = [name for name in GPU_MARKERS if item.get_closest_marker(name)]
+            item.add_marker(pytest.mark.xdist_group(xdist_group_of(item.nodeid, markers)))
     for item in items:
         for name, needed in GPU_MARKERS.items():
             if item.get_closest_marker(name) is None:
@@ -68,6 +69,18 @@ def pytest_collection_modifyitems(config, items):
             if found < needed:
                 noun = "device" if needed == 1 else "devices"
                 item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA {noun}, found {found}"))
+
+
+def xdist_group_of(nodeid: str, gpu_markers: list[str]) -> str:
+    """The xdist group of a test: its file; for gpu2/gpu4 tests its file and GPU count (a grid's
+    cases are one launch, run by one worker: grids are cached per process, keyed by world size,
+    so the 2- and 4-GPU grids of a file may run on two workers); every gpu1 test in one group
+    (they run in the worker's own process, on its first GPU)."""
+    path = nodeid.split("::")[0]
+    if "gpu1" in gpu_markers:
+        return "gpu1"
+    multi = [m for m in gpu_markers if m != "gpu1"]
+    return f"{path}::{multi[-1]}" if multi else path
 
 
 @pytest.fixture(scope="session")

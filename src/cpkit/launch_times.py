@@ -1,0 +1,31 @@
+"""The timing table of multi-rank runs: with CPKIT_CASE_TIMES=<file>, cpkit.launch appends one
+JSON line per GPU claim wait, per case and per grid (wall time against the cases' own time: the
+rest is start-up: spawning, imports, CUDA and NCCL initialization). scripts/gpu-suites.sh sets it,
+so that a slow tier shows which case, which grid's start-up or which wait for GPUs costs what."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+__all__ = ["TIMES_ENV", "record_times", "record_grid_times"]
+
+TIMES_ENV = "CPKIT_CASE_TIMES"
+
+
+def record_times(entries) -> None:
+    """Append `entries` (dicts) as JSON lines to $CPKIT_CASE_TIMES, where it is set."""
+    path = os.environ.get(TIMES_ENV)
+    if path:
+        with open(path, "a") as fh:
+            fh.write("".join(json.dumps(e) + "\n" for e in entries))
+
+
+def record_grid_times(fn, backend: str, world_size: int, results: dict, started: float) -> None:
+    """One line per case of a run_cases grid (its slowest rank's seconds) and one for the grid:
+    wall_s since `started` (time.monotonic()) and cases_s, the sum of its cases."""
+    grid = dict(grid=f"{fn.__module__}.{getattr(fn, '__qualname__', fn)}", backend=backend, world_size=world_size)
+    cases_s = sum(r.seconds for r in results.values())
+    record_times([dict(grid, case=r.case_id, seconds=round(r.seconds, 3), ok=r.ok) for r in results.values()]
+                 + [dict(grid, wall_s=round(time.monotonic() - started, 2), cases_s=round(cases_s, 2))])

@@ -1,0 +1,93 @@
+"""GPU claims (cpkit.gpu_claim) and the xdist groups of GPU tests: the parts of the parallel GPU
+tier that run without a GPU. Lock files live in tmp_path (flock conflicts between two open()s
+of one file in one process too, so one process can play several launches)."""
+
+import threading
+import time
+
+import pytest
+
+from cpkit.gpu_claim import LOCK_DIR_ENV, claim_gpus, visible_gpu_ids
+from cpkit.testing.pytest_plugin import xdist_group_of
+
+GPUS = ["0", "1", "2", "3"]
+
+
+@pytest.fixture(autouse=True)
+def lock_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv(LOCK_DIR_ENV, str(tmp_path))
+
+
+def test_two_pair_claims_get_disjoint_aligned_pairs():
+    with claim_gpus(2, GPUS) as a, claim_gpus(2, GPUS) as b:
+        assert sorted([a, b]) == [["0", "1"], ["2", "3"]]
+        with pytest.raises(TimeoutError, match=r"no 2 free GPUs.*gpu-0.lock: pid \d+"):
+            with claim_gpus(2, GPUS, timeout_s=0.3):
+                pass
+    with claim_gpus(2, GPUS) as again:  # reclaimed on exit
+        assert again == ["0", "1"]
+
+
+def test_a_waiting_whole_host_claim_holds_back_new_pairs_and_gets_every_gpu():
+    first = claim_gpus(2, GPUS)
+    assert first.__enter__() == ["0", "1"]
+    got = []
+    whole = claim_gpus(4, GPUS, poll_s=0.02)
+    t = threading.Thread(target=lambda: got.extend(whole.__enter__()))
+    t.start()
+    time.sleep(0.3)
+    assert not got  # waiting for GPUs 0 and 1
+    # 2 and 3 are free, but a new pair would starve the whole-host claim: it waits too.
+    with pytest.raises(TimeoutError):
+        with claim_gpus(2, GPUS, timeout_s=0.3):
+            pass
+    first.__exit__(None, None, None)
+    t.join(10)
+    assert got == GPUS
+    whole.__exit__(None, None, None)
+    with claim_gpus(2, GPUS, timeout_s=1) as pair:  # everything reclaimed
+        assert pair == ["0", "1"]
+
+
+def test_too_few_gpus_is_a_clear_error():
+    with pytest.raises(ValueError, match="a launch of 4 NCCL ranks needs 4 GPUs, found 2"):
+        with claim_gpus(4, ["0", "1"]):
+            pass
+
+
+def test_visible_ids_follow_cuda_visible_devices(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert visible_gpu_ids(2) == ["0", "1"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4, 6,GPU-ab12")
+    assert visible_gpu_ids(3) == ["4", "6", "GPU-ab12"]
+
+
+def test_nccl_launch_without_gpus_fails_before_starting_ranks(monkeypatch):
+    from cpkit.launch import launch
+
+    monkeypatch.setattr("cpkit.devices.cuda_device_count", lambda: 0)
+    with pytest.raises(ValueError, match="needs 2 GPUs, found 0"):
+        launch(print, 2, backend="nccl", timeout=5)
+
+
+def test_xdist_groups_split_gpu_grids_by_gpu_count():
+    assert xdist_group_of("functional/test_gpt.py::test_x[gloo2-a]", []) == "functional/test_gpt.py"
+    assert xdist_group_of("functional/test_gpt.py::test_x[nccl2-a]", ["gpu2"]) == "functional/test_gpt.py::gpu2"
+    assert xdist_group_of("functional/test_gpt.py::test_x[nccl4-a]", ["gpu4"]) == "functional/test_gpt.py::gpu4"
+    assert xdist_group_of("functional/test_kernels_gpu.py::test_k", ["gpu1"]) == "gpu1"
+
+
+def test_timing_table_lines(tmp_path, monkeypatch):
+    import json
+
+    from cpkit.launch import CaseResult
+    from cpkit.launch_times import TIMES_ENV, record_grid_times
+
+    path = tmp_path / "times.jsonl"
+    monkeypatch.setenv(TIMES_ENV, str(path))
+    results = {"a": CaseResult("a", seconds=1.5), "b": CaseResult("b", errors={0: "x"}, seconds=0.5)}
+    record_grid_times(test_timing_table_lines, "nccl", 2, results, 0.0)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line.get("case") for line in lines] == ["a", "b", None]
+    assert lines[1]["ok"] is False and lines[2]["cases_s"] == 2.0 and lines[2]["wall_s"] > 0
+    assert lines[0]["grid"].endswith("test_gpu_claim.test_timing_table_lines")
