@@ -135,19 +135,20 @@ def _longest_module(name: str, modules: dict[str, Path]) -> str | None:
     return None
 
 
-def named_imports(path: Path, src: Path, package: str = "cpkit") -> set[str]:
-    """The modules of `package` that the file `path` (under import root `src`) names in its
-    imports: `import a.b` names a.b, `from a import b` names a.b when b is a submodule, else a.
-    Unlike cpkit_imports, the packages on the way are not counted: Python imports a submodule
-    while its package is still initializing, so that edge closes no circle."""
-    modules = package_modules(src, package)
+def named_imports(path: Path, root: Path, src: Path | None = None, package: str = "cpkit") -> set[str]:
+    """The modules of `package` (under import root `src`, default `root`) that the file `path`
+    (module names relative to `root`) names in its imports: `import a.b` names a.b, `from a
+    import b` names a.b when b is a submodule, else a. Unlike cpkit_imports, the packages on the
+    way are not counted: Python imports a submodule while its package is still initializing, so
+    that edge closes no circle."""
+    modules = package_modules(src or root, package)
     out: set[str] = set()
-    for base, names in _import_statements(path, src):
+    for base, names in _import_statements(path, root):
         targets = [f"{base}.{n}" for n in names if f"{base}.{n}" in modules]
         if len(targets) < len(names) or not names:  # something other than a submodule: base itself
             targets.append(_longest_module(base, modules))
         out.update(t for t in targets if t is not None)
-    out.discard(module_name(path, src))
+    out.discard(module_name(path, root))
     return out
 
 
@@ -156,7 +157,7 @@ def import_cycles(src: Path, package: str = "cpkit") -> list[list[str]]:
     connected groups of two or more modules of the named_imports graph (a lazy import inside a
     function counts too), each sorted, the list sorted; empty when the layers only import down."""
     modules = package_modules(src, package)
-    edges = {m: sorted(named_imports(p, src, package)) for m, p in modules.items()}
+    edges = {m: sorted(named_imports(p, src, src, package)) for m, p in modules.items()}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
