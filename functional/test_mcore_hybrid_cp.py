@@ -14,14 +14,19 @@ Why gpu4 only: the wrapper moves every tensor with `.cuda()` and `torch.cuda.cur
 that on CPU would patch tensor methods process-wide, more than cpkit's CPU shim does.
 
 Cases: "balanced" (4 DP ranks with 3 sub-samples each) and "few-sub-samples" (one each, so
-ranks sit out groups). Both passed on 4 gloo ranks with MCore 0.16.1 with process-wide CUDA
-patches outside this repository (not a CI configuration).
+ranks sit out groups). Both passed on 4 gloo ranks with MCore 0.16.1 and with MCore 0.19.2 under
+process-wide CUDA patches outside this repository (not a CI configuration).
 
 MCore 0.19 removed `get_batch_on_this_hybrid_cp_rank`; its consolidated
-`get_batch_on_this_cp_rank(batch, is_hybrid_cp=True, ...)` shards a hybrid sub-sample only when
-the batch carries `cu_seqlens`, which `HybridCPDataLoaderWrapper.unpack_batch` strips, so a
-wrapper sub-sample reaches the model unsharded (the missing schema bridge of Megatron-LM PR
-#6816 / #6820). There the test is a strict xfail (HYBRID_BATCH_BRIDGE_BUG).
+`get_batch_on_this_cp_rank(batch, is_hybrid_cp=True, ...)` takes the hybrid branch (shard over the
+`local_cp_size` group) only when the batch carries `cu_seqlens`, which
+`HybridCPDataLoaderWrapper.unpack_batch` strips (the schema bridge Megatron-LM PR #6816 / #6820
+restores). The forward step therefore gives it the schema it documents: the sub-sample as a
+batch of one, `cu_seqlens = [0, length]` and `local_cp_size`. The `cp_group` argument is passed
+too: without `cu_seqlens`, the function shards over `cp_group`, and `None` there means the
+default group, all 4 ranks (what made every rank fail with "size of tensor a (16) must match
+the size of tensor b (64)" before). The forward step checks that each rank holds
+length / local_cp_size tokens, so a wrong shard fails there, naming the function.
 """
 
 from __future__ import annotations
@@ -42,22 +47,10 @@ MAX_SEQLEN_PER_RANK = 32
 BALANCED = ((64, 16, 24), (48, 8, 16), (56, 32, 8), (40, 24, 16))
 FEW_SUB_SAMPLES = ((64,), (8,), (16,), (8,))
 
-HYBRID_BATCH_BRIDGE_BUG = (
-    "megatron/core/utils.py::get_batch_on_this_cp_rank(is_hybrid_cp=True) shards a sub-sample over its "
-    "hybrid group only when the batch has cu_seqlens, which "
-    "megatron/core/datasets/data_schedule.py::HybridCPDataLoaderWrapper.unpack_batch strips "
-    "(get_batch_on_this_hybrid_cp_rank, which took the 1-D sub-sample, is gone; Megatron-LM #6816/#6820)"
-)
-
-
 def _has_hybrid_batch_function() -> bool:
     from megatron.core import utils
 
     return hasattr(utils, "get_batch_on_this_hybrid_cp_rank")
-
-
-class KnownMCoreDefect(Exception):
-    """The failure a strict xfail expects: MCore's known defect, and nothing else."""
 
 
 TOL = dict(loss=5e-3, rtol=2e-2, atol=2e-2)  # bf16 (as functional/test_dynamic_cp.py)
@@ -88,7 +81,8 @@ def _packed_batch(samples, lens_per_rank, dp_rank: int, dev) -> list[dict]:
 def _hybrid_batch(sample: dict, local_cp_size: int):
     """This rank's shard of one wrapper sub-sample (1-D tensors) and its PackedSeqParams, through
     MCore's own entry point: get_batch_on_this_hybrid_cp_rank where it exists (0.16), else the
-    consolidated get_batch_on_this_cp_rank(is_hybrid_cp=True) (0.19), which must shard it."""
+    consolidated get_batch_on_this_cp_rank(is_hybrid_cp=True) (0.19), given the cu_seqlens the
+    wrapper strips (see the module docstring)."""
     from megatron.core import parallel_state, utils
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -96,11 +90,15 @@ def _hybrid_batch(sample: dict, local_cp_size: int):
         return utils.get_batch_on_this_hybrid_cp_rank(sample, local_cp_size)
     batch = {k: v.unsqueeze(0) for k, v in sample.items()}
     length = batch["tokens"].shape[1]
+    batch["cu_seqlens"] = torch.tensor([0, length], dtype=torch.int32, device=batch["tokens"].device)
     batch["local_cp_size"] = torch.tensor(local_cp_size, dtype=torch.int32)
     batch = utils.get_batch_on_this_cp_rank(
-        batch, is_hybrid_cp=True, hybrid_cp_group_func=parallel_state.get_hybrid_data_context_parallel_groups)
-    if local_cp_size > 1 and batch["tokens"].shape[1] == length:
-        raise KnownMCoreDefect(HYBRID_BATCH_BRIDGE_BUG)
+        batch, is_hybrid_cp=True, cp_group=parallel_state.get_context_parallel_group(),
+        hybrid_cp_group_func=parallel_state.get_hybrid_data_context_parallel_groups)
+    if batch["tokens"].shape[1] * local_cp_size != length:
+        raise AssertionError(f"get_batch_on_this_cp_rank(is_hybrid_cp=True) left {batch['tokens'].shape[1]} of "
+                             f"{length} tokens on this rank, expected {length // local_cp_size} (local_cp_size "
+                             f"{local_cp_size})")
     group = batch.pop("hybrid_cp_group", None)
     cu = torch.tensor([0, length], dtype=torch.int32, device=batch["tokens"].device)
     psp = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
@@ -176,22 +174,10 @@ def hybrid_case(case):
     return loss.item(), ref_loss, local_sizes
 
 
-def _params():
-    bridge_bug = not _has_hybrid_batch_function()
-    params = []
-    for p in grid_params(_cases, world_sizes=(WORLD,), backends=("nccl",)):
-        marks = list(p.marks) + [pytest.mark.xfail(bridge_bug, strict=True, raises=KnownMCoreDefect,
-                                                   reason=HYBRID_BATCH_BRIDGE_BUG)]
-        params.append(pytest.param(*p.values, marks=marks, id=p.id))
-    return params
-
-
-@pytest.mark.parametrize("backend,world_size,case_id", _params())
+@pytest.mark.parametrize("backend,world_size,case_id", grid_params(_cases, world_sizes=(WORLD,), backends=("nccl",)))
 def test_mcore_hybrid_cp_matches_cp1(backend, world_size, case_id):
     """MCore's hybrid-CP path with cpkit's attention: one training step equals cp=1."""
     result = grid_result(hybrid_case, _cases, backend, world_size, case_id, timeout=300.0)
-    if result.errors and all("KnownMCoreDefect" in tb for tb in result.errors.values()):
-        raise KnownMCoreDefect(HYBRID_BATCH_BRIDGE_BUG)
-    result.check()  # any other failure fails the test, not the xfail
+    result.check()
     sizes = [size for _, _, local in result.values.values() for size in local]
     assert max(sizes) > 1, f"every sub-sample ran at CP size 1 ({sizes}): no hybrid CP exercised"

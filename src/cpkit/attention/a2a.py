@@ -54,10 +54,11 @@ def _to_heads(tensors, a: int, chunks: int, c: int, group):
 
 
 def _arrived_heads(pending, rows: torch.Tensor, shapes):
-    """The head-split tensors of a finished `_to_heads` ([a * t, ..., w_i, d_i] views in the row
-    order `rows`), given each one's (heads w_i, head dim d_i)."""
-    flat = pending.wait().flatten(0, 1).index_select(0, rows).split([w * d for w, d in shapes], dim=-1)
-    return [x.unflatten(-1, shape) for x, shape in zip(flat, shapes)]
+    """The head-split tensors of a finished `_to_heads` ([a * t, ..., w_i, d_i], each densely
+    packed, in the row order `rows`), given each one's (heads w_i, head dim d_i). One gather per
+    tensor (the same bytes as one gather of the buffer), so no kernel gets a strided view."""
+    parts = pending.wait().flatten(0, 1).split([w * d for w, d in shapes], dim=-1)
+    return [x.index_select(0, rows).unflatten(-1, shape) for x, shape in zip(parts, shapes)]
 
 
 def _to_seq(tensors, rows: torch.Tensor, a: int, group):

@@ -250,10 +250,23 @@ def _padded_lse(lse, cu_q, max_q: int) -> torch.Tensor:
     return padded
 
 
+def _packed_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x` [t, h, d] with densely packed rows (token stride h * d): a copy only where it is a
+    strided view, e.g. one of q/k/v split out of a2a's packed all-to-all buffer."""
+    t, h, d = x.shape
+    return x if x.stride() == (h * d, d, 1) or t <= 1 else x.contiguous()
+
+
 def varlen_bwd(dout, q, k, v, out, lse, scale: float, cu_q, cu_k, max_q: int, max_k: int,
                causal: bool = False, window: tuple[int, int] = (-1, -1)):
-    """(dq, dk, dv) of a THD block given the FINAL `out` and `lse` [h, t]."""
+    """(dq, dk, dv) of a THD block given the FINAL `out` and `lse` [h, t].
+
+    Inputs go in with densely packed rows: given q as a view whose token stride is wider than
+    h * d (a2a's packed buffer), the library's THD backward returned a wrong dq (12-80% of the
+    elements, up to 3.0 off; an abort at larger widths; 1.32.0 on H100), while the forward and
+    dk, dv read such views correctly (`functional/test_kernel_conformance.py`, `thd-strided`)."""
     max_q, max_k = _bucket(max_q), _bucket(max_k)
+    dout, q, k, v, out = (_packed_rows(x) for x in (dout, q, k, v, out))
     return _ops().sdpa_bwd(dout, q, k, v, out, _padded_lse(lse.float(), cu_q, max_q), scale,
                            is_causal=causal, window_left=window[0], window_right=window[1],
                            cu_seqlens_q=cu_q.to(torch.int32), cu_seqlens_kv=cu_k.to(torch.int32),

@@ -353,6 +353,10 @@ def attn_bwd(
     """
     varlen = cu_seqlens_q is not None
     _check(q, k, v, causal, varlen)
+    # A block that was the whole attention with a sink applied outside the kernel has a float32
+    # output; the kernels read `out` and `dout` in q's dtype (flash refuses, cuDNN and efficient
+    # read the wrong bytes: NaN dq).
+    out, dout = out.to(q.dtype), dout.to(q.dtype)
     if varlen:
         return _varlen(1, q, (dout, q, k, v, out, lse, causal, scale, cu_seqlens_q, cu_seqlens_k),
                        (max_seqlen_q, max_seqlen_k), kernel)

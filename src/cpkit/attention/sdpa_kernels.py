@@ -98,8 +98,21 @@ def cudnn_bwd(dout, q, k, v, out, lse, causal, scale, native_gqa=None):
     return from_bhsd(dq), reduce_kv(from_bhsd(dk), kv_heads), reduce_kv(from_bhsd(dv), kv_heads)
 
 
+_EFFICIENT_MAX_DIM = 128
+
+
+def _efficient_head_dim(q):
+    # Refused above 128: its backward's dq was wrong at 192 (MLA 192/128 zero-padded; 17-55% of
+    # dq off on H100, torch 2.11), found by functional/test_kernel_conformance.py.
+    if q.shape[-1] > _EFFICIENT_MAX_DIM:
+        raise NotImplementedError(f"cpkit attention: kernel 'efficient' takes head dims up to {_EFFICIENT_MAX_DIM}, "
+                                  f"got {q.shape[-1]}; use 'flash', 'cudnn' or 'cudnn_fe' (or let cpkit choose)")
+
+
 def efficient_fwd(q, k, v, causal, scale):
-    """Memory-efficient forward (CUDA, any float dtype; KV expanded for GQA): (out, LSE [b, h, s])."""
+    """Memory-efficient forward (CUDA, any float dtype, head dims up to 128; KV expanded for GQA):
+    (out, LSE [b, h, s])."""
+    _efficient_head_dim(q)
     k, v = expand_kv(k, q.shape[2]), expand_kv(v, q.shape[2])
     res = _aten._efficient_attention_forward(
         bshd(q), bshd(k), bshd(v), None, None, None, None, None, 0.0, 1 if causal else 0, True,
@@ -111,6 +124,7 @@ def efficient_fwd(q, k, v, causal, scale):
 
 def efficient_bwd(dout, q, k, v, out, lse, causal, scale):
     """Memory-efficient backward: (dq, dk, dv), grads summed back onto the KV heads."""
+    _efficient_head_dim(q)
     kv_heads = k.shape[2]
     k, v = expand_kv(k, q.shape[2]), expand_kv(v, q.shape[2])
     s = q.shape[0]
