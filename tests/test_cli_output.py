@@ -103,3 +103,18 @@ def test_schedule_prints_no_mcore_notices_and_keeps_other_warnings():
     assert "not installed" not in proc.stderr, proc.stderr
     assert "UserWarning: an unrelated warning" in proc.stderr
     assert "UserWarning: an MCore warning to act on" in proc.stderr
+
+
+def test_setup_ends_with_cpkit_ready_and_no_mcore_notices():
+    """scripts/setup.sh's last line (its check that everything imports) prints "cpkit ready" and
+    none of megatron-core's notices about Transformer Engine and Apex."""
+    import subprocess
+    import sys
+
+    last = (ROOT / "scripts" / "setup.sh").read_text().strip().splitlines()[-1]
+    assert last.startswith('"$PY" -c '), last
+    proc = subprocess.run(["bash", "-c", last], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**{k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}, "PY": sys.executable})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("cpkit ready: torch"), proc.stdout
+    assert "Warning" not in proc.stderr, proc.stderr

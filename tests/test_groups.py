@@ -265,13 +265,15 @@ def test_gate_passes_on_a_rank_that_is_not_the_first_of_its_a2a_block(monkeypatc
         require_hierarchical_groups(pgc(cp=fake_group([0, 1, 2, 3], rank=1),
                                         hcp=[a2a, fake_group([0, 1], rank=1)]), "a2a+p2p")
 
-def test_the_layout_validates_and_hands_out_its_groups(world1):
-    pgc = CPLayout(world_size=1).build_pg_collection()
+def test_build_pg_collection_validates_the_layout_first(world1):
+    from cpkit.groups import build_pg_collection
+
+    pgc = build_pg_collection(CPLayout(world_size=1))
     assert (pgc.tp.size(), pgc.cp.size(), pgc.dp.size(), pgc.pp.size()) == (1, 1, 1, 1)
     with pytest.raises(CPConfigError, match="world_size"):
-        CPLayout(world_size=2, cp=2).build_pg_collection()  # a layout for another world
+        build_pg_collection(CPLayout(world_size=2, cp=2))  # a layout for another world
     with pytest.raises(CPConfigError, match="hierarchical_context_parallel_sizes"):
-        CPLayout(world_size=1, cp_comm_type="a2a+p2p").build_pg_collection()
+        build_pg_collection(CPLayout(world_size=1, cp_comm_type="a2a+p2p"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The library's import graph: library modules never import test support.
+"""The library's import graph: library modules never import test support, no module imports
+itself back through others (layers import only downward), and no module is over 500 lines.
 
 Read from the source by src/cpkit/import_graph.py (`ast`, nothing is imported), so a lazy import
 inside a function counts as much as one at the top of a module.
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cpkit.import_graph import imports, module_name
+from cpkit.import_graph import import_cycles, imports, module_name
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "cpkit"
@@ -56,3 +57,56 @@ def test_the_check_catches_a_lazy_import(tmp_path):
     module.parent.mkdir(parents=True)
     module.write_text("def f():\n    from ..testing.models import build_gpt\n    return build_gpt\n")
     assert "cpkit.testing.models" in _imports(module, root=tmp_path)
+
+
+def test_no_import_circle_in_the_package():
+    circles = import_cycles(SRC)
+    assert not circles, "import circles (each a set of modules that import one another, lazily " \
+        "or not): " + "; ".join(" <-> ".join(c) for c in circles) + \
+        ". Break each so that every layer imports only downward (move the shared part into a lower module)"
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_the_cycle_check_catches_a_lazy_circle(tmp_path):
+    # The check must be able to fail: a circle closed by an import inside a function is found,
+    # through a third module and a relative import.
+    _write(tmp_path, {
+        "cpkit/__init__.py": "",
+        "cpkit/layout.py": "def f():\n    from cpkit.groups import build\n",
+        "cpkit/groups.py": "from .rank_grid import grid\n",
+        "cpkit/rank_grid.py": "from cpkit.layout import CPLayout\n",
+        "cpkit/leaf.py": "import cpkit.layout\n",
+    })
+    assert import_cycles(tmp_path) == [["cpkit.groups", "cpkit.layout", "cpkit.rank_grid"]]
+
+
+def test_a_package_importing_its_submodules_is_no_circle(tmp_path):
+    # attention/__init__ re-exports p2p, which imports attention.comm: Python runs that fine.
+    _write(tmp_path, {
+        "cpkit/__init__.py": "",
+        "cpkit/attention/__init__.py": "from cpkit.attention.p2p import ring\nfrom . import comm\n",
+        "cpkit/attention/p2p.py": "from cpkit.attention import comm\nfrom .comm import send\n",
+        "cpkit/attention/comm.py": "import cpkit.attention.merge\n",
+        "cpkit/attention/merge.py": "",
+    })
+    assert import_cycles(tmp_path) == []
+    # ...but a submodule that takes a name defined by its package's __init__ closes one.
+    (tmp_path / "cpkit/attention/merge.py").write_text("from cpkit.attention import ring\n")
+    assert import_cycles(tmp_path) == [["cpkit.attention", "cpkit.attention.comm", "cpkit.attention.merge",
+                                        "cpkit.attention.p2p"]]
+
+
+MAX_MODULE_LINES = 500
+
+
+def test_no_module_is_over_500_lines():
+    long = {_module_name(p): n for p in sorted(PACKAGE.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split each by concern): " + \
+        ", ".join(f"{m} ({n})" for m, n in long.items())

@@ -1,6 +1,7 @@
 """`cpkit validate` on a throw-away tree: a failing test is a fail row and exit 1, a test that
 crashes pytest is named (with its level), and pytest-xdist does not count a test twice."""
 
+import subprocess
 import textwrap
 
 import pytest
@@ -187,3 +188,27 @@ def test_gpu_tests_skipped_here_are_reported_as_owed():
               "functional/test_k.py::test_kernel": "gpu1", "functional/test_h.py::test_x[gloo4]": "dist"}
     assert validate.gpu_owed(records, levels) == {"gpu1": {"functional/test_k.py": 1},
                                                   "gpu4": {"functional/test_h.py": 2}}
+
+
+def test_changed_lines_are_the_lines_of_the_file_as_it_is_now(tmp_path):
+    from cpkit.commands.validate import changed_lines
+
+    _tree(tmp_path, {"m.py": "".join(f"line{i}\n" for i in range(1, 11))})
+    _git(tmp_path, "init", "-q", "-b", "main")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-qm", "base")
+    base = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    lines = [f"line{i}\n" for i in range(1, 11)]
+    lines[2] = "changed3\n"  # line 3 changed
+    del lines[6]  # old line 7 deleted: now between lines 6 and 7
+    lines.insert(8, "new\n")  # a line added as line 9
+    (tmp_path / "m.py").write_text("".join(lines))
+    assert changed_lines(tmp_path, base, "m.py") == {3, 6, 7, 9}
+    (tmp_path / "new.py").write_text("x\n")  # untracked: no hunk, every line counts
+    assert changed_lines(tmp_path, base, "new.py") is None
+
+
+def test_wide_is_an_option_of_changed():
+    args = build_parser().parse_args(["validate", "--changed", "--wide"])
+    assert args.wide and args.changed == ""
+    assert not build_parser().parse_args(["validate", "--changed"]).wide

@@ -13,7 +13,13 @@ A changed module also selects every test file that imports it, directly or throu
 modules it imports (`src/cpkit/import_graph.py::importing_tests`, read with `ast`), so a row
 cannot miss a test that reaches the module; rows add what imports do not show (the tests a
 scenario or a command runs). For a core module (layout, sharding) that is most of the suite:
-they are what most tests run.
+they are what most tests run. That is `cpkit validate --changed --wide`.
+
+The default, narrow selection (`select_tests(..., narrow=True)`) takes for a changed module the
+tests that use one of its changed functions or classes, directly or through its own package and
+the functional scenarios (`src/cpkit/symbol_graph.py::affected_tests`), plus the row's tests
+that imports do not show; tests that reach the change only through other features' modules
+(a model builder, the dynamic runtime) are left to --wide.
 """
 
 from __future__ import annotations
@@ -21,8 +27,10 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Callable
 
 from cpkit.import_graph import importing_tests
+from cpkit.symbol_graph import MODULE, affected_tests, symbols_at_lines
 
 __all__ = [
     "Row",
@@ -37,6 +45,8 @@ __all__ = [
     "skill_table",
     "SKILL_TABLE_BEGIN",
     "SKILL_TABLE_END",
+    "UPSTREAM_LOOKUPS",
+    "needs_upstream",
 ]
 
 #: Stands for "all of tests/ and functional/" in a row.
@@ -118,12 +128,12 @@ CHANGE_MAP: tuple[Row, ...] = (
     Row(("src/cpkit/testing/mlm_probes.py",), ("tests/test_dynamic_mlm.py",), (),
         "unit (with CPKIT_MLM_SRC set: the probes run in a Megatron-LM checkout's worker)"),
     Row(("src/cpkit/cards/", "src/cpkit/skills/", "src/cpkit/anchors.py", "src/cpkit/strict_yaml.py",
-         "src/cpkit/repo.py", "src/cpkit/pytest_runner.py", "src/cpkit/change_map.py", "src/cpkit/import_graph.py", "src/cpkit/cli.py",
+         "src/cpkit/repo.py", "src/cpkit/pytest_runner.py", "src/cpkit/change_map.py", "src/cpkit/import_graph.py", "src/cpkit/symbol_graph.py", "src/cpkit/cli.py",
          "src/cpkit/commands/__init__.py", "src/cpkit/commands/cards.py", "src/cpkit/commands/skills.py",
          "src/cpkit/commands/validate.py", "src/cpkit/devices.py", "src/cpkit/testing/mutation.py",
          "cards/", "skills/"),
         ("tests/test_cards.py", "tests/test_cards_upstream.py", "tests/test_cards_results.py", "tests/test_skills.py", "tests/test_repo_cards_skills.py", "tests/test_validate.py",
-         "tests/test_change_map.py", "tests/test_cli_output.py", "tests/test_mutation.py"), (), "unit"),
+         "tests/test_change_map.py", "tests/test_symbol_graph.py", "tests/test_cli_output.py", "tests/test_mutation.py"), (), "unit"),
     Row(("src/cpkit/testing/", "src/cpkit/launch.py", "src/cpkit/gpu_claim.py", "src/cpkit/rank_stderr.py", "src/cpkit/launch_times.py", "src/cpkit/mcore_cpu.py", "src/cpkit/compat.py", "src/cpkit/errors.py", "src/cpkit/__init__.py",
          "src/cpkit/notices.py", "tests/conftest.py", "functional/__init__.py", "pyproject.toml", ".ci/"),
         EVERYTHING[:1], EVERYTHING[1:], "everything: the harness, MCore compatibility and errors reach every test"),
@@ -168,28 +178,70 @@ def _specificity(pattern: str) -> int:
 _CHECKOUT = Path(__file__).resolve().parents[2]
 
 
-def _importing(path: str, root: Path | None) -> list[str]:
-    """Test files importing the changed module `path` (none for other paths or a deleted file)."""
+def _rows_of(path: str) -> list[Row]:
+    """The rows that decide for `path`: those naming it with the most specific pattern."""
+    scored = [(max(_specificity(p) for p in row.changed if matches(p, path)), row)
+              for row in CHANGE_MAP if any(matches(p, path) for p in row.changed)]
+    best = max((score for score, _ in scored), default=None)
+    return [row for score, row in scored if score == best]
+
+
+def importing_module(path: str, root: Path | None) -> Path | None:
+    """The checkout (`root`, default: this module's, if it is one) when `path` is one of its
+    cpkit modules that exists, else None."""
     if root is None:
         root = _CHECKOUT if (_CHECKOUT / "tests").is_dir() else None
     if root is None or not path.startswith("src/cpkit/") or not path.endswith(".py") or not (root / path).is_file():
-        return []
-    return importing_tests(path, root)
+        return None
+    return root
 
 
-def select_tests(changed: list[str], root: Path | None = None) -> Selection:
+def _importing(path: str, root: Path | None) -> list[str]:
+    """Test files importing the changed module `path` (none for other paths or a deleted file)."""
+    found = importing_module(path, root)
+    return importing_tests(path, found) if found is not None else []
+
+
+def _feature(module: str) -> Callable[[str], bool]:
+    """The modules a narrow selection follows uses through: the changed module's own package
+    (the module alone at the top level) and the functional tests' scenarios."""
+    package = module.rsplit(".", 1)[0] if module.count(".") > 1 else module
+    return lambda m: m == package or m.startswith((package + ".", _SCENARIOS))
+
+
+_SCENARIOS = "cpkit.testing.scenarios."
+
+
+def _narrow(path: str, root: Path, lines: set[int] | None, row_files: list[str]) -> list[str]:
+    """The narrow selection of changed module `path`: the tests that use one of its changed
+    symbols (those covering `lines`, all when None) through its own package, plus the row's
+    tests that imports do not show (a scenario run by name)."""
+    importing = set(importing_tests(path, root))
+    symbols = {MODULE} if lines is None else symbols_at_lines(path, lines, root)
+    module = ".".join(PurePosixPath(path).with_suffix("").parts[1:])
+    module = module.removesuffix(".__init__")
+    using = affected_tests({path: symbols}, root, through=_feature(module))
+    unseen = [f for f in row_files if f not in importing]
+    return unseen + [f for f in using if f not in unseen]
+
+
+def select_tests(changed: list[str], root: Path | None = None, *, narrow: bool = False,
+                 lines: dict[str, set[int] | None] | None = None) -> Selection:
     """Test files covering the `changed` repository paths, per the rules in the module docstring.
     Where several rows name a path, the most specific pattern wins (`src/cpkit/testing/models.py`
     over `src/cpkit/testing/`); a changed module adds the test files importing it, read from
-    the checkout at `root` (default: the one this module is in, if any)."""
+    the checkout at `root` (default: the one this module is in, if any).
+
+    `narrow`: for a changed module that exists, instead of its row and its importing tests, the
+    tests that use one of its changed symbols through its own package and the functional
+    scenarios (src/cpkit/symbol_graph.py::affected_tests), plus the row's tests that imports do
+    not show; `lines` gives the changed line numbers of such a module (None or missing: every
+    symbol changed). Rows that select everything still do."""
     files: dict[str, None] = {}
     reasons: dict[str, str] = {}
     everything = False
     for path in changed:
-        scored = [(max(_specificity(p) for p in row.changed if matches(p, path)), row)
-                  for row in CHANGE_MAP if any(matches(p, path) for p in row.changed)]
-        best = max((score for score, _ in scored), default=None)
-        rows = [row for score, row in scored if score == best]
+        rows = _rows_of(path)
         is_test = path.startswith(("tests/", "functional/")) and PurePosixPath(path).name.startswith("test_")
         importing = _importing(path, root)
         if rows:
@@ -197,6 +249,10 @@ def select_tests(changed: list[str], root: Path | None = None) -> Selection:
             if any(f in EVERYTHING for f in picked):
                 everything = True
                 reasons[path] = "everything"
+            elif narrow and (checkout := importing_module(path, root)) is not None:
+                picked = _narrow(path, checkout, (lines or {}).get(path), picked)
+                reasons[path] = ", ".join(dict.fromkeys(picked)) or "no test uses the changed symbols"
+                files.update(dict.fromkeys(picked))
             else:
                 picked += [f for f in importing if f not in picked]
                 reasons[path] = ", ".join(dict.fromkeys(picked))
@@ -225,18 +281,66 @@ SKILL_TABLE_BEGIN = "<!-- generated from src/cpkit/change_map.py::CHANGE_MAP; do
 SKILL_TABLE_END = "<!-- end of generated table -->"
 
 
+#: Functions that find an upstream checkout, by the variable that names it: a test that reaches
+#: one has parts that run only with the variable set (they skip with the reason without it).
+UPSTREAM_LOOKUPS = {
+    "CPKIT_MLM_SRC": ("src/cpkit/dynamic/mlm.py", "mlm_src"),
+    "CPKIT_BRIDGE_SRC": ("src/cpkit/testing/bridge_src.py", "bridge_src"),
+}
+
+
+def needs_upstream(root: Path | None = None) -> dict[str, list[str]]:
+    """Test file -> the UPSTREAM_LOOKUPS variables whose checkout parts of it need, for the
+    checkout at `root` (default: this module's)."""
+    root = root or _CHECKOUT
+    out: dict[str, list[str]] = {}
+    for variable, (path, function) in UPSTREAM_LOOKUPS.items():
+        for test in affected_tests({path: {function}}, root):
+            out.setdefault(test, []).append(variable)
+    return out
+
+
+def _row_selection(row: Row, root: Path) -> tuple[str, ...]:
+    """What changing any one file the row decides for selects (--wide), less ALWAYS and
+    ANY_MODULE: the row's files and every test importing one of its modules."""
+    picked = dict.fromkeys((*row.unit, *row.functional))
+    for pattern in row.changed:
+        base = root / pattern.rstrip("/")
+        found = sorted(base.rglob("*")) if pattern.endswith("/") else [base]
+        for file in found:
+            path = file.relative_to(root).as_posix()
+            if file.is_file() and row in _rows_of(path):
+                picked.update(dict.fromkeys(_importing(path, root)))
+    return tuple(f for f in picked if f not in ALWAYS and f not in ANY_MODULE)
+
+
 def skill_table() -> str:
-    """The validating skill's "you changed / unit / functional / kinds" table, as markdown."""
+    """The validating skill's "you changed / unit / functional / kinds" table, as markdown: per
+    row what `cpkit validate --changed --wide` selects for a change to one of its files (the
+    row's test files and every test file importing one of its modules), with the upstream
+    checkout each test partly needs. Read from this module's checkout."""
+    needs = needs_upstream(_CHECKOUT)
+
     def cell(paths: tuple[str, ...]) -> str:
         if paths in (EVERYTHING[:1], EVERYTHING[1:]):
             return f"all of `{paths[0]}`"
-        return ", ".join(f"`{p}`" for p in paths) or "-"
+        return ", ".join(f"`{p}`" + "".join(f" ({v})" for v in needs.get(p, ())) for p in paths) or "-"
 
     lines = ["| you changed | unit tests (CPU, fast) | functional tests | kinds that matter |",
              "|---|---|---|---|"]
-    lines += [f"| {cell(r.changed)} | {cell(r.unit)} | {cell(r.functional)} | {r.kinds} |" for r in CHANGE_MAP]
-    lines += ["", "A changed module also selects every test file that imports it, directly or through the cpkit "
-              "modules it imports (`src/cpkit/import_graph.py::importing_tests`)."]
+    for r in CHANGE_MAP:
+        everything = any(f in EVERYTHING for f in (*r.unit, *r.functional))
+        picked = (*r.unit, *r.functional) if everything else _row_selection(r, _CHECKOUT)
+        unit = tuple(f for f in picked if f.startswith("tests/"))
+        functional = tuple(f for f in picked if not f.startswith("tests/"))
+        lines.append(f"| {cell(r.changed)} | {cell(unit)} | {cell(functional)} | {r.kinds} |")
+    lines += ["", "The table is `cpkit validate --changed --wide`: a row's own test files, then every test file "
+              "importing one of its modules, directly or through the cpkit modules it imports "
+              "(`src/cpkit/import_graph.py::importing_tests`). `cpkit validate --changed` runs fewer for a "
+              "module: the tests that use a changed function or class through its own package "
+              "(`src/cpkit/symbol_graph.py::affected_tests`). "
+              + "; ".join(f"({v}): parts of the test run only with {v} set (they skip with the reason without it)"
+                          for v in UPSTREAM_LOOKUPS) + "."]
     return "\n".join([SKILL_TABLE_BEGIN, *lines, SKILL_TABLE_END])
 
 

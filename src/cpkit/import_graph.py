@@ -11,10 +11,10 @@ from __future__ import annotations
 import ast
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 __all__ = ["module_name", "imports", "package_modules", "cpkit_imports", "transitive_cpkit_imports",
-           "TEST_FOLDERS", "SCRIPT_RUNNERS", "importing_tests"]
+           "TEST_FOLDERS", "SCRIPT_RUNNERS", "importing_tests", "named_imports", "import_cycles"]
 
 #: The folders of test files (test_*.py) whose imports select them.
 TEST_FOLDERS = ("tests", "functional")
@@ -31,23 +31,31 @@ def module_name(path: Path, root: Path) -> str:
     return ".".join(parts)
 
 
-def imports(path: Path, root: Path) -> set[str]:
-    """Every module `path` imports, as absolute names (`from a import b` counts `a` and `a.b`,
-    since b may be a submodule); relative imports are resolved against `root`."""
+def _import_statements(path: Path, root: Path) -> Iterator[tuple[str, list[str]]]:
+    """(module, names) per import: (`a.b`, []) for `import a.b`, (`a`, [b, c]) for
+    `from a import b, c`, with relative imports resolved against `root`."""
     tree = ast.parse(path.read_text(), filename=str(path))
     name = module_name(path, root)
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-    out: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out.update(alias.name for alias in node.names)
+            for alias in node.names:
+                yield alias.name, []
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
-            out.add(base)
-            out.update(f"{base}.{alias.name}" for alias in node.names)
+            yield base, [alias.name for alias in node.names]
+
+
+def imports(path: Path, root: Path) -> set[str]:
+    """Every module `path` imports, as absolute names (`from a import b` counts `a` and `a.b`,
+    since b may be a submodule); relative imports are resolved against `root`."""
+    out: set[str] = set()
+    for base, names in _import_statements(path, root):
+        out.add(base)
+        out.update(f"{base}.{n}" for n in names)
     return out
 
 
@@ -116,3 +124,78 @@ def importing_tests(module_path: str, root: Path) -> list[str]:
     the cpkit modules they import, and the runner of each script (SCRIPT_RUNNERS) that does;
     sorted. Read once per root and process."""
     return sorted(_tests_by_module(Path(root).resolve()).get(module_path, ()))
+
+
+
+def _longest_module(name: str, modules: dict[str, Path]) -> str | None:
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        if ".".join(parts[:i]) in modules:
+            return ".".join(parts[:i])
+    return None
+
+
+def named_imports(path: Path, root: Path, src: Path | None = None, package: str = "cpkit") -> set[str]:
+    """The modules of `package` (under import root `src`, default `root`) that the file `path`
+    (module names relative to `root`) names in its imports: `import a.b` names a.b, `from a
+    import b` names a.b when b is a submodule, else a. Unlike cpkit_imports, the packages on the
+    way are not counted: Python imports a submodule while its package is still initializing, so
+    that edge closes no circle."""
+    modules = package_modules(src or root, package)
+    out: set[str] = set()
+    for base, names in _import_statements(path, root):
+        targets = [f"{base}.{n}" for n in names if f"{base}.{n}" in modules]
+        if len(targets) < len(names) or not names:  # something other than a submodule: base itself
+            targets.append(_longest_module(base, modules))
+        out.update(t for t in targets if t is not None)
+    out.discard(module_name(path, root))
+    return out
+
+
+def import_cycles(src: Path, package: str = "cpkit") -> list[list[str]]:
+    """Every import circle among the modules of `package` under import root `src`: the strongly
+    connected groups of two or more modules of the named_imports graph (a lazy import inside a
+    function counts too), each sorted, the list sorted; empty when the layers only import down."""
+    modules = package_modules(src, package)
+    edges = {m: sorted(named_imports(p, src, src, package)) for m, p in modules.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(start: str) -> None:  # Tarjan's algorithm, iterative (no recursion limit)
+        work = [(start, iter(edges[start]))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(edges[child])))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    out.append(sorted(group))
+
+    for m in sorted(modules):
+        if m not in index:
+            visit(m)
+    return sorted(out)

@@ -3,7 +3,8 @@
 `CPLayout.validate()` raises `CPConfigError` listing every violated constraint at once, each
 naming the layout field, its value, the rule and the fix. Nothing here touches processes;
 `cpkit.rank_grid.rank_groups(layout)` gives the rank groups a layout implies, as pure
-arithmetic, and `cpkit.groups` builds the process groups from them.
+arithmetic, and `cpkit.groups.build_pg_collection(layout)` builds the process groups from them
+(both import this module, never the other way round).
 """
 
 from __future__ import annotations
@@ -220,14 +221,6 @@ class CPLayout:
             sequence_parallel=bool(getattr(config, "sequence_parallel", False)),
             eval_context_parallel_size=eval_context_parallel_size,
         )
-
-    def build_pg_collection(self, **kwargs: Any) -> Any:
-        """Validate this layout, then build every group and return this rank's
-        ProcessGroupCollection (cpkit.groups.build_pg_collection, same keyword arguments): one
-        object checks the sizes and hands out the groups, so callers never re-derive rank lists."""
-        from cpkit.groups import build_pg_collection
-
-        return build_pg_collection(self, **kwargs)
 
     def to_dict(self) -> dict:
         """Fields plus the derived dp, JSON-ready."""

@@ -4,7 +4,8 @@
 GQA, fp32/bf16/fp16, gloo and NCCL). One file per comm type (`p2p.py`, `all_gather.py`,
 `a2a.py`, `hierarchical.py`) over shared `comm.py` (ring, collectives), `merge.py` (fp32
 log-sum-exp merge), `chunks.py` (this rank's two chunks, token permutations) and `kernels.py`
-(single-device attention with LSE: cuDNN/flash/efficient on CUDA, exact math on CPU).
+(single-device attention with LSE, choosing among the adapters `sdpa_kernels.py`,
+`cudnn_fe.py` and `math_kernel.py`: cuDNN/flash/efficient on CUDA, exact math on CPU).
 """
 
 from cpkit.attention.functional import CP_COMM_TYPES, check_comm_type, context_parallel_attention

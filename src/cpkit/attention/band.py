@@ -39,8 +39,9 @@ import torch
 
 from cpkit.attention import cudnn_fe, flex_band
 from cpkit.attention.chunks import LocalSeq
-from cpkit.attention.kernels import _bhsd, _from_bhsd, _math_scores
+from cpkit.attention.math_kernel import math_scores
 from cpkit.attention.sink import apply_sink
+from cpkit.attention.views import bhsd, from_bhsd
 from cpkit.errors import CPConfigError
 from cpkit.sharding import segments_to_index
 
@@ -323,12 +324,12 @@ def _math_band_fwd(q, k, v, mask: torch.Tensor, scale: float):
     thd = q.dim() == 3
     qd, kd, vd = _dense(q), _dense(k), _dense(v)
     s, b, h, _ = qd.shape
-    _, _, scores = _math_scores(qd, kd, False, scale)
+    _, _, scores = math_scores(qd, kd, False, scale)
     scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     p = torch.exp(scores - torch.nan_to_num(lse, neginf=0.0).unsqueeze(-1))
-    out = torch.matmul(p, _bhsd(vd.float()).unsqueeze(2))
-    out = _from_bhsd(out.reshape(b, h, s, -1)).to(q.dtype)
+    out = torch.matmul(p, bhsd(vd.float()).unsqueeze(2))
+    out = from_bhsd(out.reshape(b, h, s, -1)).to(q.dtype)
     lse = lse.reshape(b, h, s)
     return (out.squeeze(1), lse.squeeze(0)) if thd else (out, lse)
 
@@ -341,16 +342,16 @@ def _math_band_bwd(dout, q, k, v, out, lse, mask: torch.Tensor, scale: float):
     s, b, h, _ = q.shape
     kv_heads = k.shape[2]
     g = h // kv_heads
-    qf, kf, scores = _math_scores(q, k, False, scale)
+    qf, kf, scores = math_scores(q, k, False, scale)
     scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.nan_to_num(lse.reshape(b, kv_heads, g, s), neginf=0.0)
     p = torch.exp(scores - lse.unsqueeze(-1))
-    do = _bhsd(dout.float()).reshape(b, kv_heads, g, s, -1)
-    of = _bhsd(out.float()).reshape(b, kv_heads, g, s, -1)
-    vf = _bhsd(v.float()).unsqueeze(2)
+    do = bhsd(dout.float()).reshape(b, kv_heads, g, s, -1)
+    of = bhsd(out.float()).reshape(b, kv_heads, g, s, -1)
+    vf = bhsd(v.float()).unsqueeze(2)
     dv = torch.matmul(p.transpose(-1, -2), do).sum(2)
     ds = p * (torch.matmul(do, vf.transpose(-1, -2)) - (do * of).sum(-1, keepdim=True))
     dq = torch.matmul(ds, kf) * scale
     dk = torch.matmul(ds.transpose(-1, -2), qf).sum(2) * scale
-    grads = (_from_bhsd(dq.reshape(b, h, s, -1)).to(q.dtype), _from_bhsd(dk).to(k.dtype), _from_bhsd(dv).to(v.dtype))
+    grads = (from_bhsd(dq.reshape(b, h, s, -1)).to(q.dtype), from_bhsd(dk).to(k.dtype), from_bhsd(dv).to(v.dtype))
     return tuple(x.squeeze(1) for x in grads) if thd else grads

@@ -21,6 +21,10 @@ an unmasked part and a square causal part, so no kernel's corner convention matt
 the softmax denominator (`sink.py`); the cuDNN frontend folds them into its kernel, other kernels
 get them applied to their output and LSE. The backward needs no sink: the final LSE holds it.
 
+This module chooses the kernel and runs it; each backend's adapter lives in its own module:
+torch's kernels in `sdpa_kernels.py`, the cuDNN frontend in `cudnn_fe.py`, `math` in
+`math_kernel.py` (FlexAttention serves the band blocks, `flex_band.py`).
+
 Kernels (no O(s^2) tensor except `math`):
 - CPU: `cpu` = torch's CPU flash kernel (`_scaled_dot_product_flash_attention_for_cpu` and its
   backward; exact softmax, native GQA); `math` = plain PyTorch, a reference.
@@ -48,14 +52,13 @@ for cuDNN when not native) materializes [s, b, h, d] K/V per call.
 
 from __future__ import annotations
 
-import functools
-import math
 import warnings
 from typing import Callable, Optional
 
 import torch
 
-from cpkit.attention import cudnn_fe
+from cpkit.attention import cudnn_fe, sdpa_kernels
+from cpkit.attention.math_kernel import math_bwd, math_fwd, reference_attention
 from cpkit.attention.options import CUDA_KERNELS, KERNEL_ENV
 from cpkit.attention.sink import apply_sink
 
@@ -68,184 +71,7 @@ __all__ = [
     "reference_attention",
 ]
 
-_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FAILED: set = set()  # (kernel, shape/dtype key) pairs that raised: not tried again
-_aten = torch.ops.aten
-
-
-# ---------------------------------------------------------------------------------------------
-# helpers
-
-
-def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """Repeat kv heads (dim -2) so that query head i sees kv head i // group."""
-    group = heads // x.shape[-2]
-    return x if group == 1 else x.repeat_interleave(group, dim=-2)
-
-
-def _reduce_kv(dx: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """Sum the grads of expanded kv heads back onto the kv heads (dim -2)."""
-    group = dx.shape[-2] // kv_heads
-    return dx if group == 1 else dx.unflatten(-2, (kv_heads, group)).sum(-2)
-
-
-@functools.lru_cache(maxsize=None)
-def _dummy_rng(device: torch.device) -> torch.Tensor:
-    # Philox seed/offset are read only with dropout > 0; the ops still want tensors.
-    return torch.zeros((), dtype=torch.int64, device=device)
-
-
-def _bshd(x):  # [s, b, h, d] -> [b, s, h, d] view
-    return x.transpose(0, 1)
-
-
-def _bhsd(x):  # [s, b, h, d] -> [b, h, s, d] view
-    return x.permute(1, 2, 0, 3)
-
-
-def _from_bhsd(x):  # [b, h, s, d] -> [s, b, h, d] view
-    return x.permute(2, 0, 1, 3)
-
-
-# ---------------------------------------------------------------------------------------------
-# dense kernels: q [s, b, h, d], k/v [s_k, b, h_kv, d]
-
-
-def _math_scores(q, k, causal, scale):
-    s, b, h, d = q.shape
-    kv_heads = k.shape[2]
-    qf = _bhsd(q.float()).reshape(b, kv_heads, h // kv_heads, s, d)
-    kf = _bhsd(k.float()).unsqueeze(2)
-    scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # [b, hkv, g, s, s_k]
-    if causal:
-        mask = torch.ones(s, k.shape[0], dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return qf, kf, scores
-
-
-def _math_fwd(q, k, v, causal, scale):
-    s, b, h, d = q.shape
-    _, _, scores = _math_scores(q, k, causal, scale)
-    lse = torch.logsumexp(scores, dim=-1)
-    p = torch.exp(scores - lse.unsqueeze(-1))
-    out = torch.matmul(p, _bhsd(v.float()).unsqueeze(2))  # [b, hkv, g, s, d]
-    return _from_bhsd(out.reshape(b, h, s, -1)).to(q.dtype), lse.reshape(b, h, s)
-
-
-def _math_bwd(dout, q, k, v, out, lse, causal, scale):
-    s, b, h, d = q.shape
-    kv_heads = k.shape[2]
-    qf, kf, scores = _math_scores(q, k, causal, scale)
-    g = h // kv_heads
-    p = torch.exp(scores - lse.reshape(b, kv_heads, g, s).unsqueeze(-1))
-    do = _bhsd(dout.float()).reshape(b, kv_heads, g, s, -1)
-    of = _bhsd(out.float()).reshape(b, kv_heads, g, s, -1)
-    vf = _bhsd(v.float()).unsqueeze(2)
-    dv = torch.matmul(p.transpose(-1, -2), do).sum(2)  # [b, hkv, s_k, d]
-    dp = torch.matmul(do, vf.transpose(-1, -2))
-    ds = p * (dp - (do * of).sum(-1, keepdim=True))
-    dq = torch.matmul(ds, kf) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), qf).sum(2) * scale
-    return (
-        _from_bhsd(dq.reshape(b, h, s, -1)).to(q.dtype),
-        _from_bhsd(dk).to(k.dtype),
-        _from_bhsd(dv).to(v.dtype),
-    )
-
-
-def _cpu_fwd(q, k, v, causal, scale):
-    out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
-        _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, attn_mask=None, scale=scale
-    )
-    return _from_bhsd(out), lse.float()
-
-
-def _cpu_bwd(dout, q, k, v, out, lse, causal, scale):
-    dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse.contiguous(), 0.0, causal,
-        attn_mask=None, scale=scale,
-    )
-    return _from_bhsd(dq), _from_bhsd(dk), _from_bhsd(dv)
-
-
-def _flash_fwd(q, k, v, causal, scale):
-    res = _aten._flash_attention_forward(
-        _bshd(q), _bshd(k), _bshd(v), None, None, q.shape[0], k.shape[0], 0.0, causal, False,
-        scale=scale,
-    )
-    return _bshd(res[0]), res[1]
-
-
-def _flash_bwd(dout, q, k, v, out, lse, causal, scale):
-    rng = _dummy_rng(q.device)
-    dq, dk, dv = _aten._flash_attention_backward(
-        _bshd(dout), _bshd(q), _bshd(k), _bshd(v), _bshd(out), lse.contiguous(), None, None,
-        q.shape[0], k.shape[0], 0.0, causal, rng, rng, scale=scale,
-    )
-    return _bshd(dq), _bshd(dk), _bshd(dv)
-
-
-def _cudnn_fwd(q, k, v, causal, scale, native_gqa=None):
-    if native_gqa is None:
-        native_gqa = _cudnn_native_gqa(q.device, q.dtype)
-    if not native_gqa:
-        k, v = _expand_kv(k, q.shape[2]), _expand_kv(v, q.shape[2])
-    res = _aten._scaled_dot_product_cudnn_attention(
-        _bhsd(q), _bhsd(k), _bhsd(v), None, True, 0.0, causal, False, scale=scale
-    )
-    s, b, h, _ = q.shape
-    return _from_bhsd(res[0]), res[1].reshape(b, h, s)
-
-
-def _cudnn_bwd(dout, q, k, v, out, lse, causal, scale, native_gqa=None):
-    if native_gqa is None:
-        native_gqa = _cudnn_native_gqa(q.device, q.dtype)
-    kv_heads = k.shape[2]
-    if not native_gqa:
-        k, v = _expand_kv(k, q.shape[2]), _expand_kv(v, q.shape[2])
-    rng = _dummy_rng(q.device)
-    dq, dk, dv = _aten._scaled_dot_product_cudnn_attention_backward(
-        _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse.contiguous().unsqueeze(-1),
-        rng, rng, None, None, None, q.shape[0], k.shape[0], 0.0, causal, scale=scale,
-    )
-    return _from_bhsd(dq), _reduce_kv(_from_bhsd(dk), kv_heads), _reduce_kv(_from_bhsd(dv), kv_heads)
-
-
-_EFFICIENT_MAX_DIM = 128
-
-
-def _efficient_head_dim(q):
-    # Refused above 128: its backward's dq was wrong at 192 (MLA 192/128 zero-padded; 17-55% of
-    # dq off on H100, torch 2.11), found by functional/test_kernel_conformance.py.
-    if q.shape[-1] > _EFFICIENT_MAX_DIM:
-        raise NotImplementedError(f"cpkit attention: kernel 'efficient' takes head dims up to {_EFFICIENT_MAX_DIM}, "
-                                  f"got {q.shape[-1]}; use 'flash', 'cudnn' or 'cudnn_fe' (or let cpkit choose)")
-
-
-def _efficient_fwd(q, k, v, causal, scale):
-    _efficient_head_dim(q)
-    k, v = _expand_kv(k, q.shape[2]), _expand_kv(v, q.shape[2])
-    res = _aten._efficient_attention_forward(
-        _bshd(q), _bshd(k), _bshd(v), None, None, None, None, None, 0.0, 1 if causal else 0, True,
-        scale=scale,
-    )
-    # The LSE comes padded to a multiple of 32 queries.
-    return _bshd(res[0]), res[1][..., : q.shape[0]]
-
-
-def _efficient_bwd(dout, q, k, v, out, lse, causal, scale):
-    _efficient_head_dim(q)
-    kv_heads = k.shape[2]
-    k, v = _expand_kv(k, q.shape[2]), _expand_kv(v, q.shape[2])
-    s = q.shape[0]
-    lse_padded = lse.new_zeros((*lse.shape[:-1], (s + 31) // 32 * 32))
-    lse_padded[..., :s] = lse
-    rng = _dummy_rng(q.device)
-    dq, dk, dv, _ = _aten._efficient_attention_backward(
-        _bshd(dout), _bshd(q), _bshd(k), _bshd(v), None, _bshd(out), None, None, s, k.shape[0],
-        lse_padded, 0.0, rng, rng, 1 if causal else 0, False, scale=scale,
-    )
-    return _bshd(dq), _reduce_kv(_bshd(dk), kv_heads), _reduce_kv(_bshd(dv), kv_heads)
 
 
 def _fe_fwd(q, k, v, causal, scale):
@@ -256,36 +82,19 @@ def _fe_bwd(dout, q, k, v, out, lse, causal, scale):
     return cudnn_fe.bwd(dout, q, k, v, out, lse, scale, causal=causal)
 
 
+# The dense adapters by kernel name: torch's own kernels (sdpa_kernels.py), the cuDNN frontend
+# (cudnn_fe.py), exact math (math_kernel.py).
 _DENSE: dict[str, tuple[Callable, Callable]] = {
-    "cpu": (_cpu_fwd, _cpu_bwd),
+    "cpu": (sdpa_kernels.cpu_fwd, sdpa_kernels.cpu_bwd),
     "cudnn_fe": (_fe_fwd, _fe_bwd),
-    "math": (_math_fwd, _math_bwd),
-    "cudnn": (_cudnn_fwd, _cudnn_bwd),
-    "flash": (_flash_fwd, _flash_bwd),
-    "efficient": (_efficient_fwd, _efficient_bwd),
+    "math": (math_fwd, math_bwd),
+    "cudnn": (sdpa_kernels.cudnn_fwd, sdpa_kernels.cudnn_bwd),
+    "flash": (sdpa_kernels.flash_fwd, sdpa_kernels.flash_bwd),
+    "efficient": (sdpa_kernels.efficient_fwd, sdpa_kernels.efficient_bwd),
 }
+_math_fwd, _math_bwd = math_fwd, math_bwd  # the names tests/test_cudnn_fe.py compares against
 
 
-@functools.lru_cache(maxsize=None)
-def _cudnn_native_gqa(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether cuDNN attention gives, for un-expanded GQA KV, what it gives for expanded KV
-    (forward and backward). Probed once per device and dtype on a small shape."""
-    try:
-        gen = torch.Generator(device=device).manual_seed(0)
-        q, do = (torch.randn(128, 1, 4, 64, device=device, dtype=dtype, generator=gen) for _ in range(2))
-        k, v = (torch.randn(128, 1, 2, 64, device=device, dtype=dtype, generator=gen) for _ in range(2))
-        native = _cudnn_fwd(q, k, v, True, 0.125, native_gqa=True)
-        expanded = _cudnn_fwd(q, k, v, True, 0.125, native_gqa=False)
-        grads_n = _cudnn_bwd(do, q, k, v, native[0], native[1], True, 0.125, native_gqa=True)
-        grads_e = _cudnn_bwd(do, q, k, v, expanded[0], expanded[1], True, 0.125, native_gqa=False)
-        pairs = list(zip(native, expanded)) + list(zip(grads_n, grads_e))
-        return all(a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=2e-2, rtol=2e-2)
-                   for a, b in pairs)
-    except (RuntimeError, NotImplementedError):
-        return False
-
-
-# Kernels that take v with its own head dim; the others get zero-padded copies.
 _NATIVE_V_DIM = ("cudnn_fe", "math")
 
 
@@ -367,22 +176,6 @@ def _dense(direction: int, q, k, v, args: tuple, causal: bool, kernel: Optional[
 # varlen (THD): q [t, h, d], k/v [t_k, h_kv, d]
 
 
-def _flash_varlen_fwd(q, k, v, causal, scale, cu_q, cu_k, max_q, max_k):
-    res = _aten._flash_attention_forward(
-        q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k, 0.0, causal, False,
-        scale=scale,
-    )
-    return res[0], res[1]
-
-
-def _flash_varlen_bwd(dout, q, k, v, out, lse, causal, scale, cu_q, cu_k, max_q, max_k):
-    rng = _dummy_rng(q.device)
-    return _aten._flash_attention_backward(
-        dout, q, k, v, out, lse.contiguous(), cu_q.to(torch.int32), cu_k.to(torch.int32), max_q,
-        max_k, 0.0, causal, rng, rng, scale=scale,
-    )
-
-
 def _fe_wanted(q, kernel: Optional[str], needed: bool) -> bool:
     """Whether the cuDNN frontend is a candidate; asks `cudnn_fe.usable` (which warns once when
     the library is missing) only where the block needs it (`needed`) or `kernel` forces it."""
@@ -420,7 +213,7 @@ def _varlen(direction: int, q, args: tuple, max_seqlens: tuple, kernel: Optional
             return got
     if _use_flash_varlen(q, kernel):
         try:
-            return _call(direction, (_flash_varlen_fwd, _flash_varlen_bwd)[direction], "flash",
+            return _call(direction, (sdpa_kernels.flash_varlen_fwd, sdpa_kernels.flash_varlen_bwd)[direction], "flash",
                          (*args, *max_seqlens))
         except torch.OutOfMemoryError:
             raise
@@ -571,17 +364,3 @@ def attn_bwd(
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     return _dense(1, q, k, v, (dout, q, k, v, out, lse, causal, scale), causal, kernel)
 
-
-def reference_attention(q, k, v, causal: bool, scale: Optional[float] = None) -> torch.Tensor:
-    """Plain-PyTorch attention through autograd (materializes the scores): the test reference.
-
-    Dense q [s, b, h, d], k/v [s, b, h_kv, d]; computed in float32, returned in q.dtype.
-    """
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    h = q.shape[-2]
-    qf, kf, vf = q.float(), _expand_kv(k, h).float(), _expand_kv(v, h).float()
-    scores = torch.einsum("sbhd,tbhd->bhst", qf, kf) * scale
-    if causal:
-        mask = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.einsum("bhst,tbhd->sbhd", torch.softmax(scores, -1), vf).to(q.dtype)

@@ -112,8 +112,7 @@ def build_cases(backends, comms, kv_heads, cps, seqs, hcp_a2a: int, te_ok: bool)
 # ------------------------------------------------------------------------------------ workers
 
 
-def _dtype(name: str) -> torch.dtype:
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _make_groups(cps, hcp_a2a: int) -> dict:
@@ -146,7 +145,7 @@ def _make_groups(cps, hcp_a2a: int) -> dict:
 
 
 def _rand(shape, s: Settings, dev, grad=True):
-    t = torch.randn(*shape, device=dev, dtype=_dtype(s.dtype))
+    t = torch.randn(*shape, device=dev, dtype=_DTYPES[s.dtype])
     return t.requires_grad_(grad)
 
 

@@ -52,7 +52,10 @@ def add_parser(sub) -> None:
                         "Megatron-LM's DefaultDynamicCPScheduler (needs CPKIT_MLM_SRC)")
     p.add_argument("--min-cp", type=int, default=1, help="smallest CP group size (power of two)")
     p.add_argument("--microbatch-group-size", type=int, default=None,
-                   help="make the number of micro-batches a multiple of this (e.g. VPP stages)")
+                   help="make the number of micro-batches a multiple of this: Megatron-LM's "
+                        "microbatch_group_size_per_vp_stage, which defaults to the pipeline-parallel "
+                        "size; with virtual pipeline stages (VPP) pass that value (pp unless set), "
+                        "without VPP omit it")
     p.add_argument("--balance-tolerance", type=float, default=DEFAULT_BALANCE_TOLERANCE,
                    help=argparse.SUPPRESS)  # knob of the compute-only candidate, kept for old scripts
     model = p.add_argument_group("step-time model (cpkit.dynamic.cost)")

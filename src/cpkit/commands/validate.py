@@ -1,10 +1,12 @@
-"""`cpkit validate [--changed [BASE]]`: run what fits this machine and print one table per feature.
+"""`cpkit validate [--changed [BASE] [--wide]]`: run what fits this machine and print one table per feature.
 
 Without --changed: the unit tests, the `dist` tests (gloo) and the gpu1/gpu2/gpu4 tests where
 enough CUDA devices are present, in one pytest process. With --changed: only the test files that
 cover the paths changed since BASE (default: the merge base with main; on main itself, or
 without main, HEAD when there are uncommitted changes, else HEAD~1; uncommitted and untracked
-files included), chosen by src/cpkit/change_map.py::CHANGE_MAP. Then
+files included), chosen by src/cpkit/change_map.py::CHANGE_MAP: for a changed module the tests
+that use a changed function or class through its own package, or with --wide every test that
+imports the module, directly or through other cpkit modules. Then
 `cpkit cards check`, `cpkit skills check` and each card's follow-up status. Prints feature,
 check, result, time, the GPU tests still owed; exits 1 on any failure.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import re
 import subprocess
 import sys
 import time
@@ -22,7 +25,7 @@ from cpkit.change_map import select_tests
 from cpkit.commands import repo_root
 from cpkit.pytest_runner import run_pytest
 
-__all__ = ["add_parser", "run", "FEATURE_TESTS", "feature_of", "changed_paths", "gpu_owed"]
+__all__ = ["add_parser", "run", "FEATURE_TESTS", "feature_of", "changed_paths", "changed_lines", "gpu_owed"]
 
 # Test file -> feature slug (the first matching pattern wins).
 FEATURE_TESTS: list[tuple[str, str]] = [
@@ -82,6 +85,20 @@ def changed_paths(root: Path, base: str | None) -> tuple[str, list[str]]:
     diff = _git(root, "diff", "--name-only", "--no-renames", base, "--") or ""
     untracked = _git(root, "ls-files", "--others", "--exclude-standard") or ""
     return base, sorted({p for p in (diff + untracked).splitlines() if p.strip()})
+
+
+_HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+(\d+)(?:,(\d+))? @@", re.M)
+
+
+def changed_lines(root: Path, base: str, path: str) -> set[int] | None:
+    """Line numbers of repository `path` (as it is now) that differ from `base`; a deletion
+    marks the lines either side of it. None when git shows no hunk (an untracked file)."""
+    diff = _git(root, "diff", "-U0", "--no-renames", base, "--", path) or ""
+    out: set[int] = set()
+    for start, count in _HUNK.findall(diff):
+        start, count = int(start), 1 if count == "" else int(count)
+        out.update(range(start, start + count) if count else (start, start + 1))
+    return out if _HUNK.search(diff) else None
 
 
 def _summarise(records: list[dict], levels: dict) -> list[dict]:
@@ -215,7 +232,9 @@ def run(args) -> int:
         except ValueError as exc:
             print(f"cpkit validate: {exc}", file=sys.stderr)
             return 2
-        selection = select_tests(changed)
+        modules = [p for p in changed if p.startswith("src/cpkit/") and p.endswith(".py")]
+        selection = select_tests(changed, narrow=not args.wide,
+                                 lines={p: changed_lines(root, base, p) for p in modules})
         report["changed"] = {"base": base, "paths": changed, **selection.to_dict()}
         paths = [p for p in selection.files if (root / p).exists()]
         report["changed"]["run"] = paths
@@ -262,6 +281,10 @@ def add_parser(sub):
     p.add_argument("--changed", nargs="?", const="", default=None, metavar="BASE",
                    help="only the tests that cover paths changed since BASE (default: merge base with main; on "
                         "main, HEAD with uncommitted changes, else HEAD~1), uncommitted changes included")
+    p.add_argument("--wide", action="store_true",
+                   help="with --changed: every test that imports a changed module, directly or through "
+                        "other cpkit modules (default: the tests that use a changed function or class "
+                        "through its own package)")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="write the report as JSON to PATH, or to stdout when PATH is left out")
     p.add_argument("-m", "--markers", default="",

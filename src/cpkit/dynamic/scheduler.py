@@ -177,7 +177,7 @@ def _validate(lens, dp_cp_size, max_seq_len_per_rank, min_cp_size, group_size, t
         ))
     if group_size is not None and not _is_pos_int(group_size):
         bad.append(Violation("microbatch_group_size", group_size, "must be None or an int >= 1",
-                             "pass the number of virtual pipeline stages, or None"))
+                             "with VPP pass microbatch_group_size_per_vp_stage (default: pp), else None"))
     if not (isinstance(tolerance, (int, float)) and math.isfinite(tolerance) and tolerance >= 0):
         bad.append(Violation("balance_tolerance", tolerance, "must be a finite number >= 0",
                              f"pass e.g. {DEFAULT_BALANCE_TOLERANCE}"))
@@ -419,8 +419,9 @@ def schedule(
     dp_cp_size: N, the size of the DPxCP group (need not be a power of two).
     max_seq_len_per_rank: M, the most tokens any rank may hold in one micro-batch.
     min_cp_size: smallest CP group size (power of two dividing N).
-    microbatch_group_size: if set (e.g. virtual pipeline stages), the number of micro-batches is
-        a multiple of it; micro-batches are left empty only when there are fewer samples.
+    microbatch_group_size: if set, the number of micro-batches is a multiple of it: with VPP,
+        Megatron-LM's microbatch_group_size_per_vp_stage (default: the pipeline-parallel size);
+        None without VPP; micro-batches are left empty only when there are fewer samples.
     workload: cost of one sample from its length that the balancing candidate spreads over its
         group (default: the cost model's time of the sample at its needed CP size, times that
         size: the rank-seconds it takes).
