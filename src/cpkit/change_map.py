@@ -112,7 +112,7 @@ CHANGE_MAP: tuple[Row, ...] = (
     Row(("src/cpkit/devices.py",), ("tests/test_devices.py", "tests/test_cards.py"), ("functional/test_examples.py",),
         "unit, dist, gpu2, gpu4: the examples start their ranks with it (NCCL on GPUs under torchrun)"),
     Row(("examples/",), ("tests/test_skills.py",), ("functional/test_examples.py",),
-        "dist: each example runs as written (a changed module selects the test when an example imports it)"),
+        "dist, gpu2, gpu4: each example under torchrun at every size it names (a changed module selects the test when an example imports it)"),
     Row(("src/cpkit/testing/thread_ring.py",), ("tests/test_ring_threads.py",), (), "unit"),
     Row(("src/cpkit/testing/mlm_probes.py",), ("tests/test_dynamic_mlm.py",), (),
         "unit (with CPKIT_MLM_SRC set: the probes run in a Megatron-LM checkout's worker)"),
