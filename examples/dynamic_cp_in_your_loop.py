@@ -5,7 +5,7 @@ sequence run alone at CP 1. On 2 or 4 ranks.
 
     python examples/dynamic_cp_in_your_loop.py                       # spawns 2 gloo ranks on CPU
     torchrun --nproc-per-node 2 examples/dynamic_cp_in_your_loop.py  # or 4; torchrun starts them
-                                                                     # on a GPU host: nccl, cuda:LOCAL_RANK
+    torchrun --nproc-per-node 4 examples/dynamic_cp_in_your_loop.py  # on a GPU host: nccl, cuda:LOCAL_RANK
 
 Under torchrun with a GPU for each LOCAL_RANK every rank runs NCCL on cuda:LOCAL_RANK and MCore
 on CUDA; otherwise gloo on CPU (cpkit.devices.init_rank). Rank 0 prints each rank's backend and

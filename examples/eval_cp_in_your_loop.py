@@ -5,8 +5,8 @@ pair holds half of every sequence), check that the training groups are back, and
 global eval loss with the same samples evaluated at CP 1. N is 2, 4 or 8.
 
     python examples/eval_cp_in_your_loop.py                       # spawns 2 gloo ranks on CPU
-    torchrun --nproc-per-node 4 examples/eval_cp_in_your_loop.py  # or 2 or 8; torchrun starts them
-                                                                  # on a GPU host: nccl, cuda:LOCAL_RANK
+    torchrun --nproc-per-node 8 examples/eval_cp_in_your_loop.py  # or 2 or 4; torchrun starts them
+    torchrun --nproc-per-node 4 examples/eval_cp_in_your_loop.py  # on a GPU host: nccl, cuda:LOCAL_RANK
 
 Under torchrun with a GPU for each LOCAL_RANK every rank runs NCCL on cuda:LOCAL_RANK and MCore
 on CUDA; otherwise gloo on CPU (cpkit.devices.init_rank). Rank 0 prints each rank's backend and

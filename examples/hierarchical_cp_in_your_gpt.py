@@ -3,8 +3,8 @@ across the pairs ([2, N/2]), one training step on N ranks, checked against the s
 (data parallel, one sequence per rank): same loss, same gradients. N is 4 ([2, 2]) or 2 ([2, 1]).
 
     python examples/hierarchical_cp_in_your_gpt.py                       # spawns 4 gloo ranks on CPU
-    torchrun --nproc-per-node 4 examples/hierarchical_cp_in_your_gpt.py  # or 2; torchrun starts them
-                                                                         # on a GPU host: nccl, cuda:LOCAL_RANK
+    torchrun --nproc-per-node 2 examples/hierarchical_cp_in_your_gpt.py  # or 4; torchrun starts them
+    torchrun --nproc-per-node 4 examples/hierarchical_cp_in_your_gpt.py  # on a GPU host: nccl, cuda:LOCAL_RANK
 
 Under torchrun with a GPU for each LOCAL_RANK every rank runs NCCL on cuda:LOCAL_RANK and MCore
 on CUDA; otherwise gloo on CPU (cpkit.devices.init_rank). Rank 0 prints each rank's backend and

@@ -10,17 +10,20 @@ from cpkit import devices
 from cpkit.errors import CPConfigError
 
 
-@pytest.mark.parametrize("local_rank,gpus,want", [
-    (None, 8, ("gloo", "cpu")),  # not under torchrun: CPU, whatever the host has
-    ("0", 0, ("gloo", "cpu")),  # torchrun on a host without GPUs
-    ("1", 2, ("nccl", "cuda:1")),
-    ("3", 2, ("gloo", "cpu")),  # no GPU for this local rank
+@pytest.mark.parametrize("local_rank,local_world,gpus,want", [
+    (None, None, 8, ("gloo", "cpu")),  # not under torchrun: CPU, whatever the host has
+    ("0", "2", 0, ("gloo", "cpu")),  # torchrun on a host without GPUs
+    ("1", "2", 2, ("nccl", "cuda:1")),
+    ("1", "4", 2, ("gloo", "cpu")),  # too few GPUs for the host's ranks: every rank of it on gloo
+    ("3", "4", 2, ("gloo", "cpu")),
+    ("1", None, 2, ("nccl", "cuda:1")),  # without LOCAL_WORLD_SIZE: a GPU for this local rank
 ])
-def test_rank_device_follows_torchrun_and_the_gpus(monkeypatch, local_rank, gpus, want):
-    if local_rank is None:
-        monkeypatch.delenv("LOCAL_RANK", raising=False)
-    else:
-        monkeypatch.setenv("LOCAL_RANK", local_rank)
+def test_rank_device_follows_torchrun_and_the_gpus(monkeypatch, local_rank, local_world, gpus, want):
+    for name, value in (("LOCAL_RANK", local_rank), ("LOCAL_WORLD_SIZE", local_world)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
     monkeypatch.setattr(devices, "cuda_device_count", lambda: gpus)
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     rd = devices.rank_device()

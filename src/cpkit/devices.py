@@ -2,7 +2,7 @@
 checkers use), and which backend and device a rank of a user's loop runs on.
 
 `rank_device()` is the choice: NCCL on cuda:LOCAL_RANK where torchrun started the rank and CUDA
-has a device for its LOCAL_RANK, gloo on CPU otherwise (or the backend of a process group that
+has a device for every local rank, gloo on CPU otherwise (or the backend of a process group that
 is already up, such as one cpkit.launch started). `init_rank()` acts on it in a training loop's
 start-up: the default process group, the current CUDA device, and MCore made ready for that
 device (the CPU shim on CPU, MCore's CUDA RNG state and memory buffer on CUDA).
@@ -47,8 +47,9 @@ def rank_device() -> RankDevice:
 
     With a default process group already initialized, its backend decides (nccl: cuda:LOCAL_RANK;
     else cpu). Otherwise: nccl on cuda:LOCAL_RANK when LOCAL_RANK is set (torchrun sets it) and
-    CUDA sees more than LOCAL_RANK devices; gloo on CPU when not (no torchrun, no GPU, or
-    CUDA_VISIBLE_DEVICES hiding them).
+    CUDA sees a device for every local rank (LOCAL_WORLD_SIZE of them, so that all ranks of a
+    host agree: 8 ranks on a 4-GPU host all take gloo); gloo on CPU when not (no torchrun, too
+    few GPUs, or CUDA_VISIBLE_DEVICES hiding them).
     """
     import torch
     import torch.distributed as dist
@@ -57,7 +58,8 @@ def rank_device() -> RankDevice:
     if dist.is_available() and dist.is_initialized():
         backend = "nccl" if "nccl" in str(dist.get_backend()) else "gloo"
     else:
-        backend = "nccl" if local is not None and cuda_device_count() > int(local) else "gloo"
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", int(local or 0) + 1))
+        backend = "nccl" if local is not None and cuda_device_count() >= ranks_here else "gloo"
     device = torch.device("cuda", int(local or 0)) if backend == "nccl" else torch.device("cpu")
     return RankDevice(backend, device)
 
