@@ -1,70 +1,155 @@
-"""The examples a user copies into their own training loop (examples/, one per skill) run as
-written: `python examples/<name>.py` in a fresh process, which spawns its gloo ranks on CPU, exits
-0 within the timeout and prints its result. Each example asserts its own numbers (the loss, and
-the gradients where it trains at two layouts, against CP 1 within 1e-5 in fp32; a failed assert
-exits non-zero); the test checks the exit status and the printed lines."""
+"""The examples a user copies into their own training loop (examples/, one per skill) run where
+the user runs them: under torchrun (`python -m torch.distributed.run --nproc-per-node N`) at every
+world size an example's docstring names, on gloo with the GPUs hidden (marker dist, CI) and on
+NCCL with one GPU per rank (gpu2, gpu4); and as `python examples/<name>.py`, which spawns its gloo
+ranks itself. Each example asserts its own numbers (loss and gradients against CP 1, with the
+tolerances per dtype it states; a failed assert exits non-zero); the test checks the exit status,
+that every rank used the expected backend and device, and the printed lines. A launch that runs
+past the timeout is killed with all its ranks, and its output is reported.
+
+    python -m pytest -m "gpu2 or gpu4" functional/test_examples.py -rP   # NCCL, with each run's output
+"""
 
 from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.dist
-
 ROOT = Path(__file__).resolve().parents[1]
-TIMEOUT_S = 420
+TIMEOUT_S = 300
 
 FLOAT = r"\d+\.\d{6}"
+CHECKED = r"checked: loss and \d+ gradients .* torch\.float32, loss within 1e-05, gradients rtol 1e-05 atol 1e-05"
+
+
+def _hcp_line(n: int) -> str:
+    return r"HIERARCHICAL_CONTEXT_PARALLEL_GROUPS a2a=\[0, 1\] p2p=\[0" + (r", 2\]" if n == 4 else r"\]")
+
+
+# name -> (the world sizes its docstring names, the lines it prints at world size n)
 EXAMPLES = {
-    "eval_cp_in_your_loop.py": [
-        rf"train loss \(cp 1, 2 ranks\): {FLOAT}",
+    "cp_attention_in_your_gpt.py": ((2, 4), lambda n: [
+        CHECKED, rf"loss at cp {n}: {FLOAT}; at cp 1: {FLOAT}; largest gradient difference"]),
+    "hierarchical_cp_in_your_gpt.py": ((2, 4), lambda n: [
+        _hcp_line(n), CHECKED,
+        rf"loss at cp {n} \(a2a\+p2p \[2, {n // 2}\]\): {FLOAT}; at cp 1: {FLOAT}; largest gradient difference"]),
+    "dynamic_cp_in_your_loop.py": ((2, 4), lambda n: [
+        r"plan: \d+ micro-batches, CP sizes \[1, 2\]", CHECKED,
+        rf"loss with dynamic CP: {FLOAT}; each sequence alone at cp 1: {FLOAT}; largest gradient difference"]),
+    "eval_cp_in_your_loop.py": ((2, 4, 8), lambda n: [
+        rf"train loss \(cp 1, {n} ranks\): {FLOAT}",
+        rf"eval at cp 2 x dp {n // 2}: samples " + "; ".join(
+            rf"replica {d}: {d * 16 // n}-{(d + 1) * 16 // n - 1}" for d in range(n // 2)) + r" \(of 8\)",
+        r"checked: eval loss over the 8 samples at cp 2 against cp 1, torch\.float32, within 1e-05",
         rf"eval loss at cp 2: {FLOAT}; at cp 1: {FLOAT}",
-        r"rebound \d+ attributes, e\.g\. .+; restored: True",
-    ],
-    "cp_attention_in_your_gpt.py": [rf"loss at cp 2: {FLOAT}; at cp 1: {FLOAT}; largest gradient difference"],
-    "hierarchical_cp_in_your_gpt.py": [
-        r"HIERARCHICAL_CONTEXT_PARALLEL_GROUPS a2a=\[0, 1\] p2p=\[0, 2\]",
-        rf"loss at cp 4 \(a2a\+p2p \[2, 2\]\): {FLOAT}; at cp 1: {FLOAT}; largest gradient difference",
-    ],
-    "bridge_a2a_p2p.py": [
-        r"HIERARCHICAL_CONTEXT_PARALLEL_GROUPS a2a=\[0, 1\] p2p=\[0, 2\]",
-        rf"loss at cp 4 \(a2a\+p2p \[2, 2\], Bridge's groups\): {FLOAT}; at cp 1: {FLOAT}; largest gradient difference",
-    ],
-    "dynamic_cp_in_your_loop.py": [
-        r"plan: \d+ micro-batches, CP sizes \[1, 2\]",
-        rf"loss with dynamic CP: {FLOAT}; each sequence alone at cp 1: {FLOAT}",
-    ],
+        r"rebound \d+ attributes, e\.g\. .+; restored: True"]),
+    "bridge_a2a_p2p.py": ((2, 4), lambda n: [
+        _hcp_line(n), CHECKED,
+        rf"loss at cp {n} \(a2a\+p2p \[2, {n // 2}\], Bridge's groups\): {FLOAT}; at cp 1: {FLOAT}; "
+        r"largest gradient difference"]),
 }
+NEEDS_BRIDGE = ("bridge_a2a_p2p.py",)  # runs Megatron-Bridge's code: skipped with the reason without it
+GPU_MARKS = {2: pytest.mark.gpu2, 4: pytest.mark.gpu4}
 
 
-# Examples that run Megatron-Bridge's code: skipped with the reason without a checkout.
-NEEDS_BRIDGE = ("bridge_a2a_p2p.py",)
+def _cases(backend: str) -> list:
+    """(example, world size) for every size it names; on NCCL those that fit the GPU tier's 4 GPUs."""
+    marks = {n: GPU_MARKS.get(n) if backend == "nccl" else pytest.mark.dist for n in (2, 4, 8)}
+    return [pytest.param(name, n, id=f"{name}-{n}", marks=marks[n])
+            for name, (sizes, _) in sorted(EXAMPLES.items()) for n in sizes if marks[n] is not None]
+
+
+def _skip_without_bridge(name: str) -> None:
+    if name in NEEDS_BRIDGE:
+        from cpkit.bridge import bridge_src
+
+        src, why = bridge_src()
+        if src is None:
+            pytest.skip(why)
+
+
+def _run(cmd: list[str], *, hide_gpus: bool) -> str:
+    """Run `cmd` from the repository root in a session of its own; on a timeout kill the whole
+    session (torchrun and its ranks) and fail with the output so far. Returns stdout; fails with
+    stdout and stderr on a non-zero exit."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                              "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
+    if hide_gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(cmd[2:])} ran past {TIMEOUT_S} s:\n{out}\n{err[-6000:]}")
+    assert proc.returncode == 0, f"{' '.join(cmd[2:])} exited {proc.returncode}:\n{out}\n{err[-6000:]}"
+    return out
+
+
+def _check_output(name: str, n: int, out: str, backend: str) -> None:
+    device = "cpu" if backend == "gloo" else "cuda:{r}"
+    ranks = "; ".join(f"rank {r}: {backend} on {device.format(r=r)}" for r in range(n))
+    assert f"ranks: {ranks}\n" in out, f"examples/{name} on {n} ranks: expected '{ranks}':\n{out}"
+    for pattern in EXAMPLES[name][1](n):
+        assert re.search(pattern, out), f"examples/{name} on {n} ranks did not print /{pattern}/:\n{out}"
+
+
+def _torchrun(name: str, n: int, backend: str) -> None:
+    _skip_without_bridge(name)
+    out = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+                f"examples/{name}"], hide_gpus=backend == "gloo")
+    print(out)  # the evidence: each rank's backend and device, what was checked, the numbers (-rP shows it)
+    _check_output(name, n, out, backend)
 
 
 def test_every_example_is_tested():
     assert sorted(EXAMPLES) == sorted(p.name for p in (ROOT / "examples").glob("*.py"))
 
 
-@pytest.mark.parametrize("name", sorted(EXAMPLES))
-def test_example_runs_as_written(name):
-    if name in NEEDS_BRIDGE:
-        from cpkit.testing.bridge_src import bridge_src
+def test_every_example_names_its_world_sizes_and_nccl():
+    """The sizes tested are the ones the example accepts, and it says how it runs on GPUs."""
+    for name, (sizes, _) in EXAMPLES.items():
+        text = (ROOT / "examples" / name).read_text()
+        assert f"WORLD_SIZES = {sizes}" in text, f"examples/{name}: WORLD_SIZES differs from the test's {sizes}"
+        assert "nccl" in text and "cpkit.testing" not in text, f"examples/{name}"
 
-        src, why = bridge_src()
-        if src is None:
-            pytest.skip(why)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}  # not under torchrun
-    try:
-        proc = subprocess.run([sys.executable, f"examples/{name}"], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"examples/{name} ran past {TIMEOUT_S} s:\n{exc.stdout}\n{exc.stderr}")
-    assert proc.returncode == 0, f"examples/{name} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    for pattern in EXAMPLES[name]:
-        assert re.search(pattern, proc.stdout), f"examples/{name} did not print /{pattern}/:\n{proc.stdout}"
+
+@pytest.mark.parametrize("name,n", _cases("gloo"))
+def test_example_under_torchrun_on_gloo(name, n):
+    _torchrun(name, n, "gloo")
+
+
+@pytest.mark.parametrize("name,n", _cases("nccl"))
+def test_example_under_torchrun_on_nccl(name, n):
+    _torchrun(name, n, "nccl")
+
+
+@pytest.mark.dist
+def test_example_spawns_its_own_gloo_ranks():
+    """`python examples/<name>.py` without torchrun: the example's own launch (cpkit.launch) of
+    gloo ranks on CPU, the same in every example."""
+    name = "cp_attention_in_your_gpt.py"
+    out = _run([sys.executable, f"examples/{name}"], hide_gpus=False)
+    _check_output(name, 2, out, "gloo")
+
+
+@pytest.mark.dist
+def test_an_unsupported_world_size_is_refused_with_the_fix():
+    """One rank (the cheapest size no example takes): refused before any group is built."""
+    err = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+         "examples/cp_attention_in_your_gpt.py"], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "",
+             "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])})
+    assert err.returncode != 0
+    assert ("world_size=1: examples/cp_attention_in_your_gpt.py runs on 2 or 4 ranks; "
+            "fix: torchrun --nproc-per-node 2 examples/cp_attention_in_your_gpt.py") in err.stderr, err.stderr[-4000:]

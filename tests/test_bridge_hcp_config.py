@@ -2,7 +2,7 @@
 `cpkit layout check` runs), on the configurations of `cpkit.testing.bridge_hcp.CONFIGS`.
 
 Bridge's checks run from the checkout named by CPKIT_BRIDGE_SRC (loaded by file path:
-`cpkit.testing.bridge_src`); without it those tests skip with the reason, and cpkit's side still
+`cpkit.bridge`); without it those tests skip with the reason, and cpkit's side still
 runs. Where the two disagree:
 - Bridge accepts a configuration that cannot train correctly: a strict xfail naming Bridge's
   check, next to the passing test of cpkit refusing the same configuration;

@@ -118,19 +118,21 @@ CHANGE_MAP: tuple[Row, ...] = (
         ("functional/test_bench.py", "functional/test_replay_gpu.py", "functional/test_dynamic_step.py"),
         "unit, dist, gpu1; 4 GPUs: `python -m cpkit.bench dynamic_step`"),
     Row(("src/cpkit/commands/layout.py",), ("tests/test_layout_cli.py",), (), "unit"),
-    Row(("src/cpkit/testing/bridge_src.py", "src/cpkit/testing/bridge_hcp.py", "src/cpkit/testing/scenarios/bridge_hcp.py"),
+    Row(("src/cpkit/bridge.py", "src/cpkit/testing/bridge_hcp.py", "src/cpkit/testing/scenarios/bridge_hcp.py"),
         ("tests/test_bridge_src.py", "tests/test_bridge_hcp_config.py", "tests/test_eval_cp_protocol.py"),
         ("functional/test_bridge_hcp.py", "functional/test_examples.py"),
         "unit, dist, gpu4; with CPKIT_BRIDGE_SRC set the Bridge side runs, else it skips with the reason"),
+    Row(("src/cpkit/devices.py",), ("tests/test_devices.py", "tests/test_cards.py"), ("functional/test_examples.py",),
+        "unit, dist, gpu2, gpu4: the examples start their ranks with it (NCCL on GPUs under torchrun)"),
     Row(("examples/",), ("tests/test_skills.py",), ("functional/test_examples.py",),
-        "dist: each example runs as written (a changed module selects the test when an example imports it)"),
+        "dist, gpu2, gpu4: each example under torchrun at every size it names (a changed module selects the test when an example imports it)"),
     Row(("src/cpkit/testing/thread_ring.py",), ("tests/test_ring_threads.py",), (), "unit"),
     Row(("src/cpkit/testing/mlm_probes.py",), ("tests/test_dynamic_mlm.py",), (),
         "unit (with CPKIT_MLM_SRC set: the probes run in a Megatron-LM checkout's worker)"),
     Row(("src/cpkit/cards/", "src/cpkit/skills/", "src/cpkit/anchors.py", "src/cpkit/strict_yaml.py",
          "src/cpkit/repo.py", "src/cpkit/pytest_runner.py", "src/cpkit/change_map.py", "src/cpkit/import_graph.py", "src/cpkit/symbol_graph.py", "src/cpkit/cli.py",
          "src/cpkit/commands/__init__.py", "src/cpkit/commands/cards.py", "src/cpkit/commands/skills.py",
-         "src/cpkit/commands/validate.py", "src/cpkit/devices.py", "src/cpkit/testing/mutation.py",
+         "src/cpkit/commands/validate.py", "src/cpkit/testing/mutation.py",
          "cards/", "skills/"),
         ("tests/test_cards.py", "tests/test_cards_upstream.py", "tests/test_cards_results.py", "tests/test_skills.py", "tests/test_repo_cards_skills.py", "tests/test_validate.py",
          "tests/test_change_map.py", "tests/test_symbol_graph.py", "tests/test_cli_output.py", "tests/test_mutation.py"), (), "unit"),
@@ -285,7 +287,7 @@ SKILL_TABLE_END = "<!-- end of generated table -->"
 #: one has parts that run only with the variable set (they skip with the reason without it).
 UPSTREAM_LOOKUPS = {
     "CPKIT_MLM_SRC": ("src/cpkit/dynamic/mlm.py", "mlm_src"),
-    "CPKIT_BRIDGE_SRC": ("src/cpkit/testing/bridge_src.py", "bridge_src"),
+    "CPKIT_BRIDGE_SRC": ("src/cpkit/bridge.py", "bridge_src"),
 }
 
 

@@ -23,7 +23,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from cpkit.gpu_claim import CLAIM_ENV, claim_gpus, visible_gpu_ids
+from cpkit.gpu_claim import CLAIM_ENV, claim_gpus, cuda_device_count, visible_gpu_ids
 from cpkit.launch_times import record_grid_times, record_times
 from cpkit.notices import child_warnoptions
 from cpkit.rank_stderr import StderrFollower, capture_stderr, describe_exit
@@ -258,8 +258,6 @@ def launch(
     if backend != "nccl" or os.environ.get(CLAIM_ENV) == "0":
         return _launch(fn, world_size, backend, timeout, args, kwargs, pg_timeout, cuda_visible, _on_progress,
                        None, max(1, (os.cpu_count() or 1) // world_size))
-    from cpkit.devices import cuda_device_count
-
     count = cuda_device_count()
     asked = time.monotonic()
     with claim_gpus(world_size, visible_gpu_ids(count)) as mine:

@@ -1,6 +1,6 @@
 """Megatron-Bridge's hierarchical-CP configuration checks beside cpkit's, on the same configs.
 
-Bridge's checks, run from its checkout (`cpkit.testing.bridge_src`), in the order a Bridge run
+Bridge's checks, run from its checkout (`cpkit.bridge`), in the order a Bridge run
 meets them:
 1. `megatron/bridge/models/transformer_config.py::TransformerConfig.finalize` (runs MCore's
    `TransformerConfig.__post_init__`);
@@ -21,8 +21,9 @@ import json
 import sys
 import types
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
+from cpkit.bridge import DistInit, bridge_model_config, bridge_modules
 from cpkit.errors import CPConfigError
 from cpkit.layout import CPLayout
 
@@ -44,7 +45,6 @@ __all__ = [
 BRIDGE_FINALIZE = "megatron/bridge/models/transformer_config.py::TransformerConfig.finalize"
 BRIDGE_CONFIG_CHECK = "megatron/bridge/training/config.py::ConfigContainer._validate_cp_comm_type"
 BRIDGE_DECENTRALIZED_CHECK = "megatron/bridge/training/initialize.py::_create_pg_collection"
-_INITIALIZE = "megatron/bridge/training/initialize.py"
 
 
 @dataclass(frozen=True)
@@ -132,61 +132,6 @@ class Verdict:
     """The exception type and its first line, empty when accepted."""
     fields: list = field(default_factory=list)
     """For cpkit: the fields its violations name."""
-
-
-def bridge_modules() -> types.SimpleNamespace:
-    """Bridge's checks loaded from the checkout: `.TransformerConfig` (Bridge's class),
-    `.validate_cp_comm_type(self)`, `.create_pg_collection(...)`, `.initialize_distributed(...)`,
-    `.src` and `.commit`. Raises ImportError with the skip reason when Bridge is not there."""
-    from cpkit.testing import bridge_src
-
-    src, why = bridge_src.bridge_src()
-    if src is None:
-        raise ImportError(why)
-    model = bridge_src.load_module("megatron/bridge/models/transformer_config.py", src=src)
-    config = bridge_src.load_functions("megatron/bridge/training/config.py",
-                                       ["ConfigContainer._validate_cp_comm_type"], src=src)
-    init = bridge_src.load_functions(_INITIALIZE, ["_initialize_distributed", "_create_pg_collection"], src=src)
-    return types.SimpleNamespace(
-        TransformerConfig=model.TransformerConfig,
-        MLATransformerConfig=model.MLATransformerConfig,
-        validate_cp_comm_type=getattr(config, "ConfigContainer._validate_cp_comm_type"),
-        create_pg_collection=init._create_pg_collection,
-        initialize_distributed=init._initialize_distributed,
-        missing_imports=bridge_src.missing_imports(init),
-        src=src,
-        commit=bridge_src.bridge_commit(src),
-    )
-
-
-@dataclass
-class DistInit:
-    """The fields of Bridge's `cfg.dist` (`megatron.bridge.training.config.DistributedInitConfig`,
-    a subclass of Megatron-LM's `megatron.training.config.DistributedInitConfig`, which is not in
-    the megatron-core wheel) that `_initialize_distributed` reads on the MPU path once
-    torch.distributed is initialized, with their defaults there; the backend is the launch's."""
-
-    distributed_backend: str = "nccl"
-    use_decentralized_pg: bool = False
-    distributed_timeout_minutes: int = 10
-    nccl_communicator_config_path: Optional[str] = None
-    use_tp_pp_dp_mapping: bool = False
-    use_gloo_process_groups: bool = True
-    use_sharp: bool = False
-    sharp_enabled_group: Optional[str] = None
-    high_priority_stream_groups: list = field(default_factory=list)
-    external_gpu_device_mapping: bool = False
-
-
-def bridge_model_config(bridge: types.SimpleNamespace, **kwargs: Any) -> Any:
-    """Bridge's TransformerConfig (MLATransformerConfig with multi_latent_attention=True) from
-    keyword fields, finalized (MCore's __post_init__ run) and passed through
-    ConfigContainer._validate_cp_comm_type, as ConfigContainer.validate does."""
-    cls = bridge.MLATransformerConfig if kwargs.get("multi_latent_attention") else bridge.TransformerConfig
-    config = cls(**kwargs)
-    config.finalize()
-    bridge.validate_cp_comm_type(types.SimpleNamespace(model=config))
-    return config
 
 
 def _first_line(err: BaseException) -> str:

@@ -33,7 +33,7 @@ from typing import Any, Callable, ContextManager, Mapping, Optional
 
 import torch
 
-from cpkit.testing.bridge_src import BRIDGE_SRC_ENV, bridge_src
+from cpkit.bridge import BRIDGE_SRC_ENV, bridge_src
 
 __all__ = [
     "BRIDGE_SRC_ENV",

@@ -64,7 +64,7 @@ def bridge_hcp_case(case):
     from cpkit.layout import CPLayout
     from cpkit.groups import build_pg_collection
     from cpkit.sharding import shard_batch
-    from cpkit.testing.bridge_hcp import DistInit, bridge_model_config, bridge_modules
+    from cpkit.bridge import DistInit, bridge_model_config, bridge_modules
     from cpkit.testing.compare import assert_grads_close
     from cpkit.mcore_cpu import install_mcore_cpu_shim
     from cpkit.launch import device

@@ -17,6 +17,11 @@ need torch and megatron.core. So, without installing Bridge's dependencies:
 
 Without CPKIT_BRIDGE_SRC, an importable `megatron.bridge` (the released package) is used;
 without either, `bridge_src()` gives the skip reason.
+
+On top of the loader, what a loop that runs Bridge's initialization needs: `bridge_modules()`
+(Bridge's TransformerConfig, its cp_comm_type check, `_initialize_distributed`,
+`_create_pg_collection`), `bridge_model_config()` (a finalized, checked Bridge model config) and
+`DistInit` (the `cfg.dist` fields `_initialize_distributed` reads).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import os
 import subprocess
 import sys
 import types
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -36,7 +42,10 @@ from cpkit.errors import CPConfigError
 
 __all__ = [
     "BRIDGE_SRC_ENV",
+    "DistInit",
     "MissingImport",
+    "bridge_model_config",
+    "bridge_modules",
     "bridge_commit",
     "bridge_src",
     "load_functions",
@@ -305,3 +314,56 @@ def _compile_function(node: ast.AST, scope: dict, path: Path) -> Any:
     code = compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec")
     exec(code, scope)
     return scope[node.name]
+
+
+def bridge_modules() -> types.SimpleNamespace:
+    """Bridge's checks loaded from the checkout: `.TransformerConfig` (Bridge's class),
+    `.validate_cp_comm_type(self)`, `.create_pg_collection(...)`, `.initialize_distributed(...)`,
+    `.src` and `.commit`. Raises ImportError with the skip reason when Bridge is not there."""
+    src, why = bridge_src()
+    if src is None:
+        raise ImportError(why)
+    model = load_module("megatron/bridge/models/transformer_config.py", src=src)
+    config = load_functions("megatron/bridge/training/config.py", ["ConfigContainer._validate_cp_comm_type"], src=src)
+    init = load_functions("megatron/bridge/training/initialize.py", ["_initialize_distributed", "_create_pg_collection"],
+                          src=src)
+    return types.SimpleNamespace(
+        TransformerConfig=model.TransformerConfig,
+        MLATransformerConfig=model.MLATransformerConfig,
+        validate_cp_comm_type=getattr(config, "ConfigContainer._validate_cp_comm_type"),
+        create_pg_collection=init._create_pg_collection,
+        initialize_distributed=init._initialize_distributed,
+        missing_imports=missing_imports(init),
+        src=src,
+        commit=bridge_commit(src),
+    )
+
+
+@dataclass
+class DistInit:
+    """The fields of Bridge's `cfg.dist` (`megatron.bridge.training.config.DistributedInitConfig`,
+    a subclass of Megatron-LM's `megatron.training.config.DistributedInitConfig`, which is not in
+    the megatron-core wheel) that `_initialize_distributed` reads on the MPU path once
+    torch.distributed is initialized, with their defaults there; the backend is the launch's."""
+
+    distributed_backend: str = "nccl"
+    use_decentralized_pg: bool = False
+    distributed_timeout_minutes: int = 10
+    nccl_communicator_config_path: Optional[str] = None
+    use_tp_pp_dp_mapping: bool = False
+    use_gloo_process_groups: bool = True
+    use_sharp: bool = False
+    sharp_enabled_group: Optional[str] = None
+    high_priority_stream_groups: list = field(default_factory=list)
+    external_gpu_device_mapping: bool = False
+
+
+def bridge_model_config(bridge: types.SimpleNamespace, **kwargs: Any) -> Any:
+    """Bridge's TransformerConfig (MLATransformerConfig with multi_latent_attention=True) from
+    keyword fields, finalized (MCore's __post_init__ run) and passed through
+    ConfigContainer._validate_cp_comm_type, as ConfigContainer.validate does."""
+    cls = bridge.MLATransformerConfig if kwargs.get("multi_latent_attention") else bridge.TransformerConfig
+    config = cls(**kwargs)
+    config.finalize()
+    bridge.validate_cp_comm_type(types.SimpleNamespace(model=config))
+    return config
