@@ -152,7 +152,8 @@ def require_single_stage(pg_collection, what: str) -> None:
 
 def attach_grad_sync(model, pg_collection, *, calculate_per_token_loss: bool) -> None:
     """Give `model` (a module without MCore's DDP wrapper) the `finish_grad_sync` and
-    `scale_gradients` methods that MCore's `finalize_model_grads` calls, with DDP's scaling.
+    `scale_gradients` methods and the `ddp_config` (defaults) that MCore's
+    `finalize_model_grads` uses, with DDP's scaling.
 
     finish_grad_sync sums `.grad` over the dp x cp group (reduce_group) and, unless
     `calculate_per_token_loss`, divides by its size: MCore's DDP averages over dp x cp, and
@@ -174,8 +175,11 @@ def attach_grad_sync(model, pg_collection, *, calculate_per_token_loss: bool) ->
         if average != 1.0:
             scale_gradients(average)
 
+    from megatron.core.distributed import DistributedDataParallelConfig
+
     model.finish_grad_sync = finish_grad_sync
     model.scale_gradients = scale_gradients
+    model.ddp_config = DistributedDataParallelConfig()  # finalize_model_grads reads it at pp > 1
 
 
 def reduce_reported_losses(stored: list, pg_collection) -> dict[str, float]:

@@ -40,7 +40,8 @@ from cpkit.sharding import shard_batch
 from cpkit.testing.models import GPTConfig, build_gpt, make_batch, named_gradients
 from cpkit.testing.reference import single_rank_pg_collection
 
-__all__ = ["LOSS_FUNC_ENV", "TOL", "cases", "loss_func_from_env", "loss_matrix_scenario", "megatron_loss_func"]
+__all__ = ["LOSS_FUNC_ENV", "TOL", "cases", "dynamic_cases", "dynamic_loss_scenario", "loss_func_from_env",
+           "loss_matrix_scenario", "megatron_loss_func"]
 
 LOSS_FUNC_ENV = "CPKIT_LOSS_FUNC"
 TOL = {
@@ -217,7 +218,7 @@ def _train_step(model, microbatches, pgc, loss_func, cfg, dev):
         kwargs["p2p_communicator"] = pipeline_communicator(pp_group, config, interleaved=False)
     stored = get_forward_backward_func(pp_size=pp, vp_size=None)(
         forward_step_func=forward_step, data_iterator=iter(microbatches), model=[model],
-        num_microbatches=len(microbatches), seq_length=int(microbatches[0]["tokens"].shape[1]),
+        num_microbatches=len(microbatches), seq_length=cfg.seq_length,  # full length: MCore divides by cp
         micro_batch_size=int(microbatches[0]["tokens"].shape[0]), forward_only=False, **kwargs)
     reported = reduce_reported_losses(stored, pgc)
     terms = _reported_terms(pgc, len(microbatches))
@@ -238,16 +239,17 @@ def _plain_loss(cfg, batch, model_pgc, dev) -> float:
     return float((losses * mask).sum() / mask.sum())
 
 
-def _ratio(grads, ref) -> tuple[str, float]:
-    """The parameter whose gradient is furthest from the reference, and its norm ratio."""
+def _ratio(grads, ref) -> tuple[str, str]:
+    """The parameter whose gradient is furthest from the reference (largest error relative to
+    its largest entry), with its norm ratio |g| / |g ref| and that relative error."""
     worst, ratio, err = "", 1.0, -1.0
     for name, g in grads.items():
         r = ref[name]
-        e = float((g - r).abs().max())
+        e = float((g - r).abs().max()) / max(float(r.abs().max()), 1e-30)
         if e > err:
             worst, err = name, e
             ratio = float(g.norm() / r.norm()) if float(r.norm()) > 0 else float("inf")
-    return worst, ratio
+    return worst, f"{ratio:.4f} (max error {err:.1e} of its largest entry)"
 
 
 def loss_matrix_scenario(case: dict):
@@ -300,7 +302,7 @@ def loss_matrix_scenario(case: dict):
                                  atol=tol["atol"] * (float(want_grads[n].abs().max()) if dtype != torch.float32 else 1.0))]
     if bad:
         worst, ratio = _ratio({n: grads[n] for n in bad}, want_grads)
-        problems.append(f"{len(bad)} of {len(grads)} gradients differ; worst {worst}: |g| / |g cp=1| = {ratio:.4f}")
+        problems.append(f"{len(bad)} of {len(grads)} gradients differ; worst {worst}: |g| / |g cp=1| = {ratio}")
     assert not problems, f"{case['id']}: " + "; ".join(problems)
     return reported, ref_reported, terms, ref_terms
 
@@ -309,3 +311,76 @@ def _div(a, b):
     if a is None or b is None or b == 0:
         return None
     return round(a / b, 4)
+
+
+# --- dynamic CP: the same micro-batches at other CP sizes ----------------------------------------
+
+DYNAMIC_LENS = (24, 12, 16, 8)
+DYNAMIC_PLANS = {  # micro-batches of (positions, samples); the groupings are the same in each plan
+    "cp2-then-cp1": ((((0, 1), (0,)),), (((0,), (1,)), ((1,), (2, 3)))),
+    "cp1-then-cp1": ((((0,), (0,)),), (((0,), (1,)), ((1,), (2, 3)))),
+}
+
+
+def dynamic_cases(backend: str, world_size: int) -> list[dict]:
+    """Dynamic-CP cells on 2 ranks: each model runs the plans of DYNAMIC_PLANS, which put the
+    same samples in the same micro-batches at CP size 2 or 1."""
+    if world_size != 2:
+        return []
+    return [dict(id=f"dynamic-{model}", model=model) for model in ("dense", "moe")]
+
+
+def _dynamic_plan(spec, lens, max_len):
+    from cpkit.dynamic import CPGroupAssignment, Microbatch, Plan, cp_size_for
+
+    mbs = tuple(Microbatch(tuple(CPGroupAssignment(tuple(r), tuple(s), len(r)) for r, s in mb)) for mb in spec)
+    return Plan(microbatches=mbs, seq_lens=tuple(lens), dp_cp_size=2, max_seq_len_per_rank=max_len,
+                workloads=tuple(float(n * n) for n in lens), needed_cp_sizes=tuple(cp_size_for(n, max_len) for n in lens))
+
+
+def dynamic_loss_scenario(case: dict):
+    """Every plan of DYNAMIC_PLANS through cpkit.dynamic.pipeline.dynamic_cp_forward_backward
+    (MCore's schedule, calculate_per_token_loss) on one model: the loss, the aux-loss tracker
+    and every gradient must not depend on the plan. Returns {plan: loss}."""
+    from cpkit.dynamic import build_group_registry
+    from cpkit.dynamic.pipeline import dynamic_cp_forward_backward
+    from cpkit.rank_grid import rank_groups
+    from cpkit.testing.reference import token_sample
+
+    install_mcore_cpu_shim()
+    dev = device()
+    dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    scale = 1 if dev.type == "cpu" else 128
+    lens = [n * scale for n in DYNAMIC_LENS]
+    extra = dict(MODELS[case["model"]], calculate_per_token_loss=True)  # pp = 1: fixed-length p2p not needed
+    cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=64,
+                    seq_length=2 * max(lens), dtype=dtype, extra=extra)
+    layout = CPLayout(world_size=dist.get_world_size(), cp=1, num_attention_heads=4, num_query_groups=2)
+    pgc = build_pg_collection(layout)
+    registry = build_group_registry(rank_groups(layout)["dp_cp"], dist.get_rank())
+    samples = [token_sample(n, 4100 + i, cfg.vocab_size, dev) for i, n in enumerate(lens)]
+    model = build_gpt(cfg, pgc, device=dev)
+    results = {}
+    for name, spec in DYNAMIC_PLANS.items():
+        model.zero_grad(set_to_none=True)
+        _clear_trackers()
+        out = dynamic_cp_forward_backward(model, _dynamic_plan(spec, lens, max(lens)), registry,
+                                          lambda i: samples[i], pg_collection=pgc)
+        results[name] = (out.loss, _reported_terms(pgc, len(spec)), named_gradients(model))
+    tol = TOL[dtype]
+    (base, (loss0, terms0, grads0)), *others = results.items()
+    problems = []
+    for name, (loss, terms, grads) in others:
+        if abs(loss - loss0) > tol["loss"]:
+            problems.append(f"loss {loss} under {name} vs {loss0} under {base} (ratio {_div(loss, loss0)})")
+        for term in sorted(set(terms) | set(terms0)):
+            a, b = terms.get(term), terms0.get(term)
+            if a is None or b is None or abs(a - b) > tol["loss"] * max(1.0, abs(b)):
+                problems.append(f"term {term!r}: {a} under {name} vs {b} under {base} (ratio {_div(a, b)})")
+        bad = [n for n in grads if not torch.allclose(grads[n], grads0[n], rtol=tol["rtol"], atol=tol["atol"])]
+        if bad:
+            worst, ratio = _ratio({n: grads[n] for n in bad}, grads0)
+            problems.append(f"{len(bad)} of {len(grads)} gradients differ between {name} and {base}; "
+                            f"worst {worst}: ratio {ratio}")
+    assert not problems, f"{case['id']}: " + "; ".join(problems)
+    return {name: r[0] for name, r in results.items()}
