@@ -5,7 +5,9 @@ loss tokens over all dp x cp ranks, so summing the shares (and their gradients) 
 gives the global mean per token, the number a single-rank run reports. `forward_loss` is that
 share for a GPT-style model (logits gathered over tp, `gather_vocab`); `reduce_group` is the
 dp x cp group; `all_reduce_gradients` / `reduce_gradients` sum gradients over it, as MCore's DDP
-does over its dp_cp group. Eval CP (cpkit.eval_loop) and dynamic CP (cpkit.dynamic.runtime) use
+does over its dp_cp group; `attach_grad_sync` gives a model without MCore's DDP the two methods
+MCore's `finalize_model_grads` calls, with DDP's scaling, and `reduce_reported_losses` is
+Megatron-LM's reduction of the loss_func's [sum, tokens] pairs to the logged loss. Eval CP (cpkit.eval_loop) and dynamic CP (cpkit.dynamic.runtime) use
 them, and so do the test models' train and eval steps.
 """
 
@@ -29,6 +31,8 @@ __all__ = [
     "global_loss",
     "total_tokens",
     "require_single_stage",
+    "attach_grad_sync",
+    "reduce_reported_losses",
 ]
 
 
@@ -144,3 +148,63 @@ def require_single_stage(pg_collection, what: str) -> None:
     if pp > 1:
         raise CPConfigError.single("pp", pp, f"{what} runs the whole model on one pipeline stage",
                                    "use pp=1, or MCore's pipeline schedule (see cpkit.eval_cp.evaluate)")
+
+
+def attach_grad_sync(model, pg_collection, *, calculate_per_token_loss: bool) -> None:
+    """Give `model` (a module without MCore's DDP wrapper) the `finish_grad_sync` and
+    `scale_gradients` methods and the `ddp_config` (defaults) that MCore's
+    `finalize_model_grads` uses, with DDP's scaling.
+
+    finish_grad_sync sums `.grad` over the dp x cp group (reduce_group) and, unless
+    `calculate_per_token_loss`, divides by its size: MCore's DDP averages over dp x cp, and
+    its schedule multiplies a CP-sharded loss by the CP size to undo the CP part
+    (forward_step_calc_loss). With calculate_per_token_loss the sum stays a sum and
+    finalize_model_grads divides by the token count summed over dp x cp. Collective over
+    reduce_group(pg_collection) when finish_grad_sync runs.
+    """
+    group = reduce_group(pg_collection)
+    average = 1.0 if calculate_per_token_loss else 1.0 / group_size(group)
+
+    def scale_gradients(factor) -> None:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
+    def finish_grad_sync(force_all_reduce: bool = False) -> None:
+        all_reduce_gradients(model, group)
+        if average != 1.0:
+            scale_gradients(average)
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    model.finish_grad_sync = finish_grad_sync
+    model.scale_gradients = scale_gradients
+    model.ddp_config = DistributedDataParallelConfig()  # finalize_model_grads reads it at pp > 1
+
+
+def reduce_reported_losses(stored: list, pg_collection) -> dict[str, float]:
+    """The logged losses of one step, as Megatron-LM's train_step reduces what loss_func returned.
+
+    `stored` is what MCore's forward_backward_func returned on this rank: one dict per
+    micro-batch (on the last pipeline stage; empty elsewhere) of name -> tensor [loss sum,
+    token count]. Each name's pairs are summed over micro-batches, over pp (only the last stage
+    has them) and over dp x cp (reduce_group); the value is sum / count. The same dict on every
+    rank. Collective over pp and reduce_group.
+    """
+    names = sorted({name for entry in stored for name in entry})
+    names_list = [names]
+    pp_group = get_pg(pg_collection, "pp")
+    if group_size(pp_group) > 1:  # stages other than the last learn the names from it
+        dist.broadcast_object_list(names_list, src=dist.get_process_group_ranks(pp_group)[-1], group=pp_group)
+    names = names_list[0]
+    device = next((t.device for e in stored for t in e.values()), torch.device("cpu"))
+    sums = torch.zeros(len(names), 2, dtype=torch.float64, device=device)
+    for entry in stored:
+        for i, name in enumerate(names):
+            sums[i] += entry[name].detach().double().reshape(2)
+    if group_size(pp_group) > 1:
+        dist.all_reduce(sums, group=pp_group)
+    group = reduce_group(pg_collection)
+    if group_size(group) > 1:
+        dist.all_reduce(sums, group=group)
+    return {name: (sums[i, 0] / sums[i, 1]).item() for i, name in enumerate(names)}

@@ -19,7 +19,9 @@ such call with its device-neutral equivalent and changes nothing else:
 - `GlobalMemoryBuffer.get_tensor` allocates on the current CUDA device: allocate on CPU; and
   `parallel_state.get_global_memory_buffer` creates the buffer on first use (the decentralized
   process-group path never calls initialize_model_parallel, which would create it).
-- The pipeline schedules (`pipeline_parallel.schedules`, `.p2p_communication`) allocate their
+- The pipeline schedules (`pipeline_parallel.schedules`, `.p2p_communication`), the MoE router
+  (`transformer.moe.router`, which moves its weight to the current CUDA device) and MTP's
+  `roll_tensor` (`transformer.multi_token_prediction`) allocate their
   receive buffers and token counters on `torch.cuda.current_device()` / `device="cuda"` and call
   `torch.cuda.synchronize()` after batched transfers: those two modules see a `torch` whose
   `cuda.current_device()` is "cpu", whose `cuda.synchronize()` does nothing, and whose `zeros` /
@@ -204,9 +206,16 @@ def install_mcore_cpu_shim(device: torch.device | str | None = None) -> bool:
     _patch(parallel_state, "get_global_memory_buffer", get_global_memory_buffer)
 
     from megatron.core.pipeline_parallel import p2p_communication, schedules
+    from megatron.core.transformer import multi_token_prediction
+    from megatron.core.transformer.moe import router
 
-    for module in (p2p_communication, schedules):
+    for module in (p2p_communication, schedules, router, multi_token_prediction):
         _patch(module, "torch", _CpuTorch(torch))
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # 0.16 without TE: a NameError in the router's gemm
+        _saved.append((moe_utils, "te_general_gemm", None))
+        moe_utils.te_general_gemm = None
     return True
 
 

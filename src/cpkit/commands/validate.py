@@ -33,6 +33,8 @@ FEATURE_TESTS: list[tuple[str, str]] = [
     ("tests/test_sharding*", "context-parallel-attention"),
     ("functional/test_attention*", "context-parallel-attention"),
     ("functional/test_gpt*", "context-parallel-attention"),
+    ("functional/test_loss_matrix_dynamic*", "dynamic-context-parallel"),
+    ("functional/test_loss_matrix*", "context-parallel-attention"),
     ("functional/test_te_backend*", "te-backend"),
     ("*hierarchical*", "hierarchical-context-parallel"),
     ("*eval_cp*", "eval-context-parallel"),

@@ -94,7 +94,10 @@ def _block_spec(layer_spec, attention: AttentionBackend, config, vp_stage, pp_ra
                                       layer_norm=layer_spec.submodules.input_layernorm)
 
 
-def _layer_spec(attention: AttentionBackend, num_layers: int, device: torch.device, mla: bool = False):
+def _layer_spec(attention: AttentionBackend, num_layers: int, device: torch.device, mla: bool = False,
+                num_experts: Optional[int] = None):
+    if num_experts and attention != "cpkit":
+        raise ValueError(f"attention={attention!r}: MoE layers (num_moe_experts) are built with 'cpkit' only")
     if mla and attention != "cpkit":
         raise ValueError(f"attention={attention!r}: multi-latent attention is built with 'cpkit' only")
     if attention == "local":
@@ -109,6 +112,8 @@ def _layer_spec(attention: AttentionBackend, num_layers: int, device: torch.devi
     if attention == "cpkit":
         from cpkit.attention.spec import get_gpt_layer_spec_with_cp_attention
 
+        if num_experts:
+            return get_gpt_layer_spec_with_cp_attention(num_experts=num_experts)
         return get_gpt_layer_spec_with_cp_attention(multi_latent_attention=mla)
     if attention == "te":
         from cpkit.attention.spec import get_gpt_layer_spec_te
@@ -198,9 +203,15 @@ def build_gpt(
     pp_rank = dist.get_rank(pp_group) if pp_group is not None else 0
     vp = config.virtual_pipeline_model_parallel_size or 1
     chunk = {} if vp_stage is None else {"vp_stage": vp_stage}
+    layer_spec = _layer_spec(attention, cfg.num_layers, device, mla, cfg.extra.get("num_moe_experts"))
+    if cfg.extra.get("mtp_num_layers"):  # MCore's MTP block after the decoder, on the last stage
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        chunk["mtp_block_spec"] = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False,
+                                                         vp_stage=vp_stage, pp_rank=pp_rank)
     model = GPTModel(
         config,
-        _block_spec(_layer_spec(attention, cfg.num_layers, device, mla), attention, config, vp_stage, pp_rank),
+        _block_spec(layer_spec, attention, config, vp_stage, pp_rank),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.seq_length,
         pre_process=pp_rank == 0 and (vp_stage or 0) == 0,
