@@ -176,14 +176,14 @@ def earliest_finish_plan(
     while tail and needs[order[tail - 1]] == 1 and at_need[order[tail - 1]] <= widen_above:
         tail -= 1
     for i in order[:tail]:
-        need, sizes = needs[i], [needs[i]]
-        if at_need[i] > widen_above:
-            k, wide = need * 2, widest(lens[i], need)
-            while k <= wide:
-                sizes.append(k)
-                k *= 2
-        best = None
-        for size in sizes:
+        need = needs[i]
+        wide = None if at_need[i] > widen_above else need  # None: asked when needed
+        best, size = None, need
+        while wide is None or size <= wide:
+            if size > need and wide is None:
+                wide = widest(lens[i], need)
+                if size > wide:
+                    break
             start, first = times.earliest(size)
             g = last[first]
             if g is not None and g.first == first and g.size == size \
@@ -198,11 +198,12 @@ def earliest_finish_plan(
                 break
             if best is None or finish < best[0]:
                 best = (finish, first, size)
+            size *= 2
         if place(i, best[1], best[2]) >= limit:
             return None
 
     heap = times.heap  # ranks by ready time, with stale entries (_ReadyTimes)
-    group_time = model.group_time
+    group_time = model._group_time  # group_time without its argument conversions
     for i in order[tail:]:
         start, r = heapq.heappop(heap)
         while ready[r] != start:
@@ -212,14 +213,14 @@ def earliest_finish_plan(
             g.samples.append(i)
             g.lens.append(L)
             g.tokens += L
-            t = group_time(g.lens, 1)
+            t = group_time(tuple(g.lens), 1)
             end = start + t - g.time
             g.time = t
         else:
             g = _Group(r, 1, next_index[r])
             g.samples.append(i)
             g.lens.append(L)
-            g.tokens, g.time = L, group_time(g.lens, 1)
+            g.tokens, g.time = L, group_time((L,), 1)
             groups.append(g)
             end = start + g.time
             last[r], next_index[r] = g, g.index + 1

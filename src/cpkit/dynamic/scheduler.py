@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
+import gc
 import heapq
 import math
 import operator
@@ -417,6 +419,24 @@ def balanced_plan(
     )
 
 
+def _collector_paused(fn):
+    """`fn` with the cyclic garbage collector paused (if on) while it runs. The search builds
+    and drops thousands of short-lived objects and no reference cycles, so a collection during
+    it only scans (a full one took 100-300 ms against a 50 ms budget at 4096 samples);
+    reference counting still frees them at once, and the collector runs as before after."""
+    @functools.wraps(fn)
+    def paused(*args, **kwargs):
+        was_on = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if was_on:
+                gc.enable()
+    return paused
+
+
+@_collector_paused
 def schedule(
     seq_lens: Iterable[int],
     *,
