@@ -115,6 +115,7 @@ def earliest_finish_plan(
     at_need: Sequence[float] | None = None,
     order: Sequence[int] | None = None,
     give_up_at: float | None = None,
+    notes: dict | None = None,
 ) -> Plan | None:
     """Plan a validated batch by earliest finish time (algorithm: module docstring).
 
@@ -129,6 +130,12 @@ def earliest_finish_plan(
     give_up_at: return None as soon as a rank's ready time reaches this (ready times only grow,
     so the step time could not be less): for a search that needs only plans faster than the
     best so far.
+    notes: if given (with a `target`), set once every sample before the single-rank tail is
+    placed: a run with a larger target below notes["same_plan_below"] and a widen_above (no
+    smaller) below notes["widen_below"] gives this same plan. Each sample's choice stays while
+    the target is below the finish of every other size it tried and, where it took more than
+    its need, widen_above stays below its time at the need; a sample that moves into the tail
+    took the earliest single rank, as the tail does.
     """
     lens, M, model = seq_lens, max_seq_len_per_rank, cost_model
     n = dp_cp_size
@@ -175,10 +182,11 @@ def earliest_finish_plan(
     tail = len(order)
     while tail and needs[order[tail - 1]] == 1 and at_need[order[tail - 1]] <= widen_above:
         tail -= 1
+    same_below = widen_below = float("inf")
     for i in order[:tail]:
         need = needs[i]
         wide = None if at_need[i] > widen_above else need  # None: asked when needed
-        best, size = None, need
+        best, size, tried = None, need, []
         while wide is None or size <= wide:
             if size > need and wide is None:
                 wide = widest(lens[i], need)
@@ -193,14 +201,22 @@ def earliest_finish_plan(
                 finish = start + model.group_time(g.lens + [lens[i]], size) - g.time
             else:
                 finish = start + model.sample_time(lens[i], size)
+            tried.append(finish)
             if target is not None and finish <= target:
                 best = (finish, first, size)  # the narrowest size that meets the target
                 break
             if best is None or finish < best[0]:
                 best = (finish, first, size)
             size *= 2
+        if len(tried) > 1:
+            chosen = (best[2] // need).bit_length() - 1  # the place of best's size in `tried`
+            same_below = min(same_below, *tried[:chosen], *tried[chosen + 1:])
+            if best[2] > need:
+                widen_below = min(widen_below, at_need[i])
         if place(i, best[1], best[2]) >= limit:
             return None
+    if notes is not None and target is not None:
+        notes["same_plan_below"], notes["widen_below"] = same_below, widen_below
 
     heap = times.heap  # ranks by ready time, with stale entries (_ReadyTimes)
     group_time = model._group_time  # group_time without its argument conversions

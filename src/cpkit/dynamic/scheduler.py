@@ -347,20 +347,16 @@ def fastest_cp_size(model: CostModel, seq_len: int, need: int, largest: int) -> 
 
 
 def makespan_bound(model: CostModel, lens: Sequence[int], needs: Sequence[int],
-                   widest: Callable[[int, int], int], dp_cp_size: int,
-                   at_need: Sequence[float] | None = None) -> float:
+                   widest: Callable[[int, int], int], dp_cp_size: int) -> float:
     """A lower bound (estimated, ignoring packing) on any plan's step time: the longest sample at
     its fastest size, or every sample's least rank-seconds (at its need or its fastest size)
-    spread evenly over the N ranks. at_need: model.estimate_sample_time(L, need) of every
-    sample, when the caller has it."""
-    if at_need is None:
-        at_need = [model.estimate_sample_time(L, c) for L, c in zip(lens, needs)]
+    spread evenly over the N ranks."""
     longest, area = 0.0, 0.0
-    for L, c, t in zip(lens, needs, at_need):
+    for L, c in zip(lens, needs):
         k = widest(L, c)
-        at_fastest = t if k == c else model.estimate_sample_time(L, k)
+        at_fastest = model.estimate_sample_time(L, k)
         longest = max(longest, at_fastest)
-        area += min(c * t, k * at_fastest)
+        area += min(c * model.estimate_sample_time(L, c), k * at_fastest)
     return max(longest, area / dp_cp_size)
 
 
@@ -499,7 +495,19 @@ def schedule(
             k = fastest[key] = fastest_cp_size(model, L, c, largest)
         return k
 
-    at_need = [model.estimate_sample_time(L, c) for L, c in zip(lens, needs)]
+    # Per sample: its time at the need, its fastest size and its time there, computed once
+    # per length class (the lengths estimate_sample_time and fastest_cp_size cannot tell apart).
+    classes: dict[tuple[int, int, int], tuple[float, int, float]] = {}
+    per_sample = []
+    for L, c in zip(lens, needs):
+        bits = L.bit_length()
+        key = (L >> max(0, bits - 7), bits, c)
+        v = classes.get(key)
+        if v is None:
+            t, k = model.estimate_sample_time(L, c), widest(L, c)
+            v = classes[key] = (t, k, t if k == c else model.estimate_sample_time(L, k))
+        per_sample.append(v)
+    at_need = [v[0] for v in per_sample]
     finish_args = dict(roots=aligned_roots(dp_cp_size), cost_model=model, workloads=works,
                        at_need=at_need, order=placing_order(lens, needs, at_need), **args)
     # Each candidate is timed as soon as it is built and only the best so far is kept (fewer
@@ -530,14 +538,22 @@ def schedule(
                                                         give_up_at=give_up_at(), **finish_args))
     # The same list scheduling aimed at makespans from the lower bound up: the narrowest size
     # that meets the target, so long samples widen (and mix CP sizes) only where they must.
-    bound = makespan_bound(model, lens, needs, widest, dp_cp_size, at_need)
+    bound = max(max(v[2] for v in per_sample),  # makespan_bound, from the per-sample figures
+                sum(min(c * t, k * tk) for c, (t, k, tk) in zip(needs, per_sample)) / dp_cp_size)
+    # A target below notes["same_plan_below"] of a smaller one's run (and whose widen_above
+    # stays below notes["widen_below"]) gives that run's plan (earliest_finish_plan's `notes`):
+    # it could only tie, so it is skipped.
+    notes: dict = {}
     for rank, factor in enumerate(TARGET_FACTORS, start=2):
         if best[0] <= floor:
             break
         target = bound * factor
+        if target < notes.get("same_plan_below", 0.0) \
+                and target * _WIDEN_SHARE < notes["widen_below"]:
+            continue
         offer(rank, "earliest-finish", earliest_finish_plan(
             lens, needs, widest, target=target, widen_above=target * _WIDEN_SHARE,
-            give_up_at=give_up_at(), **finish_args))
+            give_up_at=give_up_at(), notes=notes, **finish_args))
     rank = 2 + len(TARGET_FACTORS)
     if best[0] > floor and works is None and (step_rule != "free" or pp_size > 1):
         # Micro-batches end together: balance each one by the model's rank-seconds at the need.
