@@ -28,7 +28,9 @@ from cpkit.dynamic import (
 from cpkit.dynamic.cost import default_cost_model
 from cpkit.dynamic.earliest_finish import _ReadyTimes, earliest_finish_plan
 from cpkit.dynamic.plan import assign_slots
-from cpkit.dynamic.scheduler import balanced_plan, fastest_cp_size, needed_cp_sizes
+from cpkit.dynamic.scheduler import (
+    balanced_plan, fastest_cp_size, makespan_bound, needed_cp_sizes, step_time_floor,
+)
 from cpkit.dynamic.static import static_cp_plan
 from cpkit.errors import CPConfigError
 from cpkit.testing.plans import largest_pow2_le
@@ -582,3 +584,60 @@ def test_a_sample_goes_past_the_least_loaded_micro_batch_when_its_tokens_do_not_
                          balance_tolerance=0.03)
     check_invariants(plan, lens, 1, 100)
     assert sorted(g.samples for mb in plan.microbatches for g in mb.groups) == [(0, 1, 2), (3,)]
+
+
+# ---------------------------------------------------------------- the search's shortcuts
+
+def _random_batches(count, seed=7):
+    rng = random.Random(seed)
+    for _ in range(count):
+        n = rng.choice([4, 8, 16, 32, 64])
+        M = rng.choice([4096, 8192])
+        lens = [rng.randint(1, M // 2) if rng.random() < 0.75 else rng.randint(M // 2, n * M // 2)
+                for _ in range(rng.randint(n, 3 * n))]
+        yield lens, n, M, needed_cp_sizes(lens, dp_cp_size=n, max_seq_len_per_rank=M)
+
+
+def _ef(lens, needs, n, M, **kw):
+    model = default_cost_model()
+    return earliest_finish_plan(lens, needs, lambda L, c: fastest_cp_size(model, L, c, n),
+                                roots=[(0, n)], dp_cp_size=n, max_seq_len_per_rank=M,
+                                cost_model=model, **kw)
+
+
+def test_a_larger_target_below_the_notes_gives_the_same_plan():
+    """schedule skips such targets: they must give the plan of the run that wrote the notes."""
+    model, checked = default_cost_model(), 0
+    for lens, n, M, needs in _random_batches(60):
+        bound = makespan_bound(model, lens, needs, lambda L, c: fastest_cp_size(model, L, c, n), n)
+        for f1 in (1.0, 1.1, 1.25):
+            notes = {}
+            first = _ef(lens, needs, n, M, target=bound * f1, widen_above=bound * f1 / 4,
+                        notes=notes)
+            for f2 in (1.1, 1.25, 1.5, 2.0):
+                t2 = bound * f2
+                if f2 > f1 and t2 < notes["same_plan_below"] and t2 / 4 < notes["widen_below"]:
+                    checked += 1
+                    assert _ef(lens, needs, n, M, target=t2, widen_above=t2 / 4) == first
+    assert checked >= 20, f"only {checked} skips checked: the batches no longer exercise them"
+
+
+def test_a_build_gives_up_only_when_its_step_time_reaches_the_limit():
+    model = default_cost_model()
+    for lens, n, M, needs in _random_batches(30, seed=8):
+        plan = _ef(lens, needs, n, M)
+        t = model.step_time(plan)
+        assert _ef(lens, needs, n, M, give_up_at=t * (1 + 1e-9)) == plan
+        assert _ef(lens, needs, n, M, give_up_at=t * (1 - 1e-9)) is None
+
+
+def test_no_plan_is_modeled_below_the_step_time_floor():
+    model = default_cost_model()
+    for lens, n, M, needs in _random_batches(30, seed=9):
+        floor = step_time_floor(model, lens, needs, n)
+        plan = schedule(lens, dp_cp_size=n, max_seq_len_per_rank=M)
+        static = static_cp_plan(lens, needs, dp_cp_size=n, max_seq_len_per_rank=M,
+                                cost_model=model)
+        assert floor <= plan.step_time_s * (1 + 1e-12)
+        assert floor <= model.step_time(static) * (1 + 1e-12)
+        assert floor <= model.step_time(_ef(lens, needs, n, M)) * (1 + 1e-12)

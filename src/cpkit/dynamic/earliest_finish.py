@@ -29,7 +29,7 @@ from cpkit.dynamic.cost import CostModel
 from cpkit.dynamic.plan import CPGroupAssignment, Microbatch, Plan
 from cpkit.dynamic.static import fill_padding
 
-__all__ = ["earliest_finish_plan"]
+__all__ = ["earliest_finish_plan", "placing_order"]
 
 
 class _Group:
@@ -44,11 +44,14 @@ class _Group:
 
 class _ReadyTimes:
     """Ready time per rank, and per aligned block of every power-of-two size the latest ready
-    time of its ranks (inf for a block that crosses a root of N, which no group may use)."""
+    time of its ranks (inf for a block that crosses a root of N, which no group may use).
+    The ranks also sit in a heap of (ready time, rank) entries: an entry whose time is no longer
+    its rank's is stale and dropped when it reaches the top (ready times only grow)."""
 
     def __init__(self, roots: Sequence[tuple[int, int]], n: int):
         self.n = n
         self.rank = [0.0] * n
+        self.heap = [(0.0, r) for r in range(n)]  # sorted, so a heap
         self.levels: dict[int, list[float]] = {}
         size = 1
         while size <= n:
@@ -61,22 +64,39 @@ class _ReadyTimes:
             size *= 2
 
     def earliest(self, size: int) -> tuple[float, int]:
-        """(start, first rank) of the block of `size` whose ranks are all free first."""
+        """(start, first rank) of the block of `size` whose ranks are all free first (the
+        lowest on ties)."""
+        if size == 1:  # the most asked, and the longest list: the heap
+            return self.earliest_rank()
         blocks = self.levels[size]
         start = min(blocks)
         return start, blocks.index(start) * size
 
+    def earliest_rank(self) -> tuple[float, int]:
+        """(ready time, rank) of the rank free first (the lowest on ties)."""
+        heap, ready = self.heap, self.rank
+        while ready[heap[0][1]] != heap[0][0]:
+            heapq.heappop(heap)
+        return heap[0]
+
     def set(self, first: int, size: int, end: float) -> None:
         """Ranks [first, first + size) are busy until `end` (>= their ready times)."""
         self.rank[first:first + size] = [end] * size
+        for r in range(first, first + size):
+            heapq.heappush(self.heap, (end, r))
         for s, blocks in self.levels.items():
-            if s <= size:
-                lo, hi = first // s, (first + size) // s
-                blocks[lo:hi] = [end if b != float("inf") else b for b in blocks[lo:hi]]
+            if s <= size:  # blocks inside an aligned group never cross a root: all finite
+                blocks[first // s:(first + size) // s] = [end] * (size // s)
             else:
                 j = first // s
-                if blocks[j] < end:
+                if blocks[j] < end:  # inf (a block across roots) stays inf
                     blocks[j] = end
+
+
+def placing_order(lens: Sequence[int], needs: Sequence[int],
+                  at_need: Sequence[float]) -> list[int]:
+    """Sample ids widest need first, then slowest at the need, then longest (then lowest id)."""
+    return sorted(range(len(lens)), key=lambda i: (-needs[i], -at_need[i], -lens[i], i))
 
 
 def earliest_finish_plan(
@@ -92,7 +112,11 @@ def earliest_finish_plan(
     workloads: Sequence[float] | None = None,
     target: float | None = None,
     widen_above: float | None = None,
-) -> Plan:
+    at_need: Sequence[float] | None = None,
+    order: Sequence[int] | None = None,
+    give_up_at: float | None = None,
+    notes: dict | None = None,
+) -> Plan | None:
     """Plan a validated batch by earliest finish time (algorithm: module docstring).
 
     needs[i]: sample i's smallest CP size; widest(L, need): the largest size a sample may get
@@ -101,22 +125,34 @@ def earliest_finish_plan(
     target: a makespan in seconds (step 2), or None for the earliest finish.
     widen_above: samples slower than this at their need may take wider sizes (default: the
     mean load per rank of every sample at its need).
+    at_need, order: model.estimate_sample_time(L, need) of every sample and the placing order
+    (`placing_order`), when the caller has them.
+    give_up_at: return None as soon as a rank's ready time reaches this (ready times only grow,
+    so the step time could not be less): for a search that needs only plans faster than the
+    best so far.
+    notes: if given (with a `target`), set once every sample before the single-rank tail is
+    placed: a run with a larger target below notes["same_plan_below"] and a widen_above (no
+    smaller) below notes["widen_below"] gives this same plan. Each sample's choice stays while
+    the target is below the finish of every other size it tried and, where it took more than
+    its need, widen_above stays below its time at the need; a sample that moves into the tail
+    took the earliest single rank, as the tail does.
     """
     lens, M, model = seq_lens, max_seq_len_per_rank, cost_model
     n = dp_cp_size
-    at_need = [model.estimate_sample_time(L, c) for L, c in zip(lens, needs)]
-    mean_load = sum(t * c for t, c in zip(at_need, needs)) / n
+    if at_need is None:
+        at_need = [model.estimate_sample_time(L, c) for L, c in zip(lens, needs)]
     if widen_above is None:
-        widen_above = mean_load
-    order = [i for *_, i in sorted(zip([-c for c in needs], [-t for t in at_need],
-                                       [-L for L in lens], range(len(lens))))]
+        widen_above = sum(t * c for t, c in zip(at_need, needs)) / n  # mean load per rank
+    limit = float("inf") if give_up_at is None else give_up_at
+    if order is None:
+        order = placing_order(lens, needs, at_need)
     times = _ReadyTimes(roots, n)
     ready = times.rank
     last: list[_Group | None] = [None] * n  # the last group of each rank
     next_index = [0] * n  # the first micro-batch a new group of this rank may use
     groups: list[_Group] = []
 
-    def place(i: int, first: int, size: int) -> None:
+    def place(i: int, first: int, size: int) -> float:
         g = last[first]
         chunk = -(-lens[i] // size)
         if g is not None and g.first == first and g.size == size and g.tokens + chunk <= M \
@@ -139,21 +175,23 @@ def earliest_finish_plan(
         times.set(first, size, end)
         last[first:first + size] = [g] * size
         next_index[first:first + size] = [g.index + 1] * size
+        return end
 
     # Sorted widest need first, then slowest: the single-rank samples that stay on one rank
     # form the tail of `order`; they need only the per-rank ready times (a heap).
     tail = len(order)
     while tail and needs[order[tail - 1]] == 1 and at_need[order[tail - 1]] <= widen_above:
         tail -= 1
+    same_below = widen_below = float("inf")
     for i in order[:tail]:
-        need, sizes = needs[i], [needs[i]]
-        if at_need[i] > widen_above:
-            k, wide = need * 2, widest(lens[i], need)
-            while k <= wide:
-                sizes.append(k)
-                k *= 2
-        best = None
-        for size in sizes:
+        need = needs[i]
+        wide = None if at_need[i] > widen_above else need  # None: asked when needed
+        best, size, tried = None, need, []
+        while wide is None or size <= wide:
+            if size > need and wide is None:
+                wide = widest(lens[i], need)
+                if size > wide:
+                    break
             start, first = times.earliest(size)
             g = last[first]
             if g is not None and g.first == first and g.size == size \
@@ -163,34 +201,47 @@ def earliest_finish_plan(
                 finish = start + model.group_time(g.lens + [lens[i]], size) - g.time
             else:
                 finish = start + model.sample_time(lens[i], size)
+            tried.append(finish)
             if target is not None and finish <= target:
                 best = (finish, first, size)  # the narrowest size that meets the target
                 break
             if best is None or finish < best[0]:
                 best = (finish, first, size)
-        place(i, best[1], best[2])
+            size *= 2
+        if len(tried) > 1:
+            chosen = (best[2] // need).bit_length() - 1  # the place of best's size in `tried`
+            same_below = min(same_below, *tried[:chosen], *tried[chosen + 1:])
+            if best[2] > need:
+                widen_below = min(widen_below, at_need[i])
+        if place(i, best[1], best[2]) >= limit:
+            return None
+    if notes is not None and target is not None:
+        notes["same_plan_below"], notes["widen_below"] = same_below, widen_below
 
-    heap = [(ready[r], r) for r in range(n)]
-    heapq.heapify(heap)
-    group_time = model.group_time
+    heap = times.heap  # ranks by ready time, with stale entries (_ReadyTimes)
+    group_time = model._group_time  # group_time without its argument conversions
     for i in order[tail:]:
         start, r = heapq.heappop(heap)
+        while ready[r] != start:
+            start, r = heapq.heappop(heap)
         L, g = lens[i], last[r]
         if g is not None and g.size == 1 and g.tokens + L <= M:
             g.samples.append(i)
             g.lens.append(L)
             g.tokens += L
-            t = group_time(g.lens, 1)
+            t = group_time(tuple(g.lens), 1)
             end = start + t - g.time
             g.time = t
         else:
             g = _Group(r, 1, next_index[r])
             g.samples.append(i)
             g.lens.append(L)
-            g.tokens, g.time = L, group_time(g.lens, 1)
+            g.tokens, g.time = L, group_time((L,), 1)
             groups.append(g)
             end = start + g.time
             last[r], next_index[r] = g, g.index + 1
+        if end >= limit:
+            return None
         ready[r] = end
         heapq.heappush(heap, (end, r))
 

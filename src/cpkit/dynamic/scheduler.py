@@ -38,13 +38,15 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
+import gc
 import heapq
 import math
 import operator
 from typing import Callable, Iterable, Sequence
 
 from cpkit.dynamic.cost import CostModel, default_cost_model
-from cpkit.dynamic.earliest_finish import earliest_finish_plan
+from cpkit.dynamic.earliest_finish import earliest_finish_plan, placing_order
 from cpkit.dynamic.packing import Overflow, pack_microbatch
 from cpkit.dynamic.plan import Microbatch, Plan
 from cpkit.dynamic.static import static_cp_plan
@@ -60,6 +62,7 @@ __all__ = [
     "makespan_bound",
     "needed_cp_sizes",
     "schedule",
+    "step_time_floor",
 ]
 
 DEFAULT_BALANCE_TOLERANCE = 0.03
@@ -357,6 +360,19 @@ def makespan_bound(model: CostModel, lens: Sequence[int], needs: Sequence[int],
     return max(longest, area / dp_cp_size)
 
 
+def step_time_floor(model: CostModel, lens: Sequence[int], needs: Sequence[int],
+                    largest: int) -> float:
+    """A step time no plan is modeled below: the longest sample alone at its fastest size of
+    any in [need, largest] (a group's time only grows with the samples packed into it, and a
+    step lasts at least its longest group under every step rule)."""
+    i = max(range(len(lens)), key=lambda j: (lens[j], needs[j]))
+    L, k, floor = lens[i], needs[i], math.inf
+    while k <= largest:
+        floor = min(floor, model.sample_time(L, k))
+        k *= 2
+    return floor
+
+
 def balanced_plan(
     lens: Sequence[int],
     needs: Sequence[int],
@@ -399,6 +415,24 @@ def balanced_plan(
     )
 
 
+def _collector_paused(fn):
+    """`fn` with the cyclic garbage collector paused (if on) while it runs. The search builds
+    and drops thousands of short-lived objects and no reference cycles, so a collection during
+    it only scans (a full one took 100-300 ms against a 50 ms budget at 4096 samples);
+    reference counting still frees them at once, and the collector runs as before after."""
+    @functools.wraps(fn)
+    def paused(*args, **kwargs):
+        was_on = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if was_on:
+                gc.enable()
+    return paused
+
+
+@_collector_paused
 def schedule(
     seq_lens: Iterable[int],
     *,
@@ -450,33 +484,88 @@ def schedule(
     args = dict(dp_cp_size=dp_cp_size, max_seq_len_per_rank=max_seq_len_per_rank,
                 microbatch_group_size=microbatch_group_size)
     works = None if workload is None else _workloads(workload, lens)
-    def widest(L, c):
-        return fastest_cp_size(model, L, c, largest)
+    fastest: dict[tuple[int, int, int], int] = {}
 
-    finish_args = dict(roots=aligned_roots(dp_cp_size), cost_model=model, workloads=works, **args)
-    finish = earliest_finish_plan(lens, needs, widest, **finish_args)
+    def widest(L, c):
+        # fastest_cp_size sees L only through estimate_sample_time (L's 7 leading bits) and
+        # k <= L (L's bit length): lengths alike in both share one answer.
+        bits = L.bit_length()
+        key = (L >> max(0, bits - 7), bits, c)
+        k = fastest.get(key)
+        if k is None:
+            k = fastest[key] = fastest_cp_size(model, L, c, largest)
+        return k
+
+    # Per sample: its time at the need, its fastest size and its time there, computed once
+    # per length class (the lengths estimate_sample_time and fastest_cp_size cannot tell apart).
+    classes: dict[tuple[int, int, int], tuple[float, int, float]] = {}
+    per_sample = []
+    for L, c in zip(lens, needs):
+        bits = L.bit_length()
+        key = (L >> max(0, bits - 7), bits, c)
+        v = classes.get(key)
+        if v is None:
+            t, k = model.estimate_sample_time(L, c), widest(L, c)
+            v = classes[key] = (t, k, t if k == c else model.estimate_sample_time(L, k))
+        per_sample.append(v)
+    at_need = [v[0] for v in per_sample]
+    finish_args = dict(roots=aligned_roots(dp_cp_size), cost_model=model, workloads=works,
+                       at_need=at_need, order=placing_order(lens, needs, at_need), **args)
+    # Each candidate is timed as soon as it is built and only the best so far is kept (fewer
+    # live objects, fewer garbage-collector passes). Candidates come in rank order, so a later
+    # one must be strictly faster to win. With PP = 1 and no padded micro-batches, the ready
+    # times of an earliest-finish plan being built never exceed its step time (free, or
+    # lockstep, which only waits more): a build whose ready time reaches the best gives up.
+    # Once the best is at `floor`, which no plan beats, the search stops.
+    prune = pp_size == 1 and (microbatch_group_size or 1) == 1
+    floor = step_time_floor(model, lens, needs, largest)
+    best: list = []  # [step time, rank, name, plan]
+
+    def offer(rank, name, plan):
+        if plan is not None:
+            t = model.step_time(plan, step_rule, pp_size)
+            if not best or (t, rank) < (best[0], best[1]):
+                best[:] = [t, rank, name, plan]
+
+    def give_up_at():
+        return best[0] if prune else None
+
     static = static_cp_plan(lens, needs, cost_model=model, min_cp_size=min_cp_size,
-                            workloads=works or finish.workloads, **args)
-    candidates = [("static", static), ("earliest-finish", finish)]
+                            workloads=works or at_need, **args)
+    offer(0, "static", static)
+    static_time = best[0]
+    if best[0] > floor:
+        offer(1, "earliest-finish", earliest_finish_plan(lens, needs, widest,
+                                                        give_up_at=give_up_at(), **finish_args))
     # The same list scheduling aimed at makespans from the lower bound up: the narrowest size
     # that meets the target, so long samples widen (and mix CP sizes) only where they must.
-    bound = makespan_bound(model, lens, needs, widest, dp_cp_size)
-    for factor in TARGET_FACTORS:
+    bound = max(max(v[2] for v in per_sample),  # makespan_bound, from the per-sample figures
+                sum(min(c * t, k * tk) for c, (t, k, tk) in zip(needs, per_sample)) / dp_cp_size)
+    # A target below notes["same_plan_below"] of a smaller one's run (and whose widen_above
+    # stays below notes["widen_below"]) gives that run's plan (earliest_finish_plan's `notes`):
+    # it could only tie, so it is skipped.
+    notes: dict = {}
+    for rank, factor in enumerate(TARGET_FACTORS, start=2):
+        if best[0] <= floor:
+            break
         target = bound * factor
-        candidates.append(("earliest-finish", earliest_finish_plan(
-            lens, needs, widest, target=target, widen_above=target * _WIDEN_SHARE, **finish_args)))
-    if works is None and (step_rule != "free" or pp_size > 1):
+        if target < notes.get("same_plan_below", 0.0) \
+                and target * _WIDEN_SHARE < notes["widen_below"]:
+            continue
+        offer(rank, "earliest-finish", earliest_finish_plan(
+            lens, needs, widest, target=target, widen_above=target * _WIDEN_SHARE,
+            give_up_at=give_up_at(), notes=notes, **finish_args))
+    rank = 2 + len(TARGET_FACTORS)
+    if best[0] > floor and works is None and (step_rule != "free" or pp_size > 1):
         # Micro-batches end together: balance each one by the model's rank-seconds at the need.
         works_lock = [model.estimate_sample_time(L, c) * c for L, c in zip(lens, needs)]
-        candidates.append(("balanced", balanced_plan(
+        offer(rank, "balanced", balanced_plan(
             lens, needs, works_lock, min_cp_size=min_cp_size, balance_tolerance=balance_tolerance,
-            **args)))
-    if works is not None:  # the caller's compute-only workload: balance by it as well
-        candidates.append(("balanced", balanced_plan(
+            **args))
+    if best[0] > floor and works is not None:  # the caller's compute-only workload: balance by it as well
+        offer(rank + 1, "balanced", balanced_plan(
             lens, needs, works, min_cp_size=min_cp_size, balance_tolerance=balance_tolerance,
-            **args)))
-    timed = [(model.step_time(p, step_rule, pp_size), rank, name, p)
-             for rank, (name, p) in enumerate(candidates)]
-    step_time, _, name, chosen = min(timed, key=lambda t: (t[0], t[1]))
-    return dataclasses.replace(chosen, step_time_s=step_time, static_step_time_s=timed[0][0],
+            **args))
+    step_time, _, name, chosen = best
+    return dataclasses.replace(chosen, step_time_s=step_time, static_step_time_s=static_time,
                                candidate=name)
