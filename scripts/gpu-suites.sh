@@ -19,7 +19,7 @@
 # (eager NCCL init, subgroups split from the world's communicator) for an A/B of start-up time.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${OUT:-gpu-results}; mkdir -p "$out"
+out=${OUT:-gpu-results}; mkdir -p "$out"; out=$(cd "$out" && pwd)  # absolute: ranks run elsewhere
 source scripts/gpu-env.sh
 python3 - <<'PY' | tee "$out/env.txt"
 import os, torch, megatron.core as m
@@ -31,7 +31,7 @@ try:
 except Exception as e:
     print("transformer-engine: not importable:", type(e).__name__)
 PY
-export CPKIT_CASE_TIMES="$PWD/$out/case-times.jsonl"; rm -f "$CPKIT_CASE_TIMES"  # src/cpkit/launch_times.py
+export CPKIT_CASE_TIMES="$out/case-times.jsonl"; rm -f "$CPKIT_CASE_TIMES"  # src/cpkit/launch_times.py
 start=$(date +%s)
 python3 -m pytest -p no:cacheprovider -q -rfEs --durations=40 --junitxml="$out/junit.xml" "$@" 2>&1 \
   | tee "$out/pytest.log" | tail -60

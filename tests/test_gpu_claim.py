@@ -91,3 +91,11 @@ def test_timing_table_lines(tmp_path, monkeypatch):
     assert [line.get("case") for line in lines] == ["a", "b", None]
     assert lines[1]["ok"] is False and lines[2]["cases_s"] == 2.0 and lines[2]["wall_s"] > 0
     assert lines[0]["grid"].endswith("test_gpu_claim.test_timing_table_lines")
+
+
+def test_an_unwritable_timing_log_warns_and_never_fails_the_run(tmp_path, monkeypatch):
+    from cpkit.launch_times import TIMES_ENV, record_times
+
+    monkeypatch.setenv(TIMES_ENV, str(tmp_path / "missing-dir" / "times.jsonl"))
+    with pytest.warns(UserWarning, match="cannot be written"):
+        record_times([{"case": "x", "seconds": 1.0}])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 
 __all__ = ["TIMES_ENV", "record_times", "record_grid_times"]
 
@@ -17,9 +18,13 @@ TIMES_ENV = "CPKIT_CASE_TIMES"
 def record_times(entries) -> None:
     """Append `entries` (dicts) as JSON lines to $CPKIT_CASE_TIMES, where it is set."""
     path = os.environ.get(TIMES_ENV)
-    if path:
+    if not path:
+        return
+    try:  # a timing log never fails the run it times
         with open(path, "a") as fh:
             fh.write("".join(json.dumps(e) + "\n" for e in entries))
+    except OSError as exc:
+        warnings.warn(f"cpkit: {TIMES_ENV}={path!r} cannot be written ({exc}); the timing table is incomplete")
 
 
 def record_grid_times(fn, backend: str, world_size: int, results: dict, started: float) -> None:
