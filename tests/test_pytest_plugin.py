@@ -1,5 +1,6 @@
 """The pytest plugin's worker choice: many-core hosts spread the suite, CI's 2 cores do not."""
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -26,7 +27,42 @@ def test_many_core_host_groups_files_over_workers(monkeypatch):
     monkeypatch.setattr(pytest_plugin.os, "cpu_count", lambda: 16)
     config = _Config()
     pytest_plugin.pytest_cmdline_main(config)
-    assert (config.option.numprocesses, config.option.dist, config.option.tx) == (4, "loadgroup", ["popen"] * 4)
+    assert (config.option.numprocesses, config.option.dist, config.option.tx) == (4, "loadscope", ["popen"] * 4)
+
+
+GRID_FILE = """
+import os, pytest
+@pytest.mark.parametrize("case", ["nccl2-a", "nccl2-b", "nccl4-a", "nccl4-b", "gloo2-a", "gloo2-b"])
+def test_case(case):
+    with open(os.environ["WORKERS_LOG"], "a") as fh:
+        fh.write(case + " " + os.environ["PYTEST_XDIST_WORKER"] + "\\n")
+@pytest.mark.parametrize("case", ["nccl2-c", "gloo2-c"])
+def test_other(case):
+    test_case(case)
+"""
+
+
+def test_an_auto_spread_run_keeps_each_grid_on_one_worker(tmp_path):
+    """End to end, as on a GPU host (16 cores): every test of one file and GPU count runs in one
+    worker, so a file's NCCL grid (one launch for all its cases) starts once; xdist's own
+    loadgroup spread them over every worker under pytest 9 (`pytest_xdist_make_scheduler`)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "test_grid.py").write_text(GRID_FILE)
+    log = tmp_path / "workers.log"
+    code = ("import os, sys, pytest; os.cpu_count = lambda: 16; "
+            f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-p', 'cpkit.testing.pytest_plugin', {str(tmp_path / 'test_grid.py')!r}]))")
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "WORKERS_LOG": str(log)})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    workers = {}
+    for line in log.read_text().split("\n"):
+        if line:
+            case, worker = line.split()
+            workers.setdefault(case.split("-")[0], set()).add(worker)
+    assert set(workers) == {"nccl2", "nccl4", "gloo2"}
+    assert all(len(ws) == 1 for name, ws in workers.items() if name.startswith("nccl")), workers
 
 
 @pytest.mark.parametrize("config,cpus", [(_Config(numprocesses=0), 16), (_Config(xdist=False), 16), (_Config(), 2)],

@@ -8,6 +8,7 @@ Loaded through `-p cpkit.testing.pytest_plugin` in pyproject's addopts.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 
 import pytest
@@ -41,7 +42,7 @@ def pytest_cmdline_main(config):
     """On a many-core host (a GPU machine) spread the suite over xdist workers, so that the
     README's plain `python3 -m pytest` is not slower there than on CI's 2 cores: one xdist group
     per test file (a file's case grid shares one launch), per file and GPU count for the NCCL
-    tests (xdist_group_of), so that a 2-GPU grid runs beside another file's on the other GPUs
+    tests (xdist_group_of, by GridScheduling), so that a 2-GPU grid runs beside another file's on the other GPUs
     (each NCCL launch claims its GPUs: cpkit.gpu_claim). `-n N` (`-n 0`: none) overrides."""
     if os.environ.get("PYTEST_XDIST_WORKER") or not config.pluginmanager.hasplugin("xdist"):
         return
@@ -50,17 +51,37 @@ def pytest_cmdline_main(config):
     workers = auto_workers(os.cpu_count() or 1)
     if workers >= 2:
         config.option.numprocesses = workers
-        config.option.dist = "loadgroup"
+        config.option.dist = "loadscope"
         config.option.tx = ["popen"] * workers
+        config._cpkit_grid_scheduling = True
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """The scheduler of an auto-spread run: xdist's load-scope scheduling with the scope of
+    `xdist_group_of` read off the node id alone (controller side). xdist's own `loadgroup` moves
+    the group into `item._nodeid`, which pytest 9 no longer reads, so every test went to any
+    worker and each worker started its own copy of a file's NCCL grid (8 launches of one grid
+    on 4x H100)."""
+    if not getattr(config, "_cpkit_grid_scheduling", False):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GridScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group_of(nodeid, _gpu_count_of(nodeid))
+
+    return GridScheduling(config, log)
+
+
+def _gpu_count_of(nodeid: str) -> list[str]:
+    """The gpu2/gpu4 marker a functional test's node id implies: its parameter id starts with
+    the backend and world size (`dist_params`: nccl2, nccl4); [] for anything else."""
+    match = re.search(r"\[nccl(\d+)", nodeid)
+    return [f"gpu{4 if int(match.group(1)) > 2 else 2}"] if match else []
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    # A worker sees `loadgroup` (xdist resets its `dist` to "no"); the main process sees `dist`.
-    if getattr(config.option, "loadgroup", False) or getattr(config.option, "dist", "no") == "loadgroup":
-        for item in items:
-            markers = [name for name in GPU_MARKERS if item.get_closest_marker(name)]
-            item.add_marker(pytest.mark.xdist_group(xdist_group_of(item.nodeid, markers)))
     for item in items:
         for name, needed in GPU_MARKERS.items():
             if item.get_closest_marker(name) is None:
