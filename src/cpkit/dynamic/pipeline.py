@@ -10,18 +10,23 @@ a list of model chunks) and tensor-parallel (TP) size:
    samples; every stage reads them (the first for tokens, every stage for the packed
    sequence offsets, the last for labels).
 2. A rank idle in a micro-batch still runs it (the pipeline needs an activation from every
-   stage): a 2-token sequence with loss_mask 0 on its own CP group of size 1, so it adds exactly
-   zero to the loss and the gradients.
+   stage): a 2-token sequence with loss_mask 0 on its own CP group of size 1, run with the
+   chunk in eval mode so that MoE routers add no aux or z-loss for it (MCore weights those by
+   the local token count); it adds exactly zero to the loss and the gradients.
 3. One all-reduce over the DPxCP group counts the loss tokens T of the whole global batch and
    the ranks that failed to prepare their data (then every rank raises together).
 4. MCore's schedule runs the micro-batches: `forward_step` switches each chunk to its
    micro-batch's CP group (cpkit.dynamic.runtime.use_cp_group: cp, the registry's tp x cp group,
    the [a2a, p2p] pair where the block has one) and restores it in a `finally`; the backward
    runs outside the switch (the attention keeps the forward's group in its autograd context).
-   The loss function returns sum(local token losses) / T, so the losses and gradients summed
-   over micro-batches and DPxCP ranks are the per-token mean of the global batch, as at cp=1.
-5. Without `config.finalize_model_grads_func` the gradients are summed over the DPxCP group
-   here; with one (MCore DDP), MCore's finalize does its reductions as usual.
+   The loss function returns (sum of local token losses, local token count), MCore's
+   calculate_per_token_loss convention: the LM loss and the MoE aux and z losses (which MCore's
+   router multiplies by the local token count) are all in "sum" scale, and every gradient is
+   divided by T once, after the schedule.
+5. With `config.finalize_model_grads_func` (MCore DDP) MCore's finalize sums the gradients over
+   the DPxCP group and divides them by T (the token counts the loss function returned, summed
+   over that group); without one, the gradients are summed over the DPxCP group and divided by
+   T here. Either way they are the per-token mean's of the global batch, as at cp=1.
 
 Failures: a rank whose step raises inside the schedule re-raises; its peers wait in a pipeline
 transfer, a CP collective or the gradient all-reduce until the process group's timeout
@@ -30,6 +35,7 @@ transfer, a CP collective or the gradient all-reduce until the process group's t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
@@ -185,6 +191,21 @@ def _scheduled(local: Optional[LocalMicrobatch], index: int, registry: GroupRegi
     return ScheduledMicrobatch(local, False, registry.tp_cp_for(local.assignment), hcp, comm)
 
 
+@contextlib.contextmanager
+def _eval_mode(chunk: torch.nn.Module, enabled: bool):
+    """`chunk` in eval mode while `enabled` (every module's own flag restored after)."""
+    if not enabled:
+        yield
+        return
+    flags = [(m, m.training) for m in chunk.modules()]
+    chunk.train(False)
+    try:
+        yield
+    finally:
+        for module, flag in flags:
+            module.training = flag
+
+
 def _model_config(chunk: torch.nn.Module) -> Any:
     from megatron.core.utils import get_model_config
 
@@ -218,8 +239,9 @@ def dynamic_cp_forward_backward(
 
     Collective over the DPxCP group (call on every rank with the same plan) and the pipeline.
     Gradients accumulate into `.grad` (zero them before); they are the per-token mean's over the
-    global batch, summed over the DPxCP group here unless config.finalize_model_grads_func is
-    set. Returns the global per-token loss on every rank. Raises CPConfigError for a config the
+    global batch (the LM loss and MoE aux and z losses alike), summed over the DPxCP group and
+    divided by its token count here unless config.finalize_model_grads_func is set (then MCore's
+    finalize does both). Returns the global per-token loss on every rank. Raises CPConfigError for a config the
     schedule cannot run (check_schedule_config), a plan or registry of another DPxCP size, or
     an idle rank without a size-1 group; re-raises a data error on every rank.
     """
@@ -259,14 +281,15 @@ def dynamic_cp_forward_backward(
         mb = next(data_iterator)
         local = mb.local
         with use_cp_group(chunk, local.group, pg_collection=pg_collection, cp_comm_type=mb.comm_type,
-                          tp_cp_group=mb.tp_cp_group, hcp=mb.hcp):
+                          tp_cp_group=mb.tp_cp_group, hcp=mb.hcp), _eval_mode(chunk, mb.idle):
             output = chunk(local.batch["tokens"], local.batch["position_ids"], None,
                            packed_seq_params=local.packed_seq_params)
 
         def loss_func(logits):
+            # MCore's per-token convention: the schedule backpropagates the sum, the gradients
+            # are divided by the global token count once (finalize_model_grads or below)
             loss_sum, count = loss_sum_fn(logits, local.batch, tp_group)
-            share = loss_sum / divisor
-            return share, count.to(torch.int), {"loss_share": share.detach().double()}
+            return loss_sum, count.to(torch.int), {"loss_share": (loss_sum.detach() / divisor).double()}
 
         return output, loss_func
 
@@ -291,6 +314,9 @@ def dynamic_cp_forward_backward(
     if not forward_only and getattr(config, "finalize_model_grads_func", None) is None:
         for chunk in chunks:
             all_reduce_gradients(chunk, group)
+            for p in chunk.parameters():
+                if p.grad is not None:
+                    p.grad.div_(divisor)
     return DynamicStepResult(
         loss=summed.item(), num_tokens=total,
         local_losses=tuple(float(e["loss_share"]) for e in stored or []),

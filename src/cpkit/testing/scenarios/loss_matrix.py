@@ -157,7 +157,7 @@ def _reported_terms(pgc, num_microbatches: int) -> dict[str, float]:
             dist.all_reduce(values, group=pp)
         if entry.get("reduce_group") is not None:
             dist.all_reduce(values, group=entry["reduce_group"])
-            if not entry.get("reduce_group_has_dp", False):
+            if not entry.get("reduce_group_has_dp", not entry.get("needs_dp_avg", True)):  # 0.16, 0.19
                 dp = get_pg(pgc, "dp")
                 if group_size(dp) > 1:
                     dist.all_reduce(values, group=dp)
@@ -193,8 +193,9 @@ def _global_state(case, cp: int):
         parallel_state.destroy_model_parallel()
 
 
-def _train_step(model, microbatches, pgc, loss_func, cfg, dev):
-    """One Megatron-LM-shaped step through MCore's schedule: (reported losses, terms, grads)."""
+def _train_step(model, microbatches, pgc, loss_func, cfg, dev, *, logits_loss: bool = False):
+    """One Megatron-LM-shaped step through MCore's schedule: (reported losses, terms, grads).
+    `logits_loss`: the model returns logits and `loss_func` gets the micro-batch and them."""
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 
@@ -208,6 +209,8 @@ def _train_step(model, microbatches, pgc, loss_func, cfg, dev):
 
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator)
+        if logits_loss:
+            return chunk(mb["tokens"], mb["position_ids"], None), partial(loss_func, mb)
         output = chunk(mb["tokens"], mb["position_ids"], None, labels=mb["labels"], loss_mask=mb["loss_mask"])
         return output, partial(loss_func, mb["loss_mask"])
 
@@ -317,17 +320,26 @@ def _div(a, b):
 
 DYNAMIC_LENS = (24, 12, 16, 8)
 DYNAMIC_PLANS = {  # micro-batches of (positions, samples); the groupings are the same in each plan
-    "cp2-then-cp1": ((((0, 1), (0,)),), (((0,), (1,)), ((1,), (2, 3)))),
-    "cp1-then-cp1": ((((0,), (0,)),), (((0,), (1,)), ((1,), (2, 3)))),
+    "cp2-then-cp1": ((((0, 1), (0,)),), (((0,), (1,)), ((1,), (2,))), (((0,), (3,)),)),
+    "cp1-then-cp1": ((((0,), (0,)),), (((0,), (1,)), ((1,), (2,))), (((0,), (3,)),)),
 }
+"""One sample per CP group, so that the cp=1 reference runs each as a micro-batch of its own
+(the router's aux loss is over a micro-batch's tokens). The last micro-batch, and the first of
+"cp1-then-cp1", leave position 1 idle (cpkit's masked filler)."""
+DYNAMIC_FINALIZE = "cp1-then-cp1"
+"""The plan run with MCore's finalize_model_grads (the gradients divided by the token count
+there); the others reduce and divide in dynamic_cp_forward_backward."""
 
 
 def dynamic_cases(backend: str, world_size: int) -> list[dict]:
     """Dynamic-CP cells on 2 ranks: each model runs the plans of DYNAMIC_PLANS, which put the
-    same samples in the same micro-batches at CP size 2 or 1."""
+    same samples in the same micro-batches at CP size 2 or 1; "gradients" cells check the loss
+    and every gradient against cp=1, the "terms" cell MCore's aux-loss tracker across plans."""
     if world_size != 2:
         return []
-    return [dict(id=f"dynamic-{model}", model=model) for model in ("dense", "moe")]
+    return [dict(id="dynamic-dense", model="dense", check="gradients"),
+            dict(id="dynamic-moe", model="moe", check="gradients"),
+            dict(id="dynamic-moe-terms", model="moe", check="terms")]
 
 
 def _dynamic_plan(spec, lens, max_len):
@@ -338,10 +350,34 @@ def _dynamic_plan(spec, lens, max_len):
                 workloads=tuple(float(n * n) for n in lens), needed_cp_sizes=tuple(cp_size_for(n, max_len) for n in lens))
 
 
+def _dynamic_reference(cfg, samples, dev):
+    """cp=1 reference of the dynamic cells: the same weights on this rank alone, one sample per
+    micro-batch (bshd, no packing), through MCore's schedule with calculate_per_token_loss and
+    finalize_model_grads. Returns ("lm loss", terms, gradients)."""
+    ref_pgc = single_rank_pg_collection()
+    ref = build_gpt(cfg, ref_pgc, device=dev)
+    mbs = [{"tokens": s["tokens"][None], "labels": s["labels"][None], "loss_mask": s["loss_mask"][None],
+            "position_ids": torch.arange(len(s["tokens"]), device=dev)[None]} for s in samples]
+    reported, terms, grads = _train_step(ref, mbs, ref_pgc, _logits_loss_func, cfg, dev, logits_loss=True)
+    return reported["lm loss"], terms, grads
+
+
+def _logits_loss_func(mb: dict, logits: torch.Tensor):
+    """megatron_loss_func on torch's fp32 cross entropy of the logits [b, s, vocab] (b = 1).
+    Not MCore's fused native one: fused_cross_entropy.calculate_gradients rounds the logits'
+    gradient to bf16 at every dtype; nor its unfused one: it needs MCore's global tp group."""
+    losses = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                               mb["labels"].reshape(-1), reduction="none")
+    return megatron_loss_func(mb["loss_mask"], losses)
+
+
 def dynamic_loss_scenario(case: dict):
     """Every plan of DYNAMIC_PLANS through cpkit.dynamic.pipeline.dynamic_cp_forward_backward
-    (MCore's schedule, calculate_per_token_loss) on one model: the loss, the aux-loss tracker
-    and every gradient must not depend on the plan. Returns {plan: loss}."""
+    (MCore's schedule, calculate_per_token_loss) on one model. case["check"] "gradients": the
+    loss and every gradient equal the cp=1 reference (_dynamic_reference); "terms": MCore's
+    aux-loss tracker, as Megatron-LM logs it, does not depend on the plan. Returns {plan: loss}."""
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
     from cpkit.dynamic import build_group_registry
     from cpkit.dynamic.pipeline import dynamic_cp_forward_backward
     from cpkit.rank_grid import rank_groups
@@ -359,28 +395,50 @@ def dynamic_loss_scenario(case: dict):
     pgc = build_pg_collection(layout)
     registry = build_group_registry(rank_groups(layout)["dp_cp"], dist.get_rank())
     samples = [token_sample(n, 4100 + i, cfg.vocab_size, dev) for i, n in enumerate(lens)]
+    gradients = case["check"] == "gradients"
+    if gradients:
+        ref_loss, _, ref_grads = _dynamic_reference(cfg, samples, dev)
     model = build_gpt(cfg, pgc, device=dev)
+    attach_grad_sync(model, pgc, calculate_per_token_loss=True)
     results = {}
     for name, spec in DYNAMIC_PLANS.items():
         model.zero_grad(set_to_none=True)
         _clear_trackers()
+        model.config.finalize_model_grads_func = finalize_model_grads if name == DYNAMIC_FINALIZE else None
         out = dynamic_cp_forward_backward(model, _dynamic_plan(spec, lens, max(lens)), registry,
                                           lambda i: samples[i], pg_collection=pgc)
         results[name] = (out.loss, _reported_terms(pgc, len(spec)), named_gradients(model))
-    tol = TOL[dtype]
-    (base, (loss0, terms0, grads0)), *others = results.items()
+    if gradients:
+        problems = _against_reference(results, ref_loss, ref_grads, TOL[dtype], bf16=dtype != torch.float32)
+    else:
+        problems = _terms_across_plans(results, TOL[dtype])
+    assert not problems, f"{case['id']}: " + "; ".join(problems)
+    return {name: r[0] for name, r in results.items()}
+
+
+def _against_reference(results: dict, ref_loss: float, ref_grads: dict, tol: dict, *, bf16: bool) -> list[str]:
+    """Each plan's (loss, terms, gradients) of `results` against the cp=1 loss and gradients."""
     problems = []
-    for name, (loss, terms, grads) in others:
-        if abs(loss - loss0) > tol["loss"]:
-            problems.append(f"loss {loss} under {name} vs {loss0} under {base} (ratio {_div(loss, loss0)})")
+    for name, (loss, _, grads) in results.items():
+        if abs(loss - ref_loss) > tol["loss"] * max(1.0, abs(ref_loss)):
+            problems.append(f"loss {loss} under {name} vs cp=1 {ref_loss} (ratio {_div(loss, ref_loss)})")
+        bad = [n for n, g in grads.items()
+               if not torch.allclose(g, ref_grads[n], rtol=tol["rtol"],
+                                     atol=tol["atol"] * (float(ref_grads[n].abs().max()) if bf16 else 1.0))]
+        if bad:
+            worst, ratio = _ratio({n: grads[n] for n in bad}, ref_grads)
+            problems.append(f"{len(bad)} of {len(grads)} gradients differ between {name} and cp=1; "
+                            f"worst {worst}: |g| / |g cp=1| = {ratio}")
+    return problems
+
+
+def _terms_across_plans(results: dict, tol: dict) -> list[str]:
+    """Each plan's aux-loss tracker terms of `results` against the first plan's."""
+    (base, (_, terms0, _)), *others = results.items()
+    problems = []
+    for name, (_, terms, _) in others:
         for term in sorted(set(terms) | set(terms0)):
             a, b = terms.get(term), terms0.get(term)
             if a is None or b is None or abs(a - b) > tol["loss"] * max(1.0, abs(b)):
                 problems.append(f"term {term!r}: {a} under {name} vs {b} under {base} (ratio {_div(a, b)})")
-        bad = [n for n in grads if not torch.allclose(grads[n], grads0[n], rtol=tol["rtol"], atol=tol["atol"])]
-        if bad:
-            worst, ratio = _ratio({n: grads[n] for n in bad}, grads0)
-            problems.append(f"{len(bad)} of {len(grads)} gradients differ between {name} and {base}; "
-                            f"worst {worst}: ratio {ratio}")
-    assert not problems, f"{case['id']}: " + "; ".join(problems)
-    return {name: r[0] for name, r in results.items()}
+    return problems
