@@ -4,7 +4,7 @@ Works on modeled seconds (cpkit.dynamic.cost), not on a compute-only workload. E
 ready time. Samples are placed one by one, widest need first, then slowest first:
 
 1. Sizes tried: the sample's need (smallest power of two that fits max_seq_len_per_rank); wider
-   sizes, up to the fastest one (cpkit.dynamic.scheduler.fastest_cp_size), only for a sample
+   sizes, up to the fastest one (cpkit.dynamic.search.fastest_cp_size), only for a sample
    that would take longer at its need than `widen_above` (default a rank's mean load): short
    samples stay on few ranks (no CP communication, full kernels), only the long ones spread.
 2. For each size, the aligned block with the earliest start (the latest ready time of its ranks);

@@ -16,11 +16,11 @@ holds sum(ceil(L / k)) tokens.
      says a wider group finishes sooner (`fastest_cp_size`), and go, widest need first, then
      slowest, to the aligned block that finishes them first, packed into its last group when
      the tokens fit;
-   - the same list scheduling aimed at target makespans (TARGET_FACTORS times
-     `makespan_bound`, a lower bound on any plan's step time): each sample, widest need first,
-     takes the narrowest size whose earliest finish meets the target (else the earliest finish),
-     and every sample longer than a quarter of the target may widen. So a long sample spreads
-     wide while short ones stay narrow and pack: CP sizes mix inside a micro-batch;
+   - the same list scheduling aimed at target makespans (cpkit.dynamic.search; TARGET_FACTORS
+     times `makespan_bound`, a lower bound on any plan's step time): each sample, widest need
+     first, takes the narrowest size whose earliest finish meets the target (else the earliest
+     finish), and every sample longer than a quarter of the target may widen. So a long sample
+     spreads wide while short ones stay narrow and pack: CP sizes mix inside a micro-batch;
    - static CP (cpkit.dynamic.static): every sample at the batch's largest need;
    - with a caller's `workload`, or when micro-batches end together (`step_rule="lockstep"`
      or pp_size > 1): the balancer (`balanced_plan`, below; without a workload it balances
@@ -49,6 +49,9 @@ from cpkit.dynamic.cost import CostModel, default_cost_model
 from cpkit.dynamic.earliest_finish import earliest_finish_plan, placing_order
 from cpkit.dynamic.packing import Overflow, pack_microbatch
 from cpkit.dynamic.plan import Microbatch, Plan
+from cpkit.dynamic.search import (
+    TARGET_FACTORS, fastest_cp_size, makespan_bound, sample_figures, step_time_floor, target_plans,
+)
 from cpkit.dynamic.static import static_cp_plan
 from cpkit.errors import CPConfigError, Violation
 
@@ -68,10 +71,6 @@ __all__ = [
 DEFAULT_BALANCE_TOLERANCE = 0.03
 _FILL = 0.8  # token fill per micro-batch that B is planned for: headroom for packing
 _MAX_LISTED = 5  # per-sample violations listed in one error before "... and k more"
-# Makespan targets of the earliest-finish search, as multiples of makespan_bound: each finds
-# plans the others miss (over random long-tailed batches each wins about a fifth of the time).
-TARGET_FACTORS = (1.0, 1.1, 1.25, 1.5, 2.0)
-_WIDEN_SHARE = 0.25  # samples shorter than this share of the target stay on one rank (fast path)
 
 
 def _is_pow2(x: int) -> bool:
@@ -333,46 +332,6 @@ def _workloads(workload: Callable[[int], float], lens: Sequence[int]) -> list[fl
     return works
 
 
-def fastest_cp_size(model: CostModel, seq_len: int, need: int, largest: int) -> int:
-    """The power of two in [need, largest] with the least modeled time per rank for `seq_len`
-    alone (the smallest on ties): a wider group than this is slower, not just costlier."""
-    best, best_time, k = need, model.estimate_sample_time(seq_len, need), need * 2
-    while k <= largest and k <= seq_len:
-        t = model.estimate_sample_time(seq_len, k)
-        if t >= best_time:  # past the fastest size: wider groups only add ring steps
-            break
-        best, best_time = k, t
-        k *= 2
-    return best
-
-
-def makespan_bound(model: CostModel, lens: Sequence[int], needs: Sequence[int],
-                   widest: Callable[[int, int], int], dp_cp_size: int) -> float:
-    """A lower bound (estimated, ignoring packing) on any plan's step time: the longest sample at
-    its fastest size, or every sample's least rank-seconds (at its need or its fastest size)
-    spread evenly over the N ranks."""
-    longest, area = 0.0, 0.0
-    for L, c in zip(lens, needs):
-        k = widest(L, c)
-        at_fastest = model.estimate_sample_time(L, k)
-        longest = max(longest, at_fastest)
-        area += min(c * model.estimate_sample_time(L, c), k * at_fastest)
-    return max(longest, area / dp_cp_size)
-
-
-def step_time_floor(model: CostModel, lens: Sequence[int], needs: Sequence[int],
-                    largest: int) -> float:
-    """A step time no plan is modeled below: the longest sample alone at its fastest size of
-    any in [need, largest] (a group's time only grows with the samples packed into it, and a
-    step lasts at least its longest group under every step rule)."""
-    i = max(range(len(lens)), key=lambda j: (lens[j], needs[j]))
-    L, k, floor = lens[i], needs[i], math.inf
-    while k <= largest:
-        floor = min(floor, model.sample_time(L, k))
-        k *= 2
-    return floor
-
-
 def balanced_plan(
     lens: Sequence[int],
     needs: Sequence[int],
@@ -484,30 +443,7 @@ def schedule(
     args = dict(dp_cp_size=dp_cp_size, max_seq_len_per_rank=max_seq_len_per_rank,
                 microbatch_group_size=microbatch_group_size)
     works = None if workload is None else _workloads(workload, lens)
-    fastest: dict[tuple[int, int, int], int] = {}
-
-    def widest(L, c):
-        # fastest_cp_size sees L only through estimate_sample_time (L's 7 leading bits) and
-        # k <= L (L's bit length): lengths alike in both share one answer.
-        bits = L.bit_length()
-        key = (L >> max(0, bits - 7), bits, c)
-        k = fastest.get(key)
-        if k is None:
-            k = fastest[key] = fastest_cp_size(model, L, c, largest)
-        return k
-
-    # Per sample: its time at the need, its fastest size and its time there, computed once
-    # per length class (the lengths estimate_sample_time and fastest_cp_size cannot tell apart).
-    classes: dict[tuple[int, int, int], tuple[float, int, float]] = {}
-    per_sample = []
-    for L, c in zip(lens, needs):
-        bits = L.bit_length()
-        key = (L >> max(0, bits - 7), bits, c)
-        v = classes.get(key)
-        if v is None:
-            t, k = model.estimate_sample_time(L, c), widest(L, c)
-            v = classes[key] = (t, k, t if k == c else model.estimate_sample_time(L, k))
-        per_sample.append(v)
+    widest, per_sample = sample_figures(model, lens, needs, largest)
     at_need = [v[0] for v in per_sample]
     finish_args = dict(roots=aligned_roots(dp_cp_size), cost_model=model, workloads=works,
                        at_need=at_need, order=placing_order(lens, needs, at_need), **args)
@@ -537,24 +473,10 @@ def schedule(
     if best[0] > floor:
         offer(1, "earliest-finish", earliest_finish_plan(lens, needs, widest,
                                                         give_up_at=give_up_at(), **finish_args))
-    # The same list scheduling aimed at makespans from the lower bound up: the narrowest size
-    # that meets the target, so long samples widen (and mix CP sizes) only where they must.
-    bound = max(max(v[2] for v in per_sample),  # makespan_bound, from the per-sample figures
-                sum(min(c * t, k * tk) for c, (t, k, tk) in zip(needs, per_sample)) / dp_cp_size)
-    # A target below notes["same_plan_below"] of a smaller one's run (and whose widen_above
-    # stays below notes["widen_below"]) gives that run's plan (earliest_finish_plan's `notes`):
-    # it could only tie, so it is skipped.
-    notes: dict = {}
-    for rank, factor in enumerate(TARGET_FACTORS, start=2):
-        if best[0] <= floor:
-            break
-        target = bound * factor
-        if target < notes.get("same_plan_below", 0.0) \
-                and target * _WIDEN_SHARE < notes["widen_below"]:
-            continue
-        offer(rank, "earliest-finish", earliest_finish_plan(
-            lens, needs, widest, target=target, widen_above=target * _WIDEN_SHARE,
-            give_up_at=give_up_at(), notes=notes, **finish_args))
+    # The same list scheduling aimed at makespans from the lower bound up (cpkit.dynamic.search).
+    for i, plan in target_plans(lens, needs, widest, per_sample, done=lambda: best[0] <= floor,
+                                give_up_at=give_up_at, **finish_args):
+        offer(2 + i, "earliest-finish", plan)
     rank = 2 + len(TARGET_FACTORS)
     if best[0] > floor and works is None and (step_rule != "free" or pp_size > 1):
         # Micro-batches end together: balance each one by the model's rank-seconds at the need.
