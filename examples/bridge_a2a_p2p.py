@@ -91,7 +91,7 @@ def main() -> str:
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    rd = init_rank()
+    rd = init_rank(memory_buffer=False)  # Bridge's MPU initialization creates MCore's buffer
     rank, world = dist.get_rank(), dist.get_world_size()
     check_world_size(world, WORLD_SIZES, "examples/bridge_a2a_p2p.py")
     ranks = describe_rank_devices(rd)

@@ -56,13 +56,15 @@ def rank_device() -> RankDevice:
     return RankDevice(backend, device)
 
 
-def init_rank() -> RankDevice:
+def init_rank(*, memory_buffer: bool = True) -> RankDevice:
     """Start this rank of a training loop on rank_device(): set the CUDA device, initialize the
     default process group from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) unless
     one is up, and make MCore ready for the device: on CPU cpkit.mcore_cpu's shim (MCore calls
     CUDA in a few places), on CUDA MCore's "model-parallel-rng" state and global memory buffer
     (the decentralized process-group path never calls initialize_model_parallel, which sets
-    them). Returns the RankDevice. Idempotent."""
+    them). `memory_buffer=False` leaves the buffer to a loop that then calls MCore's
+    initialize_model_parallel (itself or through Megatron-Bridge), which creates it and refuses a
+    second one. Returns the RankDevice. Idempotent."""
     import torch
     import torch.distributed as dist
 
@@ -78,7 +80,8 @@ def init_rank() -> RankDevice:
     else:
         from cpkit.compat import ensure_cuda_rng_tracker, ensure_global_memory_buffer
 
-        ensure_global_memory_buffer()
+        if memory_buffer:
+            ensure_global_memory_buffer()
         ensure_cuda_rng_tracker()
     return rd
 

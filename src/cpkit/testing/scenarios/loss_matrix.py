@@ -60,6 +60,15 @@ MODELS = {
 the CP size moves the router's gradients well past the fp32 tolerance."""
 
 
+def _dtype(model: str, dev) -> torch.dtype:
+    """fp32 on CPU; bf16 on CUDA, but for MoE: top-k routing is discrete, so a bf16 rounding
+    difference between the cp=1 and the CP step sends a near-tie token to another expert and
+    moves whole tokens' shares of the expert gradients (2x H100, d4cbd09, cp2 moe-tok in bf16:
+    8 of 34 gradients off, an expert's |g| ratio 1.011). The matrix is about scaling, which fp32
+    shows without flips."""
+    return torch.float32 if dev.type == "cpu" or model == "moe" else torch.bfloat16
+
+
 def megatron_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """Megatron-LM's pretrain_gpt.loss_func: per-token losses [b, s] and the loss mask in, out
     (sum of masked losses, token count (int), {"lm loss": [sum, count]}). MCore's schedule
@@ -261,7 +270,7 @@ def loss_matrix_scenario(case: dict):
     reference terms); raises AssertionError naming the quantity, the measured ratio and values."""
     install_mcore_cpu_shim()
     dev = device()
-    dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    dtype = _dtype(case["model"], dev)
     cfg = _config(case, dtype, dev)
     cp, dp, pp = case["cp"], case["dp"], case["pp"]
     layout = CPLayout(world_size=dist.get_world_size(), cp=cp, pp=pp, seq_length=cfg.seq_length,
@@ -385,7 +394,7 @@ def dynamic_loss_scenario(case: dict):
 
     install_mcore_cpu_shim()
     dev = device()
-    dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    dtype = _dtype(case["model"], dev)
     scale = 1 if dev.type == "cpu" else 128
     lens = [n * scale for n in DYNAMIC_LENS]
     extra = dict(MODELS[case["model"]], calculate_per_token_loss=True)  # pp = 1: fixed-length p2p not needed
