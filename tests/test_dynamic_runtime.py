@@ -394,3 +394,29 @@ def test_step_rejects_a_plan_for_another_dp_cp_size_before_any_collective(pgc, m
     with pytest.raises(CPConfigError) as info:
         dynamic_cp_step(model, plan, registry, lambda i: _sample(4, i), pg_collection=pgc)
     assert info.value.field == "plan.dp_cp_size"
+
+
+@pytest.mark.parametrize("per_token", [True, False])
+def test_moe_step_divides_router_loss_gradients_by_the_token_count(pgc, per_token):
+    """World size 1, an MoE GPT with aux and z losses: one sample per micro-batch (the router's
+    losses are over a micro-batch's tokens) gives the loss and every gradient, router weights
+    included, of MCore's schedule with calculate_per_token_loss at cp=1. The router's loss
+    gradients are divided by the global token count T like the LM loss's, whatever the
+    model's calculate_per_token_loss (without it MCore's router does not weight them by the
+    micro-batch's token count; the runtime does)."""
+    from cpkit.testing.scenarios.loss_matrix import MODELS, _dynamic_reference
+
+    lens = [12, 6, 8]
+    samples = [_sample(n, 40 + i) for i, n in enumerate(lens)]
+    cfg = CFG.with_(extra=dict(MODELS["moe"], calculate_per_token_loss=True))
+    ref_loss, _, ref_grads = _dynamic_reference(cfg, samples, torch.device("cpu"))
+
+    model = build_gpt(cfg.with_(extra=dict(cfg.extra, calculate_per_token_loss=per_token)), pgc)
+    plan = hand_plan([[((0,), (i,))] for i in range(len(lens))], lens, dp_cp_size=1)
+    result = dynamic_cp_step(model, plan, build_group_registry([[0]], 0), lambda i: samples[i],
+                             pg_collection=pgc)
+    assert abs(result.loss - ref_loss) <= 1e-5
+    grads = named_gradients(model)
+    assert any("router" in name for name in grads)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")

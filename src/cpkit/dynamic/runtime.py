@@ -25,7 +25,10 @@ gradient hooks (MCore DDP's bucketed all-reduce) fire on it exactly as on the bu
 Loss: every rank returns sum(its local token losses) / T, T = the number of loss tokens of the
 whole global batch (an all-reduce of the local counts). Summed over micro-batches and over the
 DPxCP ranks it is the mean over all tokens of all samples, the number a cp=1 run reports, and
-so are the summed gradients (`cpkit.loss.all_reduce_gradients`).
+so are the summed gradients (`cpkit.loss.all_reduce_gradients`). MoE router aux and z losses
+are per token of the global batch too: each backward runs with MCore's aux-loss scale 1/T
+(the router multiplies them by the local token count under calculate_per_token_loss; without
+it the scale is the micro-batch's token count / T), as in cpkit.dynamic.pipeline.
 
 Backward may run outside `use_cp_group` (cpkit's and TE's attention keep the group of the
 forward in the autograd context), so a pipeline schedule can wrap only its forward step.
@@ -368,6 +371,7 @@ def forward_backward_local(
     None (idle) backpropagates zero_loss. Gradients accumulate into `.grad`. Returns this
     rank's detached loss share per micro-batch (float64 scalars, 0 where idle).
     """
+    per_token = bool(getattr(_config_of(model), "calculate_per_token_loss", False))
     shares = []
     for mb in microbatches:
         if mb is None:
@@ -376,9 +380,38 @@ def forward_backward_local(
             with use_cp_group(model, mb.group, pg_collection=pg_collection, cp_comm_type=cp_comm_type):
                 loss = loss_fn(model, mb.batch, pg_collection, total_tokens=total_tokens,
                                packed_seq_params=mb.packed_seq_params)
-        loss.backward()  # outside the switch: autograd kept the forward's group
+        # MoE router aux and z losses: per token of the global batch, like the LM loss (a no-op
+        # for a dense model); MCore's router weights them by the local token count only with
+        # calculate_per_token_loss, so without it the micro-batch's count is the scale's
+        routed = 1.0 if per_token or mb is None else float(mb.batch["tokens"].numel())
+        with _router_loss_scale(routed / max(total_tokens, 1.0), loss.device):
+            loss.backward()  # outside the switch: autograd kept the forward's group
         shares.append(loss.detach().double())
     return shares
+
+
+def _config_of(model: torch.nn.Module) -> Any:
+    """The model's TransformerConfig (through DDP-style wrappers), or None."""
+    while model is not None and not hasattr(model, "config"):
+        model = getattr(model, "module", None)
+    return getattr(model, "config", None)
+
+
+@contextlib.contextmanager
+def _router_loss_scale(scale: float, device: Any):
+    """MCore's MoEAuxLossAutoScaler backward scale set to `scale` (the aux and z losses'
+    gradient factor), the previous one restored after (MCore's schedule sets its own)."""
+    try:
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    except ImportError:  # no MCore MoE: nothing to scale
+        yield
+        return
+    previous = MoEAuxLossAutoScaler.main_loss_backward_scale
+    MoEAuxLossAutoScaler.main_loss_backward_scale = torch.tensor(scale, dtype=torch.float32, device=device)
+    try:
+        yield
+    finally:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = previous
 
 
 def dynamic_cp_step(
