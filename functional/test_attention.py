@@ -99,6 +99,16 @@ def test_cp_attention_matches_full_attention(backend, world_size, case_id):
     _grid(backend, world_size)[case_id].check()
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_every_grid_has_ring_mode_and_head_chunk_variants(world_size):
+    """The variant tests below are parametrized from `_variant_cases`; a change that empties it
+    would leave them with no cases at all, silently."""
+    for backend in ("gloo", "nccl"):
+        options = [c["options"] for c in _variant_cases(backend, world_size)]
+        assert sum("p2p_batched" in o for o in options) >= 2, (backend, world_size, options)
+        assert sum("a2a_chunks" in o for o in options) >= 2, (backend, world_size, options)
+
+
 @pytest.mark.parametrize("backend,world_size,case_id", _params(_variant_cases, lambda c: "p2p_batched" in c["options"]))
 def test_forced_ring_mode_matches_full_attention(backend, world_size, case_id):
     """The ring forced to separate isend/irecv calls (even ranks sending first) or to one

@@ -44,6 +44,7 @@ from cpkit.attention.band import Band, Window, band_bwd, band_fwd
 from cpkit.attention.chunks import local_seq
 from cpkit.attention.kernels import attn_bwd, attn_fwd
 from cpkit.attention.sink import sink_grad
+from cpkit.testing.reference import masked_block_reference
 
 pytestmark = [pytest.mark.gpu1, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -106,23 +107,6 @@ def _packed(lead, parts, dtype, gen, strided):
     return [x.unflatten(-1, part) for x, part in zip(views, parts)]
 
 
-def _reference(q, k, v, dout, sink, allowed):
-    """Exact float32 attention of [b, h, s, d] tensors (kv heads expanded here) under the boolean
-    `allowed` [s_q, s_k], the sink as an extra logit per head without a value; returns (out, lse,
-    dq, dk, dv, dsink) through autograd. Rows that see nothing: zero output, LSE -inf."""
-    q, k, v = (x.detach().float().requires_grad_() for x in (q, k, v))
-    sink = None if sink is None else sink.detach().float().requires_grad_()
-    g = q.shape[1] // k.shape[1]
-    scores = (q @ k.repeat_interleave(g, 1).transpose(-1, -2) * SCALE).masked_fill(~allowed.to(q.device), float("-inf"))
-    logits = scores if sink is None else torch.cat([scores, sink.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], -1)
-    lse = torch.logsumexp(logits, -1)
-    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    out = torch.exp(scores - finite.unsqueeze(-1)) @ v.repeat_interleave(g, 1)
-    inputs = [q, k, v] + ([sink] if sink is not None else [])
-    grads = torch.autograd.grad(out, inputs, dout.float())
-    return (out.detach(), lse.detach(), *grads[:3], grads[3] if sink is not None else None)
-
-
 def _to_bhsd(x, thd):
     return x.permute(1, 0, 2).unsqueeze(0) if thd else x.permute(1, 2, 0, 3)
 
@@ -165,7 +149,7 @@ def test_kernel_computes_every_input_form(feature, form, kernel, packing, dtype)
         allowed &= diff >= 0
     if distances is not None:
         allowed &= (diff >= distances[0]) & (diff <= distances[1])
-    want = _reference(*(_to_bhsd(x, thd) for x in (q, k, v, dout)), sink, allowed)
+    want = masked_block_reference(*(_to_bhsd(x, thd) for x in (q, k, v, dout)), sink, allowed, scale=SCALE)
 
     kw, cu = {}, None
     if thd:

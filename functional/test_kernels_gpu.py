@@ -32,6 +32,7 @@ from cpkit.attention.band import Band, Window, band_bwd, band_fwd
 from cpkit.attention.chunks import local_seq
 from cpkit.attention.kernels import attn_bwd, attn_fwd
 from cpkit.attention.sink import sink_grad
+from cpkit.testing.reference import masked_block_reference
 
 pytestmark = [
     pytest.mark.gpu1,
@@ -73,22 +74,7 @@ def _positions(layout: str, tokens: int):
 
 
 def _reference(q, k, v, dout, sink, allowed):
-    """Exact float32 attention of [b, h, s, d] tensors (kv heads expanded here) under the
-    boolean `allowed` [s_q, s_k], a sink logit per head as an extra key without value; returns
-    (out, lse, dq, dk, dv, dsink) through autograd."""
-    q, k, v = (x.detach().float().requires_grad_() for x in (q, k, v))
-    sink = None if sink is None else sink.detach().float().requires_grad_()
-    g = q.shape[1] // k.shape[1]
-    scores = q @ k.repeat_interleave(g, 1).transpose(-1, -2) * SCALE
-    scores = scores.masked_fill(~allowed.to(q.device), float("-inf"))
-    logits = scores if sink is None else torch.cat([scores, sink.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], -1)
-    lse = torch.logsumexp(logits, -1)
-    # rows that see no key (a ring block's): zero output, LSE -inf, no NaN in the backward
-    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    out = torch.exp(scores - finite.unsqueeze(-1)) @ v.repeat_interleave(g, 1)
-    inputs = [q, k, v] + ([sink] if sink is not None else [])
-    grads = torch.autograd.grad(out, inputs, dout.float())
-    return (out.detach(), lse.detach(), *grads[:3], grads[3] if sink is not None else None)
+    return masked_block_reference(q, k, v, dout, sink, allowed, scale=SCALE)
 
 
 def _to_bhsd(x, layout):

@@ -71,18 +71,7 @@ def _xfail(case: dict):
     return None
 
 
-def _params():
-    out = []
-    for p in grid_params(cases, world_sizes=(2, 3, 4)):
-        backend, world, cid = p.values
-        case = next(c for c in cases(backend, world) if c["id"] == cid)
-        reason = _xfail(case)
-        marks = list(p.marks) + ([pytest.mark.xfail(strict=True, reason=reason)] if reason else [])
-        out.append(pytest.param(*p.values, marks=marks, id=p.id))
-    return out
-
-
-@pytest.mark.parametrize("backend,world_size,case_id", _params())
+@pytest.mark.parametrize("backend,world_size,case_id", grid_params(cases, world_sizes=(2, 3, 4), xfail=_xfail))
 def test_loss_and_gradients_equal_cp1(backend, world_size, case_id):
     """One cell: reported loss, MoE terms and every gradient equal the cp=1 step."""
     grid_result(loss_matrix_scenario, cases, backend, world_size, case_id, timeout=600.0).check()

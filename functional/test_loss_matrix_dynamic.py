@@ -36,7 +36,8 @@ UPSTREAM = {
 }
 
 
-def _xfail(case_id: str):
+def _xfail(case: dict):
+    case_id = case["id"]
     if case_id == "dynamic-moe" and not mcore_version_at_least("0.19"):
         return UPSTREAM[case_id]
     if case_id == "dynamic-moe-terms":
@@ -44,15 +45,6 @@ def _xfail(case_id: str):
     return None
 
 
-def _params():
-    out = []
-    for p in grid_params(dynamic_cases, world_sizes=(2,)):
-        reason = _xfail(p.values[2])
-        marks = list(p.marks) + ([pytest.mark.xfail(strict=True, reason=reason)] if reason else [])
-        out.append(pytest.param(*p.values, marks=marks, id=p.id))
-    return out
-
-
-@pytest.mark.parametrize("backend,world_size,case_id", _params())
+@pytest.mark.parametrize("backend,world_size,case_id", grid_params(dynamic_cases, world_sizes=(2,), xfail=_xfail))
 def test_dynamic_loss_and_gradients_equal_cp1(backend, world_size, case_id):
     grid_result(dynamic_loss_scenario, dynamic_cases, backend, world_size, case_id, timeout=600.0).check()

@@ -371,3 +371,20 @@ def test_ring_exchange_refuses_a_receive_buffer_unlike_the_send(world1):
         comm.exchange(torch.zeros(2, 4), torch.zeros(3, 4))
     with pytest.raises(ValueError, match=r"receive \(2, 4\) torch.bfloat16 must match"):
         comm.exchange(torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.bfloat16), reverse=True)
+
+
+def test_the_kernel_tests_block_reference_agrees_with_the_cp_reference():
+    """`masked_block_reference` (the gpu1 kernel tests' reference, a boolean mask written by the
+    caller) against `masked_sink_reference` (the CP grids' reference) on a causal block with a
+    sink and GQA, on CPU: two independent spellings of the same attention."""
+    from cpkit.testing.reference import masked_block_reference, masked_sink_reference
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(12, 1, 4, 8, generator=gen)
+    k, v = (torch.randn(12, 1, 2, 8, generator=gen) for _ in range(2))
+    sink = torch.randn(4, generator=gen)
+    allowed = torch.ones(12, 12, dtype=torch.bool).tril()
+    bhsd = [x.permute(1, 2, 0, 3) for x in (q, k, v, torch.zeros_like(q))]
+    out = masked_block_reference(*bhsd, sink, allowed, scale=0.3)[0]
+    want = masked_sink_reference(q, k, v, causal=True, scale=0.3, sink=sink)
+    torch.testing.assert_close(out.permute(2, 0, 1, 3), want, rtol=1e-5, atol=1e-5)

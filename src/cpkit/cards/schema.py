@@ -185,19 +185,26 @@ def _date_problem(value: Any, today: _dt.date) -> str | None:
     return None
 
 
+def _key_problems(mapping: dict, spec: dict, optional: set, where: str, check) -> list[str]:
+    """Unknown keys, missing required keys and `check(value, kind)` problems of `mapping` against
+    `spec` (key -> kind), each as `where.key: message`."""
+    problems = [f"{where}.{k}: unknown key (allowed: {', '.join(spec)})" for k in mapping if k not in spec]
+    for key, kind in spec.items():
+        if key not in mapping:
+            if key not in optional:
+                problems.append(f"{where}.{key}: missing required key")
+            continue
+        problem = check(mapping[key], kind)
+        if problem:
+            problems.append(f"{where}.{key}: {problem}")
+    return problems
+
+
 def _check_follow_up(item: Any, where: str, today: _dt.date | None = None) -> list[str]:
     today = today or _dt.date.today()
     if not isinstance(item, dict):
         return [f"{where}: expected a mapping with keys {', '.join(FOLLOW_UP_KEYS)}, got {type(item).__name__}"]
-    problems = [f"{where}.{k}: unknown key (allowed: {', '.join(FOLLOW_UP_KEYS)})" for k in item if k not in FOLLOW_UP_KEYS]
-    for key, kind in FOLLOW_UP_KEYS.items():
-        if key not in item:
-            if key not in _FOLLOW_UP_OPTIONAL:
-                problems.append(f"{where}.{key}: missing required key")
-            continue
-        problem = _type_problem(item[key], kind)
-        if problem:
-            problems.append(f"{where}.{key}: {problem}")
+    problems = _key_problems(item, FOLLOW_UP_KEYS, _FOLLOW_UP_OPTIONAL, where, _type_problem)
     status, needs = item.get("status"), item.get("needs")
     if isinstance(status, str) and status not in FOLLOW_UP_STATUSES:
         problems.append(f"{where}.status: {status!r} is not one of {', '.join(FOLLOW_UP_STATUSES)}")
@@ -216,20 +223,14 @@ def _last_result_problems(value: Any, covered_by: Any, where: str, today: _dt.da
     if not isinstance(value, dict):
         return [f"{where}: expected a mapping with keys {keys} (detail and tests optional), got "
                 f"{type(value).__name__}; e.g. outcome: passed, date: 2026-11-22, machine: 4x H200, commit: 1ec52e4"]
-    problems = [f"{where}.{k}: unknown key (allowed: {keys})" for k in value if k not in LAST_RESULT_KEYS]
-    for key, kind in LAST_RESULT_KEYS.items():
-        if key not in value:
-            if key not in _LAST_RESULT_OPTIONAL:
-                problems.append(f"{where}.{key}: missing required key")
-            continue
+    def value_problem(v, kind):
         if kind == "date":
-            problem = _date_problem(value[key], today)
-        elif kind == "mapping":
-            problem = None if isinstance(value[key], dict) and value[key] else "expected a non-empty mapping"
-        else:
-            problem = _type_problem(value[key], kind)
-        if problem:
-            problems.append(f"{where}.{key}: {problem}")
+            return _date_problem(v, today)
+        if kind == "mapping":
+            return None if isinstance(v, dict) and v else "expected a non-empty mapping"
+        return _type_problem(v, kind)
+
+    problems = _key_problems(value, LAST_RESULT_KEYS, _LAST_RESULT_OPTIONAL, where, value_problem)
     outcome, commit = value.get("outcome"), value.get("commit")
     if isinstance(outcome, str) and outcome not in OUTCOMES:
         problems.append(f"{where}.outcome: {outcome!r} is not one of {', '.join(OUTCOMES)}")

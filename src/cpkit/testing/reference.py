@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from cpkit.compat import new_pg_collection
 
-__all__ = ["attention_inputs", "masked_sink_reference", "per_sequence_reference", "reference_shard",
+__all__ = ["attention_inputs", "masked_block_reference", "masked_sink_reference", "per_sequence_reference", "reference_shard",
            "sdpa_reference", "single_rank_pg_collection", "token_sample"]
 
 _PG_FIELDS = ("tp", "pp", "mp", "cp", "dp", "tp_cp", "dp_cp", "tp_dp_cp", "embd", "pos_embd",
@@ -131,3 +131,22 @@ def masked_sink_reference(q, k, v, *, causal: bool, scale: float, window=None, s
         probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bhst,tbhd->sbhd", probs, v)
     return out.squeeze(1) if thd else out
+
+
+def masked_block_reference(q, k, v, dout, sink, allowed, *, scale: float):
+    """One attention block in exact float32 for checking kernels: [b, h, s, d] tensors (kv heads
+    expanded here) under the boolean `allowed` [s_q, s_k] (written by the caller from positions
+    and sequence ids), `sink` [h] an extra logit per head without a value (or None); returns
+    (out, lse, dq, dk, dv, dsink or None) through autograd. Rows that see nothing: zero output,
+    LSE -inf, no NaN in the backward."""
+    q, k, v = (x.detach().float().requires_grad_() for x in (q, k, v))
+    sink = None if sink is None else sink.detach().float().requires_grad_()
+    g = q.shape[1] // k.shape[1]
+    scores = (q @ k.repeat_interleave(g, 1).transpose(-1, -2) * scale).masked_fill(~allowed.to(q.device), float("-inf"))
+    logits = scores if sink is None else torch.cat([scores, sink.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], -1)
+    lse = torch.logsumexp(logits, -1)
+    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    out = torch.exp(scores - finite.unsqueeze(-1)) @ v.repeat_interleave(g, 1)
+    inputs = [q, k, v] + ([sink] if sink is not None else [])
+    grads = torch.autograd.grad(out, inputs, dout.float())
+    return (out.detach(), lse.detach(), *grads[:3], grads[3] if sink is not None else None)
