@@ -192,7 +192,7 @@ def pipeline_case(case):
     return result.loss, ref_loss, result.cp_sizes, len(grads)
 
 
-@pytest.mark.parametrize("backend,world_size,case_id", grid_params(_cases, world_sizes=(WORLD,)))
+@pytest.mark.parametrize("backend,world_size,case_id", grid_params(_cases, scenario=pipeline_case, timeout=300.0, world_sizes=(WORLD,)))
 def test_dynamic_cp_through_the_pipeline_schedule(backend, world_size, case_id):
     """PP2, PP2 with VPP2, TP2, an a2a+p2p block, idle ranks: the cp=1 loss and gradients; a
     failure inside the schedule makes every rank raise."""

@@ -71,7 +71,7 @@ def _xfail(case: dict):
     return None
 
 
-@pytest.mark.parametrize("backend,world_size,case_id", grid_params(cases, world_sizes=(2, 3, 4), xfail=_xfail))
+@pytest.mark.parametrize("backend,world_size,case_id", grid_params(cases, scenario=loss_matrix_scenario, timeout=600.0, world_sizes=(2, 3, 4), xfail=_xfail))
 def test_loss_and_gradients_equal_cp1(backend, world_size, case_id):
     """One cell: reported loss, MoE terms and every gradient equal the cp=1 step."""
     grid_result(loss_matrix_scenario, cases, backend, world_size, case_id, timeout=600.0).check()

@@ -45,6 +45,6 @@ def _xfail(case: dict):
     return None
 
 
-@pytest.mark.parametrize("backend,world_size,case_id", grid_params(dynamic_cases, world_sizes=(2,), xfail=_xfail))
+@pytest.mark.parametrize("backend,world_size,case_id", grid_params(dynamic_cases, scenario=dynamic_loss_scenario, timeout=600.0, world_sizes=(2,), xfail=_xfail))
 def test_dynamic_loss_and_gradients_equal_cp1(backend, world_size, case_id):
     grid_result(dynamic_loss_scenario, dynamic_cases, backend, world_size, case_id, timeout=600.0).check()

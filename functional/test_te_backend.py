@@ -254,7 +254,7 @@ def attention_case(case):
     return errors
 
 
-@pytest.mark.parametrize("backend,world_size,case_id", grid_params(_attention_cases, backends=("nccl",)))
+@pytest.mark.parametrize("backend,world_size,case_id", grid_params(_attention_cases, scenario=attention_case, timeout=600, backends=("nccl",)))
 def test_te_attention_matches_cpkit(backend, world_size, case_id):
     """cpkit's and TE's CP attention: outputs and dq, dk, dv equal the fp32 reference and each other."""
     case = next(c for c in _attention_cases(backend, world_size) if c["id"] == case_id)
@@ -311,7 +311,7 @@ def gpt_case(case):
     return dict(loss=loss, after=after)
 
 
-@pytest.mark.parametrize("backend,world_size,case_id", grid_params(_gpt_cases, backends=("nccl",)))
+@pytest.mark.parametrize("backend,world_size,case_id", grid_params(_gpt_cases, scenario=gpt_case, timeout=600, backends=("nccl",)))
 def test_te_gpt_matches_cpkit_spec(backend, world_size, case_id):
     """The GPT with TE's spec gives the cpkit spec's loss (5e-3) and gradients from the same weights."""
     res = grid_result(gpt_case, _gpt_cases, backend, world_size, case_id, timeout=600).check()
@@ -542,7 +542,7 @@ def _feature_result(backend, world_size, case_id):
     return grid_result(feature_case, _feature_grid, backend, world_size, case_id, timeout=600).check()
 
 
-@pytest.mark.parametrize("backend,world_size,case_id", grid_params(_kind("eval"), backends=("nccl",)))
+@pytest.mark.parametrize("backend,world_size,case_id", grid_params(_kind("eval"), scenario=feature_case, timeout=600, grid_cases_for=_feature_grid, backends=("nccl",)))
 def test_te_eval_cp_rebinding(backend, world_size, case_id):
     """TE-spec model trained at cp=1 evaluates at a larger CP: same loss, TE bound, exact restore."""
     res = _feature_result(backend, world_size, case_id)
@@ -550,7 +550,7 @@ def test_te_eval_cp_rebinding(backend, world_size, case_id):
 
 
 @pytest.mark.parametrize("backend,world_size,case_id",
-                         grid_params(_kind("hcp"), world_sizes=(4,), backends=("nccl",)))
+                         grid_params(_kind("hcp"), scenario=feature_case, timeout=600, grid_cases_for=_feature_grid, world_sizes=(4,), backends=("nccl",)))
 def test_te_hierarchical_cp(backend, world_size, case_id):
     """a2a+p2p [2,2] with TE on the decentralized path: [a2a, p2p] bound, trains like cp=1."""
     res = _feature_result(backend, world_size, case_id)
@@ -559,7 +559,7 @@ def test_te_hierarchical_cp(backend, world_size, case_id):
 
 @pytest.mark.skipif(_DYNAMIC_MISSING is not None, reason=_DYNAMIC_MISSING or "")
 @pytest.mark.parametrize("backend,world_size,case_id",
-                         grid_params(_kind("dynamic"), world_sizes=(4,), backends=("nccl",)))
+                         grid_params(_kind("dynamic"), scenario=feature_case, timeout=600, grid_cases_for=_feature_grid, world_sizes=(4,), backends=("nccl",)))
 def test_te_dynamic_cp(backend, world_size, case_id):
     """Dynamic CP with TE (packed_seq_params.cp_group): cp=1 loss and gradients, binding restored."""
     res = _feature_result(backend, world_size, case_id)

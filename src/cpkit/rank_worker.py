@@ -1,0 +1,228 @@
+"""The rank side of a persistent rank pool (cpkit.rank_pool): one process per rank that joins the
+pool's process group once, then runs case after case sent to it by importable name.
+
+Each case runs from the same state: RNG seeded, the environment and torch's global switches as
+the pool found them. After a case the rank syncs through the store (never through a
+communicator a half-done case may still hold), then removes what the case left behind: MCore's
+model-parallel state and RNG tracker, every process group the case created, compiled-graph caches.
+A case that still leaves process groups or GPU memory behind is reported as a leak, which fails
+that case and retires the pool.
+
+Messages to the parent go over this rank's own pipe, never stdout: NCCL_DEBUG=INFO, print() or a C
+library writing to fd 1 cannot corrupt the channel (fd 1 goes to the rank's stderr file).
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import gc
+import importlib
+import os
+import random
+import signal
+import sys
+import time
+import traceback
+
+from cpkit.rank_stderr import capture_stderr
+
+__all__ = ["GPU_LEAK_SLACK_BYTES", "resolve", "rank_main"]
+
+BACKEND_ENV = "CPKIT_LAUNCH_BACKEND"  # read by cpkit.launch.device()
+GPU_LEAK_SLACK_BYTES = 512 << 20
+"""GPU memory a rank may hold above its start-up level after a case's clean-up (cuBLAS and cuDNN
+workspaces, allocator rounding); more than this is a leak of the case that left it."""
+SEED = 1234
+
+
+def resolve(ref: str):
+    """The callable named by 'module:qualname'."""
+    module, _, qualname = ref.partition(":")
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """The kernel kills this rank when the pool's owner dies (Linux), so no rank is orphaned."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _seed_everything() -> None:
+    import torch
+
+    random.seed(SEED)
+    torch.manual_seed(SEED)  # every CUDA device too
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(SEED)
+
+
+def _torch_switches() -> dict:
+    import torch
+
+    return {
+        "default_dtype": torch.get_default_dtype(),
+        "grad": torch.is_grad_enabled(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+        "tf32_cudnn": torch.backends.cudnn.allow_tf32,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _restore_switches(saved: dict) -> None:
+    import torch
+
+    torch.set_default_dtype(saved["default_dtype"])
+    torch.set_grad_enabled(saved["grad"])
+    torch.use_deterministic_algorithms(saved["deterministic"])
+    torch.backends.cuda.matmul.allow_tf32 = saved["tf32_matmul"]
+    torch.backends.cudnn.allow_tf32 = saved["tf32_cudnn"]
+    torch.set_num_threads(saved["threads"])
+
+
+def _live_groups() -> list:
+    from torch.distributed import distributed_c10d as c10d
+
+    return list(c10d._world.pg_map)
+
+
+def _reset_upstream_state() -> None:
+    """MCore's globals a case may have set up (only where MCore was imported)."""
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is not None:
+        ps.destroy_model_parallel()
+    rnd = sys.modules.get("megatron.core.tensor_parallel.random")
+    if rnd is not None:
+        rnd.get_cuda_rng_tracker().reset()
+    calc = sys.modules.get("megatron.core.num_microbatches_calculator")
+    if calc is not None and hasattr(calc, "destroy_num_microbatches_calculator"):
+        calc.destroy_num_microbatches_calculator()
+    if "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].reset()
+
+
+def _store_sync(store, tag: str, rank: int, world_size: int, timeout_s: float) -> None:
+    """Wait until every rank reached `tag`, through the store alone."""
+    import datetime as dt
+
+    store.set(f"{tag}/{rank}", "1")
+    store.wait([f"{tag}/{r}" for r in range(world_size)], dt.timedelta(seconds=timeout_s))
+
+
+def _clean_up(baseline_groups, baseline_mem, device) -> str | None:
+    """Remove what a case left behind; return a leak's description, or None."""
+    import torch
+    import torch.distributed as dist
+
+    _reset_upstream_state()
+    problems = []
+    for pg in [pg for pg in _live_groups() if pg not in baseline_groups]:
+        try:
+            dist.destroy_process_group(pg)
+        except Exception as exc:  # noqa: BLE001 - reported as the case's leak below
+            problems.append(f"a process group that would not close ({type(exc).__name__}: {exc})")
+    gc.collect()
+    left = [pg for pg in _live_groups() if pg not in baseline_groups]
+    if left:
+        problems.append(f"{len(left)} process group(s) still alive after clean-up")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        held = torch.cuda.memory_allocated(device)
+        if held > baseline_mem + GPU_LEAK_SLACK_BYTES:
+            problems.append(f"{(held - baseline_mem) / 2**20:.0f} MiB of GPU memory still allocated on {device} "
+                            f"(start-up level {baseline_mem / 2**20:.0f} MiB; a module-level cache holds tensors?)")
+    return "; ".join(problems) or None
+
+
+def _outcome(fn, case, device):
+    """('ok', value) | ('failed', traceback) for an AssertionError (a wrong result) |
+    ('error', traceback) for any other exception | ('skipped', reason) of fn(case)."""
+    import torch
+
+    try:
+        value = fn(case)
+        if device.type == "cuda":
+            # Work still queued (a collective a peer never joined) shows here, not later.
+            torch.cuda.synchronize(device)
+        return "ok", value
+    except BaseException as exc:  # noqa: BLE001 - every outcome goes to the parent
+        if type(exc).__name__ == "Skipped":  # pytest.skip() inside the case
+            return "skipped", str(getattr(exc, "msg", exc))
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        return ("failed" if isinstance(exc, AssertionError) else "error"), traceback.format_exc()
+
+
+def rank_main(rank, world_size, backend, pool_dir, conn, parent_pid, gpu_ids, threads, pg_timeout_s, sync_timeout_s):
+    """Entry point of one pool rank (multiprocessing spawn target)."""
+    os.setpgid(0, 0)  # the pool kills a rank with its children by process group
+    capture_stderr(os.path.join(pool_dir, f"rank{rank}.stderr"))
+    os.dup2(2, 1)  # the rank's stdout joins its stderr file: nothing can reach the parent's channel
+    _die_with_parent(parent_pid)
+    os.environ["CUDA_VISIBLE_DEVICES"] = gpu_ids if backend == "nccl" else ""
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "LOCAL_WORLD_SIZE": str(world_size), BACKEND_ENV: backend})
+    with open(os.path.join(pool_dir, f"rank{rank}.stacks"), "w") as stacks:
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+        try:
+            _serve(rank, world_size, backend, pool_dir, conn, threads, pg_timeout_s, sync_timeout_s)
+        except BaseException:  # noqa: BLE001 - start-up failure or a broken channel
+            try:
+                conn.send(("fatal", traceback.format_exc()))
+            except (OSError, EOFError):
+                pass
+            os._exit(1)
+    os._exit(0)
+
+
+def _serve(rank, world_size, backend, pool_dir, conn, threads, pg_timeout_s, sync_timeout_s):
+    import torch
+    import torch.distributed as dist
+
+    from cpkit.notices import quiet_known_notices
+
+    quiet_known_notices()
+    torch.set_num_threads(threads)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    store = dist.FileStore(os.path.join(pool_dir, "store"), world_size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=pg_timeout_s))
+    baseline_groups = set(_live_groups())
+    baseline_mem = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    env, switches = dict(os.environ), _torch_switches()
+    conn.send(("ready", os.getpid()))
+    while True:
+        message = conn.recv()
+        if message[0] == "exit":
+            dist.destroy_process_group()
+            conn.send(("bye",))
+            return
+        _, seq, ref, case = message
+        _seed_everything()
+        start = time.perf_counter()
+        kind, payload = _outcome(resolve(ref), case, device)
+        try:
+            conn.send((kind, seq, payload, time.perf_counter() - start))
+        except Exception:  # noqa: BLE001 - an unpicklable return value is the case's error
+            conn.send(("error", seq, f"the case's return value cannot be sent: {traceback.format_exc()}",
+                       time.perf_counter() - start))
+        _store_sync(store, f"case{seq}", rank, world_size, sync_timeout_s)
+        os.environ.clear()
+        os.environ.update(env)
+        _restore_switches(switches)
+        leak = _clean_up(baseline_groups, baseline_mem, device)
+        conn.send(("clean", seq, leak))
