@@ -12,7 +12,8 @@ message, then SIGKILL of each rank's process group), and one failure never mutes
   collective the failed rank never joined), or a case past its deadline: every rank's state is
   reported (result, traceback, exit, stack dump, stderr tail), the pool is killed and the next
   case starts a fresh one;
-- a case that leaves process groups or GPU memory behind fails with the leak, and retires the pool.
+- a case after which its ranks hold more GPU memory than before fails with the leak and retires
+  the pool; so does a pool whose cases made many process groups (retired, nothing fails).
 """
 
 from __future__ import annotations
@@ -248,9 +249,10 @@ class RankPool:
                     why = message[1] if message else self._exit_text(r)
                     out.errors[r] = (out.errors.get(r, "") + f"\nrank {r} failed cleaning up after the case: {why}").strip()
                     out.pool_broken = True
-                elif message[2]:
-                    out.errors[r] = (out.errors.get(r, "") + f"\nleak: the case left behind {message[2]}").strip()
-                    out.pool_broken = True
+                else:
+                    if message[2]:
+                        out.errors[r] = (out.errors.get(r, "") + f"\nleak: the case left behind {message[2]}").strip()
+                    out.pool_broken |= bool(message[3])  # a leak, or enough groups: retire the pool
             for r in list(waiting):
                 if self.procs[r].exitcode is not None:
                     out.errors[r] = (out.errors.get(r, "") + "\n" + self._exit_text(r)).strip()

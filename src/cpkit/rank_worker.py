@@ -4,9 +4,10 @@ pool's process group once, then runs case after case sent to it by importable na
 Each case runs from the same state: RNG seeded, the environment and torch's global switches as
 the pool found them. After a case the rank syncs through the store (never through a
 communicator a half-done case may still hold), then removes what the case left behind: MCore's
-model-parallel state and RNG tracker, every process group the case created, compiled-graph caches.
-A case that still leaves process groups or GPU memory behind is reported as a leak, which fails
-that case and retires the pool.
+model-parallel state, RNG tracker and microbatch calculator, compiled-graph caches, the
+environment and torch's global switches.
+A case after which more GPU memory is held than before it is reported as a leak, which fails
+that case and retires the pool; a pool whose cases made many process groups is retired too.
 
 Messages to the parent go over this rank's own pipe, never stdout: NCCL_DEBUG=INFO, print() or a C
 library writing to fd 1 cannot corrupt the channel (fd 1 goes to the rank's stderr file).
@@ -34,6 +35,8 @@ GPU_LEAK_SLACK_BYTES = 512 << 20
 """GPU memory a rank may hold above its start-up level after a case's clean-up (cuBLAS and cuDNN
 workspaces, allocator rounding); more than this is a leak of the case that left it."""
 SEED = 1234
+MAX_CASE_GROUPS = 256
+"""Process groups cases may accumulate on a pool before it is retired (respawned, not failed)."""
 
 
 def resolve(ref: str):
@@ -120,30 +123,31 @@ def _store_sync(store, tag: str, rank: int, world_size: int, timeout_s: float) -
     store.wait([f"{tag}/{r}" for r in range(world_size)], dt.timedelta(seconds=timeout_s))
 
 
-def _clean_up(baseline_groups, baseline_mem, device) -> str | None:
-    """Remove what a case left behind; return a leak's description, or None."""
+def _held_bytes(device) -> int:
+    """GPU memory held by live tensors after garbage collection (0 on CPU)."""
     import torch
-    import torch.distributed as dist
 
-    _reset_upstream_state()
-    problems = []
-    for pg in [pg for pg in _live_groups() if pg not in baseline_groups]:
-        try:
-            dist.destroy_process_group(pg)
-        except Exception as exc:  # noqa: BLE001 - reported as the case's leak below
-            problems.append(f"a process group that would not close ({type(exc).__name__}: {exc})")
     gc.collect()
-    left = [pg for pg in _live_groups() if pg not in baseline_groups]
-    if left:
-        problems.append(f"{len(left)} process group(s) still alive after clean-up")
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        held = torch.cuda.memory_allocated(device)
-        if held > baseline_mem + GPU_LEAK_SLACK_BYTES:
-            problems.append(f"{(held - baseline_mem) / 2**20:.0f} MiB of GPU memory still allocated on {device} "
-                            f"(start-up level {baseline_mem / 2**20:.0f} MiB; a module-level cache holds tensors?)")
-    return "; ".join(problems) or None
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated(device)
+
+
+def _clean_up(before_bytes: int, baseline_groups: int, device) -> tuple[str | None, bool, int]:
+    """Reset what a case may leave behind; return (leak or None, retire the pool?, bytes held).
+
+    Process groups a case made stay alive: scenarios and MCore cache groups across cases (as
+    they did within one launch), and closing a group a cache still holds breaks the next case.
+    Their number only decides when the pool is retired, to bound NCCL communicator memory."""
+    _reset_upstream_state()
+    held = _held_bytes(device)
+    leak = None
+    if held > before_bytes + GPU_LEAK_SLACK_BYTES:
+        leak = (f"{(held - before_bytes) / 2**20:.0f} MiB more GPU memory held after the case than before it on "
+                f"{device} (module-level state holding tensors?)")
+    return leak, leak is not None or len(_live_groups()) - baseline_groups > MAX_CASE_GROUPS, held
 
 
 def _outcome(fn, case, device):
@@ -201,8 +205,8 @@ def _serve(rank, world_size, backend, pool_dir, conn, threads, pg_timeout_s, syn
     store = dist.FileStore(os.path.join(pool_dir, "store"), world_size)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=pg_timeout_s))
-    baseline_groups = set(_live_groups())
-    baseline_mem = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    baseline_groups = len(_live_groups())
+    held = _held_bytes(device)
     env, switches = dict(os.environ), _torch_switches()
     conn.send(("ready", os.getpid()))
     while True:
@@ -224,5 +228,5 @@ def _serve(rank, world_size, backend, pool_dir, conn, threads, pg_timeout_s, syn
         os.environ.clear()
         os.environ.update(env)
         _restore_switches(switches)
-        leak = _clean_up(baseline_groups, baseline_mem, device)
-        conn.send(("clean", seq, leak))
+        leak, retire, held = _clean_up(held, baseline_groups, device)
+        conn.send(("clean", seq, leak, retire))
