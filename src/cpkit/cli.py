@@ -31,7 +31,7 @@ run `cpkit <command> --help` for a command's options."""
 def build_parser() -> argparse.ArgumentParser:
     """The full `cpkit` parser; every handler finds it as `args.cli_parser` (the skills check
     validates commands against it)."""
-    parser = argparse.ArgumentParser(prog="cpkit", description=DESCRIPTION, epilog=EPILOG,
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="cpkit", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"cpkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="<command>")

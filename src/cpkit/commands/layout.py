@@ -44,11 +44,11 @@ def _comm_type(text: str):
 
 def add_parser(sub) -> None:
     """Register `cpkit layout` and its `check` subcommand."""
-    p = sub.add_parser("layout", help="check a CP layout and show its rank groups",
+    p = sub.add_parser("layout", allow_abbrev=False, help="check a CP layout and show its rank groups",
                        description=__doc__.splitlines()[0])
     layout_sub = p.add_subparsers(dest="layout_command", required=True)
     c = layout_sub.add_parser(
-        "check", help="validate sizes, comm type, sequence and heads; print the rank groups",
+        "check", allow_abbrev=False, help="validate sizes, comm type, sequence and heads; print the rank groups",
         description="Validate a CP layout (every violation listed) and print the rank groups "
                     "MCore's default order tp-cp-dp-pp gives it.")
     c.add_argument("--world-size", type=int, required=True, help="number of ranks")

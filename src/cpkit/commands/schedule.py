@@ -45,7 +45,7 @@ _MLM_TIMEOUT_S = 5.0  # a call takes milliseconds; with the worker's start, well
 
 def add_parser(sub) -> None:
     """Register `cpkit schedule`."""
-    p = sub.add_parser("schedule", help="plan a global batch with dynamic CP; print the grid",
+    p = sub.add_parser("schedule", allow_abbrev=False, help="plan a global batch with dynamic CP; print the grid",
                        description=__doc__.splitlines()[0])
     p.add_argument("--dp-cp", type=int, required=True, help="size of the DPxCP group (ranks)")
     p.add_argument("--max-seq-len-per-rank", type=int, required=True,

@@ -278,7 +278,7 @@ def run(args) -> int:
 
 def add_parser(sub):
     """Register `cpkit validate`."""
-    p = sub.add_parser("validate", help="run the tests and checks that fit this machine (or cover a change)",
+    p = sub.add_parser("validate", allow_abbrev=False, help="run the tests and checks that fit this machine (or cover a change)",
                        description=__doc__)
     p.add_argument("--changed", nargs="?", const="", default=None, metavar="BASE",
                    help="only the tests that cover paths changed since BASE (default: merge base with main; on "
