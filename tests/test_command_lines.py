@@ -98,3 +98,23 @@ def test_every_parser_refuses_abbreviations():
                        for k in call.keywords):
                 bad.append(f"{path.relative_to(SRC)}:{call.lineno}")
     assert found >= 20 and bad == [], bad
+
+
+def test_ctrl_c_on_validate_says_interrupted_exits_130_and_names_each_file_as_it_runs(monkeypatch, capsys):
+    """pytest runs at its default verbosity (a line per test file, named as it starts), and Ctrl-C
+    ends `cpkit validate` with one line, exit 130, no traceback and no table that would call the
+    interrupted test a failure."""
+    import cpkit.commands.validate as validate
+
+    seen = {}
+
+    def interrupted(root, args, **kwargs):
+        seen["args"] = args
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(validate, "run_pytest", interrupted)
+    assert main(["validate"]) == 130
+    out, err = capsys.readouterr()
+    assert "-v" in seen["args"]
+    assert "cpkit validate: interrupted (Ctrl-C)" in err and "not counted as a failure" in err
+    assert "Traceback" not in out + err and "FAIL" not in out

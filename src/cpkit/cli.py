@@ -53,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader left early (`cpkit cards status | head`): not an error
         quiet_closed_stdout()
         return 0
+    except KeyboardInterrupt:  # Ctrl-C: say so, no traceback; what was running has no result
+        print(f"\ncpkit {args.command}: interrupted (Ctrl-C); the test or check that was running has no "
+              "result, it is not counted as a failure", file=sys.stderr)
+        return 130
 
 
 def quiet_closed_stdout() -> None:

@@ -245,7 +245,8 @@ def run(args) -> int:
     rows: list[dict] = []
     owed: dict = {}
     if paths:
-        run_ = run_pytest(root, [*paths, *extra], output="stderr" if to_stdout else "inherit")
+        # "-v" cancels BASE_FLAGS' "-q": pytest's default verbosity names each test file as it runs.
+        run_ = run_pytest(root, ["-v", *paths, *extra], output="stderr" if to_stdout else "inherit")
         rows = _summarise(run_.records, run_.levels)
         owed = gpu_owed(run_.records, run_.levels)
         rc = run_.exit_code
