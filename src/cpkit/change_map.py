@@ -64,7 +64,8 @@ class Row:
 
 
 CHANGE_MAP: tuple[Row, ...] = (
-    Row(("src/cpkit/layout.py", "src/cpkit/rank_grid.py"), ("tests/test_layout.py", "tests/test_layout_cli.py", "tests/test_groups.py"),
+    Row(("src/cpkit/layout.py", "src/cpkit/rank_grid.py", "src/cpkit/layout_fixes.py"),
+        ("tests/test_layout.py", "tests/test_layout_cli.py", "tests/test_layout_fixes.py", "tests/test_groups.py"),
         ("functional/test_groups.py",), "unit, dist"),
     Row(("src/cpkit/topology.py",), ("tests/test_topology.py", "tests/test_layout_cli.py"), ("functional/test_cluster.py",),
         "unit, dist"),
@@ -102,7 +103,7 @@ CHANGE_MAP: tuple[Row, ...] = (
          "functional/test_loss_matrix_dynamic.py"),
         "unit, dist, gpu2, gpu4 (`functional/test_mcore_hybrid_cp.py` is gpu4 only; "
         "`tests/test_dynamic_mlm.py` and `functional/test_mlm_data_path.py` need CPKIT_MLM_SRC)"),
-    Row(("src/cpkit/testing/models.py", "src/cpkit/loss.py"),
+    Row(("src/cpkit/models.py", "src/cpkit/testing/models.py", "src/cpkit/loss.py"),
         ("tests/test_models.py", "tests/test_eval_cp.py", "tests/test_dynamic_runtime.py", "tests/test_loss_hook.py"),
         ("functional/test_gpt.py", "functional/test_hierarchical.py", "functional/test_eval_cp.py",
          "functional/test_dynamic_cp.py", "functional/test_te_backend.py", "functional/test_loss_matrix.py",
@@ -117,7 +118,8 @@ CHANGE_MAP: tuple[Row, ...] = (
         ("functional/test_kernels_gpu.py", "functional/test_device.py", "functional/test_attention.py"),
         "unit, gpu1 (with nvidia-cudnn-frontend installed: README 'Kernels'); numbers: `python -m cpkit.bench window`"),
     Row(("src/cpkit/bench/",), ("tests/test_attention_module.py", "tests/test_eval_plan.py", "tests/test_dynamic_cost.py",
-                                "tests/test_bench_window.py", "tests/test_replay.py", "tests/test_dynamic_step.py"),
+                                "tests/test_bench_window.py", "tests/test_replay.py", "tests/test_dynamic_step.py",
+                                "tests/test_command_lines.py", "tests/test_readme.py"),
         ("functional/test_bench.py", "functional/test_replay_gpu.py", "functional/test_dynamic_step.py"),
         "unit, dist, gpu1; 4 GPUs: `python -m cpkit.bench dynamic_step`"),
     Row(("src/cpkit/commands/layout.py",), ("tests/test_layout_cli.py",), (), "unit"),
@@ -138,7 +140,8 @@ CHANGE_MAP: tuple[Row, ...] = (
          "src/cpkit/commands/validate.py", "src/cpkit/testing/mutation.py",
          "cards/", "skills/"),
         ("tests/test_cards.py", "tests/test_cards_upstream.py", "tests/test_cards_results.py", "tests/test_skills.py", "tests/test_repo_cards_skills.py", "tests/test_validate.py",
-         "tests/test_change_map.py", "tests/test_symbol_graph.py", "tests/test_cli_output.py", "tests/test_mutation.py"), (), "unit"),
+         "tests/test_change_map.py", "tests/test_symbol_graph.py", "tests/test_cli_output.py", "tests/test_mutation.py",
+         "tests/test_command_lines.py"), (), "unit"),
     Row(("src/cpkit/testing/", "src/cpkit/launch.py", "src/cpkit/gpu_claim.py", "src/cpkit/rank_stderr.py", "src/cpkit/launch_times.py", "src/cpkit/mcore_cpu.py", "src/cpkit/compat.py", "src/cpkit/errors.py", "src/cpkit/__init__.py",
          "src/cpkit/notices.py", "tests/conftest.py", "functional/__init__.py", "pyproject.toml", ".ci/"),
         EVERYTHING[:1], EVERYTHING[1:], "everything: the harness, MCore compatibility and errors reach every test"),
