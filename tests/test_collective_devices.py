@@ -22,7 +22,7 @@ MARKER = torch.device("meta")  # what the patched group_device hands out for the
 
 def test_an_nccl_like_group_refuses_cpu_tensors_as_nccl_does():
     with pytest.raises(RuntimeError, match="No backend type associated with device type cpu"):
-        dist.all_reduce(torch.zeros(2), group=fake_group([0, 1], device_type="cuda"))
+        fake_group([0, 1], device_type="cuda").allreduce([torch.zeros(2)])  # the backend's own call
 
 
 def test_group_device_is_the_current_cuda_device_for_a_cuda_backend_and_cpu_otherwise(monkeypatch):
