@@ -68,6 +68,7 @@ import torch.distributed as dist
 
 from cpkit.testing import device, grid_params, grid_result
 from cpkit.testing.compare import assert_grads_close, first_layer_name, max_rel_diff
+from cpkit.testing.plans import MIXED_CP_LENS, mixed_cp_plan
 from cpkit.testing.reference import attention_inputs, reference_shard, sdpa_reference, token_sample
 from cpkit.testing.te_support import requires_te
 from functional.test_attention_module import _config, _full_reference, _pg_collection, _sharder, _thd_params
@@ -90,9 +91,8 @@ PROBE_GRAD = "self_attention.linear_qkv.weight"
 # source (see the module docstring); a case listed here is skipped with that reason.
 TE_UNSUPPORTED: dict[tuple[str, str], str] = {}
 
-# Dynamic CP: test_dynamic_cp.py's mixed lengths on GPU (x16), minus 3 so THD pads them.
-DYN_LENS = tuple(n * 16 - 3 for n in (13, 54, 11, 29, 8, 26, 12, 10, 11))
-DYN_MAX_PER_RANK = 24 * 16
+# Dynamic CP: a plan at CP sizes 1, 2 and 4 written out (cpkit.testing.plans.mixed_cp_plan)
+DYN_LENS = MIXED_CP_LENS
 
 
 def _require_te() -> None:
@@ -453,7 +453,7 @@ def _dynamic_samples(vocab: int, dev) -> list[dict]:
 
 
 def _dynamic_case(case):
-    from cpkit.dynamic import build_group_registry, schedule
+    from cpkit.dynamic import build_group_registry
     from cpkit.dynamic.runtime import dynamic_cp_step
     from cpkit.groups import build_pg_collection
     from cpkit.testing.models import build_gpt, named_gradients
@@ -476,7 +476,7 @@ def _dynamic_case(case):
     ref_grads = named_gradients(ref)
 
     registry = build_group_registry([list(range(world))], dist.get_rank())
-    plan = schedule(list(DYN_LENS), dp_cp_size=world, max_seq_len_per_rank=DYN_MAX_PER_RANK)
+    plan = mixed_cp_plan()  # not the scheduler's choice: it may put the whole batch on CP 4
     used = {g.cp_size for mb in plan.microbatches for g in mb.groups}
     assert used == {1, 2, 4}, f"the plan should use CP sizes 1, 2 and 4, used {sorted(used)}"
 
