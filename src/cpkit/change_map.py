@@ -132,6 +132,9 @@ CHANGE_MAP: tuple[Row, ...] = (
     Row(("examples/",), ("tests/test_skills.py",), ("functional/test_examples.py",),
         "dist, gpu2, gpu4: each example under torchrun at every size it names (a changed module selects the test when an example imports it)"),
     Row(("src/cpkit/testing/thread_ring.py",), ("tests/test_ring_threads.py",), (), "unit"),
+    Row(("src/cpkit/loss.py", "src/cpkit/group_info.py", "src/cpkit/testing/upstream_xfail.py", "src/cpkit/testing/plans.py"),
+        ("tests/test_collective_devices.py", "tests/test_loss_matrix_cells.py", "tests/test_mixed_cp_plan.py",
+         "tests/test_strict_xfails.py", "tests/test_upstream_xfail.py"), (), "unit"),
     Row(("src/cpkit/testing/mlm_probes.py",), ("tests/test_dynamic_mlm.py",), (),
         "unit (with CPKIT_MLM_SRC set: the probes run in a Megatron-LM checkout's worker)"),
     Row(("src/cpkit/cards/", "src/cpkit/skills/", "src/cpkit/anchors.py", "src/cpkit/strict_yaml.py",
@@ -142,7 +145,7 @@ CHANGE_MAP: tuple[Row, ...] = (
         ("tests/test_cards.py", "tests/test_cards_upstream.py", "tests/test_cards_results.py", "tests/test_skills.py", "tests/test_repo_cards_skills.py", "tests/test_validate.py",
          "tests/test_change_map.py", "tests/test_symbol_graph.py", "tests/test_cli_output.py", "tests/test_mutation.py",
          "tests/test_command_lines.py"), (), "unit"),
-    Row(("src/cpkit/testing/", "src/cpkit/launch.py", "src/cpkit/gpu_claim.py", "src/cpkit/rank_stderr.py", "src/cpkit/launch_times.py", "src/cpkit/mcore_cpu.py", "src/cpkit/compat.py", "src/cpkit/errors.py", "src/cpkit/__init__.py",
+    Row(("src/cpkit/testing/", "src/cpkit/launch.py", "src/cpkit/rank_pool.py", "src/cpkit/rank_worker.py", "src/cpkit/grid.py", "src/cpkit/gpu_claim.py", "src/cpkit/rank_stderr.py", "src/cpkit/launch_times.py", "src/cpkit/mcore_cpu.py", "src/cpkit/compat.py", "src/cpkit/errors.py", "src/cpkit/__init__.py",
          "src/cpkit/notices.py", "tests/conftest.py", "functional/__init__.py", "pyproject.toml", ".ci/"),
         EVERYTHING[:1], EVERYTHING[1:], "everything: the harness, MCore compatibility and errors reach every test"),
 )

@@ -41,8 +41,9 @@ def grid_params(cases_for: Callable[[str, int], Iterable[Any]], world_sizes=(2, 
 
     `cases_for(backend, world_size)` lists the cases (dicts with "id", or any value whose str
     is its id). Pair with grid_result() so a whole grid runs on one rank pool per backend/size.
-    `xfail(case)`: a reason (a known upstream defect) makes that case a strict xfail that expects
-    the case's own AssertionError (CaseResult.check): a config error, a crash, a hang or a case
+    `xfail(case)`: a reason or an UpstreamDefect (a known upstream defect) makes that case a strict
+    xfail that expects the case's own AssertionError (CaseResult.check), or the defect's `raises`:
+    a config error, a crash, a hang or a case
     that did not run raises CaseFailed and fails the test. `scenario`/`timeout`: the grid's
     function and deadline, as given to grid_result; with them a GPU session runs the grid in the
     background before its tests ask for it; `grid_cases_for`: the grid's cases where they are more
@@ -58,8 +59,9 @@ def grid_params(cases_for: Callable[[str, int], Iterable[Any]], world_sizes=(2, 
                 cid = case_id_of(case)
                 reason = xfail(case) if xfail else None
                 marks = [_mark_for(backend, n)] + grid
-                if reason:
-                    marks.append(pytest.mark.xfail(strict=True, reason=reason, raises=AssertionError))
+                if reason:  # a str, or an UpstreamDefect (cpkit.testing.upstream_xfail) naming what it raises
+                    raises = getattr(reason, "raises", AssertionError)
+                    marks.append(pytest.mark.xfail(strict=True, reason=str(reason), raises=raises))
                 params.append(pytest.param(backend, n, cid, marks=marks, id=f"{backend}{n}-{cid}"))
     return params
 
