@@ -58,7 +58,8 @@ CHECKS = ["tests/test_import_graph.py", "tests/test_repo_text.py"]  # with every
     # A file in the harness folder with a row of its own: that row, not everything.
     ("src/cpkit/testing/models.py", ["functional/test_dynamic_cp.py", "functional/test_eval_cp.py",
                                      "functional/test_gpt.py", "functional/test_hierarchical.py",
-                                     "functional/test_te_backend.py", "tests/test_dynamic_runtime.py",
+                                     "functional/test_te_backend.py", "tests/test_collective_devices.py",
+                                     "tests/test_dynamic_runtime.py",
                                      "tests/test_eval_cp.py", "tests/test_models.py"]),
 ])
 def test_a_file_in_each_feature_selects_its_tests(changed, expected):
