@@ -105,7 +105,8 @@ CHANGE_MAP: tuple[Row, ...] = (
         "unit, dist, gpu2, gpu4 (`functional/test_mcore_hybrid_cp.py` is gpu4 only; "
         "`tests/test_dynamic_mlm.py` and `functional/test_mlm_data_path.py` need CPKIT_MLM_SRC)"),
     Row(("src/cpkit/models.py", "src/cpkit/testing/models.py", "src/cpkit/loss.py"),
-        ("tests/test_models.py", "tests/test_eval_cp.py", "tests/test_dynamic_runtime.py", "tests/test_loss_hook.py"),
+        ("tests/test_models.py", "tests/test_eval_cp.py", "tests/test_dynamic_runtime.py", "tests/test_loss_hook.py",
+         "tests/test_collective_devices.py"),
         ("functional/test_gpt.py", "functional/test_hierarchical.py", "functional/test_eval_cp.py",
          "functional/test_dynamic_cp.py", "functional/test_te_backend.py", "functional/test_loss_matrix.py",
          "functional/test_loss_matrix_dynamic.py"), "unit, dist, gpu2, gpu4"),
