@@ -256,8 +256,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("-o", "--output", type=Path, required=True, help="where to write the pruned file")
     parser.add_argument("--arch", default="sm_90", help="comma-separated architectures to keep (default sm_90)")
     parser.add_argument("--member", action="append", default=None,
-                        help="for a wheel: the library to prune, by its path in the wheel (repeatable; default "
-                             "every .so whose name starts with libtransformer_engine)")
+                        help="for a wheel: a regular expression for the libraries to prune, by their path in the "
+                             "wheel (repeatable; default: TE's libtransformer_engine.so and libnccl_ep.so)")
     parser.add_argument("--json", type=Path, help="also write the report as JSON here")
     return parser
 
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.input.suffix == ".whl":
             from cpkit.tools.wheel_rewrite import rewrite_members
 
-            patterns = args.member or [r"(.*/)?libtransformer_engine[^/]*\.so[^/]*"]
+            patterns = args.member or [r"(.*/)?lib(transformer_engine|nccl_ep)\.so"]
             reports = {}
 
             def prune(name: str, data: bytes) -> bytes:
