@@ -50,8 +50,23 @@ for_gpu_host=(--no-deps --only-binary=:all: --python-version 3.12 --implementati
   --platform manylinux2014_x86_64)
 python3 -m pip download -q "${for_gpu_host[@]}" -d "$work/download" \
   "transformer-engine-cu13==$te_version" "transformer-engine==$te_version" "${deps[@]}" 2>&1 | grep -v "^WARNING: Location" || true
-python3 -m pip download -q --no-deps -d "$stage/src" "transformer-engine-torch==$te_version" \
-  2>&1 | grep -v "^WARNING: Location" || true
+# The extension's source archive, found in the package index's simple API (what pip reads) and
+# checked against its sha256: `pip download` of it would first install torch and its CUDA wheels
+# (gigabytes) into a build environment, only to read the archive's metadata.
+python3 - "$stage/src" transformer-engine-torch "$te_version" "${PIP_INDEX_URL:-https://pypi.org/simple}" <<'EOF'
+import hashlib, json, sys, urllib.request
+folder, name, version, index = sys.argv[1:]
+request = urllib.request.Request(f"{index.rstrip('/')}/{name}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+with urllib.request.urlopen(request, timeout=60) as response:
+    files = [f for f in json.load(response)["files"] if f["filename"] == f"{name.replace('-', '_')}-{version}.tar.gz"]
+if len(files) != 1:
+    sys.exit(f"{index} lists {len(files)} source archives for {name}=={version}, expected 1")
+with urllib.request.urlopen(files[0]["url"], timeout=300) as response:
+    data = response.read()
+if hashlib.sha256(data).hexdigest() != files[0]["hashes"]["sha256"]:
+    sys.exit(f"{files[0]['filename']}: its sha256 differs from the index's")
+open(f"{folder}/{files[0]['filename']}", "wb").write(data)
+EOF
 core=$(ls "$work"/download/transformer_engine_cu13-*.whl)
 mv $(ls "$work"/download/*.whl | grep -v transformer_engine_cu13-) "$stage/wheels/"
 echo "pruning $(basename "$core") to $arch ($(( $(stat -c %s "$core") / 1000000 )) MB wheel)"
