@@ -11,7 +11,7 @@
 #   nvdlfw-inspect, einops), all downloaded without dependencies at pinned versions;
 # - src/: the transformer-engine-torch source archive (its PyTorch extension exists only as source);
 # - torch-ext/<key>/: TE's PyTorch extension prebuilt into a wheel, key
-#   torch<torch version>-te<TE version>-cp312 (e.g. torch2.11.0+cu130-te2.20.2-cp312): C++ only, it
+#   torch<torch.__version__, + as _>-te<TE version>-cp312 (e.g. torch2.11.0_cu130-te2.20.2-cp312): C++ only, it
 #   works only with exactly that torch, TE and Python, and saves the GPU machine its build (94 s
 #   on 16 cores). Taken from the wheel cache $TE_WHEEL_CACHE (default ~/.cache/cpkit/te-wheels,
 #   one folder per key), where scripts/te-install.sh saves the wheel it builds (copy it back from
@@ -105,7 +105,7 @@ if [ "$build_ext" = 1 ]; then
       2>&1 | grep -v "^WARNING: Location" || true
   fi
   build_torch_ext "$venv" "$("$venv/bin/python" -c "import sys, torch; v = sys.version_info
-print(f'torch{torch.__version__}-te$te_version-cp{v[0]}{v[1]}')")"
+print(f'torch{torch.__version__}-te$te_version-cp{v[0]}{v[1]}'.replace('+', '_'))")"
 fi
 # Every cached extension wheel for this TE on Python 3.12 (te-install.sh picks the host's key).
 ext_note="none: te-install.sh builds it on the GPU machine (no wheel in $cache_root/*-te$te_version-cp312/)"

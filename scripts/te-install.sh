@@ -6,7 +6,7 @@
 # - a wheel whose distribution is in the site at the bundle's version is skipped (TE's core and
 #   Python wheels share the transformer_engine/ folder, so they are installed together);
 # - TE's PyTorch extension (C++ only; it fits exactly one torch, TE and Python, named by its key
-#   torch<torch.__version__>-te<TE version>-cp<python>, e.g. torch2.11.0+cu130-te2.20.2-cp312):
+#   torch<torch.__version__, + as _>-te<TE version>-cp<python>, e.g. torch2.11.0_cu130-te2.20.2-cp312):
 #   installed from the bundle's prebuilt wheel for this machine's key, else from the wheel cache
 #   ${TE_WHEEL_CACHE:-~/.cache/cpkit/te-wheels}/<key>/, else built from the bundle's source
 #   (needs torch with CUDA 13, nvcc and ninja; 94 s on 16 cores) into that cache, so the next
@@ -77,7 +77,7 @@ else
   echo "TE $te_version and its dependencies are in $site already"
 fi
 
-key=$(python3 -c "import sys, torch; v = sys.version_info; print(f'torch{torch.__version__}-te$te_version-cp{v[0]}{v[1]}')" 2>/dev/null)
+key=$(python3 -c "import sys, torch; v = sys.version_info; print(f'torch{torch.__version__}-te$te_version-cp{v[0]}{v[1]}'.replace('+', '_'))" 2>/dev/null)
 cache=$cache_root/$key
 # use_ext WHEEL: merge the extension into the site (a separate target, so that pip replaces no
 # folder of TE's), record its key; fails when transformer_engine.pytorch does not import with it.
