@@ -83,7 +83,7 @@ def _timeout(backend: str) -> float:
 
 
 def _grid(backend: str, world_size: int):
-    """The whole grid's results (one rank pool run; a GPU session starts it in the background)."""
+    """The whole grid's results (one rank pool run; a pytest run on GPUs starts it in the background)."""
     spec = GridSpec(_scenario, tuple(_all_cases(backend, world_size)), backend, world_size, _timeout(backend))
     return default_pools().result(spec)
 

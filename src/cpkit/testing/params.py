@@ -45,7 +45,7 @@ def grid_params(cases_for: Callable[[str, int], Iterable[Any]], world_sizes=(2, 
     xfail that expects the case's own AssertionError (CaseResult.check), or the defect's `raises`:
     a config error, a crash, a hang or a case
     that did not run raises CaseFailed and fails the test. `scenario`/`timeout`: the grid's
-    function and deadline, as given to grid_result; with them a GPU session runs the grid in the
+    function and deadline, as given to grid_result; with them a pytest run on GPUs runs the grid in the
     background before its tests ask for it; `grid_cases_for`: the grid's cases where they are more
     than this test's own (several tests reading one grid).
     """
