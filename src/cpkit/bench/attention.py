@@ -363,7 +363,7 @@ def _summarize(case: Case, s: Settings, per_rank: list) -> dict:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m cpkit.bench attention", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m cpkit.bench attention", description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--seq", default=None, help="total sequence lengths, e.g. 32768,65536 or 32K,64K")
     p.add_argument("--cp", default=None, help="CP sizes, e.g. 2,4")
     p.add_argument("--comm", default=",".join(COMM_TYPES), help="comm types (p2p,all_gather,a2a,a2a+p2p)")

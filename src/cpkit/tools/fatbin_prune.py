@@ -249,7 +249,7 @@ def prune_library_bytes(image: bytearray, archs: tuple[int, ...]) -> PruneReport
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m cpkit.tools.fatbin_prune",
+        prog="python -m cpkit.tools.fatbin_prune", allow_abbrev=False,
         description="Keep only the given GPU architectures' entries in the .nv_fatbin section of a shared "
                     "library, or of every such library in a wheel (the wheel's RECORD is updated).")
     parser.add_argument("input", type=Path, help="a shared library (.so) or a wheel (.whl) holding some")
