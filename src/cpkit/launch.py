@@ -16,7 +16,6 @@ import pickle
 import queue as queue_mod
 import shutil
 import signal
-import sys
 import tempfile
 import time
 import traceback
@@ -26,6 +25,7 @@ from cpkit.gpu_claim import CLAIM_ENV, claim_gpus, cuda_device_count, visible_gp
 from cpkit.launch_times import record_times
 from cpkit.notices import child_warnoptions
 from cpkit.rank_stderr import StderrFollower, capture_stderr, describe_exit
+from cpkit.rank_worker import BACKEND_ENV, die_with_parent
 
 __all__ = [
     "LaunchTimeout",
@@ -39,25 +39,24 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT_S = 300.0
-_BACKEND_ENV = "CPKIT_LAUNCH_BACKEND"
+_BACKEND_ENV = BACKEND_ENV
 _BIND_ENV = "CPKIT_NCCL_BIND_DEVICE"  # "1": init_process_group(device_id=...): eager NCCL, split subgroups
 
 
 class RankFailure(RuntimeError):
     """A rank raised (or died). `.rank` is the first failing rank, `.details` maps rank -> text."""
 
-    def __init__(self, message: str, rank: int | None, details: dict[int, str], progress=()):
+    def __init__(self, message: str, rank: int | None, details: dict[int, str]):
         super().__init__(message)
         self.rank = rank
         self.details = details
-        self.progress = list(progress)
 
 
 class LaunchTimeout(RankFailure):
     """The launch ran past its timeout; `.hung_ranks` never reported, `.details` holds stacks."""
 
-    def __init__(self, message: str, hung_ranks: list[int], details: dict[int, str], progress):
-        super().__init__(message, hung_ranks[0] if hung_ranks else None, details, progress)
+    def __init__(self, message: str, hung_ranks: list[int], details: dict[int, str]):
+        super().__init__(message, hung_ranks[0] if hung_ranks else None, details)
         self.hung_ranks = hung_ranks
 
 
@@ -70,26 +69,11 @@ def device():
     return torch.device("cpu")
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Have the kernel kill this rank when the launching process dies (Linux), so that a
-    launcher killed outright (SIGKILL, pytest-timeout's thread method) leaves no orphan ranks."""
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            pr_set_pdeathsig = 1
-            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
-        except (OSError, AttributeError):  # no libc prctl: fall back to the check below only
-            pass
-    if os.getppid() != parent_pid:  # the parent died before the signal was armed
-        os._exit(1)
-
-
 def _worker(rank, world_size, backend, store_path, dump_dir, pg_timeout_s, fn, args, kwargs, out_q,
             parent_pid=None, cuda_visible=None, gpu_ids=None, threads=None):
     capture_stderr(os.path.join(dump_dir, f"rank{rank}.stderr"))
     if parent_pid is not None:
-        _die_with_parent(parent_pid)
+        die_with_parent(parent_pid)
     if not (cuda_visible if cuda_visible is not None else backend == "nccl"):
         # A gloo rank runs on CPU: hide the GPUs before torch first looks for them, so that
         # nothing in the rank (MCore, a kernel choice, an RNG fork) initializes CUDA by accident.
@@ -197,7 +181,7 @@ def _collect_stacks(procs, ranks, dump_dir) -> dict[int, str]:
     return stacks
 
 
-def _raise_failure(procs, out_q, world_size, rank, payload, progress, follower):
+def _raise_failure(procs, out_q, world_size, rank, payload, follower):
     """Stop every rank and raise RankFailure for `rank`, listing other ranks' errors after it."""
     details = {rank: payload}
     deadline = time.monotonic() + 0.5  # errors the first failure caused elsewhere, if any
@@ -208,15 +192,13 @@ def _raise_failure(procs, out_q, world_size, rank, payload, progress, follower):
             continue
         if kind == "error":
             details.setdefault(other, text)
-        elif kind == "progress":
-            progress.append((other, text))
     # A rank that died without a word (a crash, a kill) is often the root cause: name it.
     for r, p in enumerate(procs):
         if r not in details and p.exitcode not in (None, 0, 1):
             details[r] = describe_exit(r, world_size, p.exitcode, follower.tail(r))
     _stop(procs)
     text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in details.items())
-    raise RankFailure(f"rank {rank} of {world_size} failed first:\n{text}", rank, details, progress)
+    raise RankFailure(f"rank {rank} of {world_size} failed first:\n{text}", rank, details)
 
 
 def launch(
@@ -229,7 +211,6 @@ def launch(
     kwargs: dict | None = None,
     pg_timeout: float | None = None,
     cuda_visible: bool | None = None,
-    _on_progress: Callable[[int, Any], None] | None = None,
 ) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` fresh ranks; return the per-rank results.
 
@@ -253,7 +234,7 @@ def launch(
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: must be >= 1")
     if backend != "nccl" or os.environ.get(CLAIM_ENV) == "0":
-        return _launch(fn, world_size, backend, timeout, args, kwargs, pg_timeout, cuda_visible, _on_progress,
+        return _launch(fn, world_size, backend, timeout, args, kwargs, pg_timeout, cuda_visible,
                        None, max(1, (os.cpu_count() or 1) // world_size))
     count = cuda_device_count()
     asked = time.monotonic()
@@ -262,11 +243,11 @@ def launch(
                             claim_wait_s=round(time.monotonic() - asked, 2))])
         # Share the cores by GPU: launches side by side must not oversubscribe them either.
         threads = max(1, (os.cpu_count() or 1) // max(world_size, count))
-        return _launch(fn, world_size, backend, timeout, args, kwargs, pg_timeout, cuda_visible, _on_progress,
+        return _launch(fn, world_size, backend, timeout, args, kwargs, pg_timeout, cuda_visible,
                        ",".join(mine), threads)
 
 
-def _launch(fn, world_size, backend, timeout, args, kwargs, pg_timeout, cuda_visible, _on_progress,
+def _launch(fn, world_size, backend, timeout, args, kwargs, pg_timeout, cuda_visible,
             gpu_ids, threads):
     ctx = mp.get_context("spawn")
     tmp = tempfile.mkdtemp(prefix="cpkit-launch-")
@@ -283,19 +264,14 @@ def _launch(fn, world_size, backend, timeout, args, kwargs, pg_timeout, cuda_vis
         for r in range(world_size)
     ]
     results: dict[int, Any] = {}
-    progress: list[tuple[int, Any]] = []
     follower = StderrFollower([os.path.join(tmp, f"rank{r}.stderr") for r in range(world_size)])
 
     def handle(message) -> None:
         kind, rank, payload = message
         if kind == "ok":
             results[rank] = pickle.loads(payload)
-        elif kind == "progress":
-            progress.append((rank, payload))
-            if _on_progress is not None:
-                _on_progress(rank, payload)
         elif kind == "error":
-            _raise_failure(procs, out_q, world_size, rank, payload, progress, follower)
+            _raise_failure(procs, out_q, world_size, rank, payload, follower)
 
     def gone() -> list[int]:
         # Exit code 0 counts too: a rank that exited cleanly without a result (os._exit(0) in
@@ -326,7 +302,7 @@ def _launch(fn, world_size, backend, timeout, args, kwargs, pg_timeout, cuda_vis
                     r = dead[0]
                     msg = describe_exit(r, world_size, procs[r].exitcode, follower.tail(r))
                     _stop(procs)
-                    raise RankFailure(f"launch of {getattr(fn, '__name__', fn)}: {msg}", r, {r: msg}, progress)
+                    raise RankFailure(f"launch of {getattr(fn, '__name__', fn)}: {msg}", r, {r: msg})
             if len(results) < world_size and time.monotonic() > deadline:
                 hung = [r for r in range(world_size) if r not in results]
                 stacks = _collect_stacks(procs, hung, tmp)
@@ -335,7 +311,7 @@ def _launch(fn, world_size, backend, timeout, args, kwargs, pg_timeout, cuda_vis
                 raise LaunchTimeout(
                     f"launch of {getattr(fn, '__name__', fn)} on {world_size} ranks timed out "
                     f"after {timeout:.0f}s; hung ranks: {hung}\n{text}",
-                    hung, stacks, progress,
+                    hung, stacks,
                 )
         for p in procs:
             p.join(10)

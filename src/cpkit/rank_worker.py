@@ -28,9 +28,10 @@ import traceback
 
 from cpkit.rank_stderr import capture_stderr
 
-__all__ = ["GPU_LEAK_SLACK_BYTES", "resolve", "rank_main"]
+__all__ = ["BACKEND_ENV", "GPU_LEAK_SLACK_BYTES", "die_with_parent", "rank_main", "resolve"]
 
-BACKEND_ENV = "CPKIT_LAUNCH_BACKEND"  # read by cpkit.launch.device()
+BACKEND_ENV = "CPKIT_LAUNCH_BACKEND"
+"""The backend of a rank's process group, read by cpkit.launch.device()."""
 GPU_LEAK_SLACK_BYTES = 512 << 20
 """GPU memory a rank may hold above its start-up level after a case's clean-up (cuBLAS and cuDNN
 workspaces, allocator rounding); more than this is a leak of the case that left it."""
@@ -48,8 +49,9 @@ def resolve(ref: str):
     return obj
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """The kernel kills this rank when the pool's owner dies (Linux), so no rank is orphaned."""
+def die_with_parent(parent_pid: int) -> None:
+    """Have the kernel kill this rank when the process that started it dies (Linux), so that an
+    owner killed outright (SIGKILL, pytest-timeout's thread method) leaves no orphan ranks."""
     if sys.platform.startswith("linux"):
         try:
             import ctypes
@@ -174,7 +176,7 @@ def rank_main(rank, world_size, backend, pool_dir, conn, parent_pid, gpu_ids, th
     os.setpgid(0, 0)  # the pool kills a rank with its children by process group
     capture_stderr(os.path.join(pool_dir, f"rank{rank}.stderr"))
     os.dup2(2, 1)  # the rank's stdout joins its stderr file: nothing can reach the parent's channel
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     os.environ["CUDA_VISIBLE_DEVICES"] = gpu_ids if backend == "nccl" else ""
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                        "LOCAL_WORLD_SIZE": str(world_size), BACKEND_ENV: backend})
