@@ -304,7 +304,7 @@ def test_last_result_must_name_outcome_date_machine_and_commit():
     bad = {"outcome": "fine", "date": "2026-11-22", "machine": "4x H200", "commit": "HEAD~1",
            "tests": {"tests/a.py::zz": "passed", "tests/a.py::b": "ok"}, "by": "me"}
     assert sorted(_check_follow_up({**item, "last_result": bad}, "f", TODAY.replace(year=2027))) == sorted([
-        "f.last_result.by: unknown key (allowed: outcome, date, machine, commit, detail, tests)",
+        "f.last_result.by: unknown key (allowed: outcome, date, machine, commit, detail, tests, evidence)",
         "f.last_result.outcome: 'fine' is not one of passed, failed, partial",
         "f.last_result.commit: 'HEAD~1' is not a git commit (7 to 40 hex digits)",
         "f.last_result.tests: 'tests/a.py::zz' is not a covered_by entry of this follow-up",

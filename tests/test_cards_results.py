@@ -88,22 +88,25 @@ def test_a_commit_this_clone_lacks_or_no_git_is_unknown_never_fresh(repo, capsys
     assert row["verdict"] == "passed, staleness unknown"
     shutil.rmtree(repo / ".git")
     row = rows_by_id(repo)["two-gpus"]
-    assert (row["freshness"]["state"], row["freshness"]["why"]) == ("unknown", "no git checkout here")
+    assert row["freshness"]["state"] == "unknown"
+    assert row["freshness"]["why"] == "no git checkout here and no snapshot of 1ec52e4 under cards/_snapshots"
     assert main(["cards", "status", "--root", str(repo)]) == 0
     out = capsys.readouterr().out
     assert "last result: passed on 4x H200 at 1ec52e4, 2026-11-22: staleness unknown" in out
-    assert "staleness unknown: no git checkout here" in out
+    assert "staleness unknown: no git checkout here and no snapshot of 1ec52e4" in out
 
 
 @needs_git
 def test_the_attention_cards_gpu_results_go_stale_after_a_change_to_src_cpkit_attention(tmp_path, capsys):
     """The repository's own attention card in a fresh git copy, its recorded commits pointed at
     that copy's first commit: fresh; then one line added to an attention module: every GPU result
-    is stale and names the file, in the report, the table and cpkit validate's card row."""
+    is stale and names the file, in the report, the table and cpkit validate's card row. (The
+    copy leaves out the snapshots: only the rewritten results are judged, by git.)"""
     root = tmp_path / "cpkit"
     for part in ("src", "tests", "functional", "cards", "pyproject.toml"):
         copy = shutil.copytree if (ROOT / part).is_dir() else shutil.copy
-        copy(ROOT / part, root / part, **({"ignore": shutil.ignore_patterns("__pycache__")} if part != "pyproject.toml" else {}))
+        copy(ROOT / part, root / part,
+             **({"ignore": shutil.ignore_patterns("__pycache__", "_snapshots")} if part != "pyproject.toml" else {}))
     git(root, "init", "-q")
     first = commit_all(root)
     card = root / ATTENTION
@@ -243,9 +246,9 @@ def test_record_without_a_commit_outside_git_asks_for_one(repo, capsys):
 
 
 def test_the_cards_modules_import_only_downward():
-    """schema, nodes -> freshness -> record -> status -> upstream -> check: each imports only
-    modules listed before it (no circle; one module owns the shared matcher)."""
-    order = ["schema", "nodes", "freshness", "record", "status", "upstream", "check"]
+    """schema, nodes, snapshot -> freshness, evidence -> record -> status -> upstream -> check:
+    each imports only modules listed before it (no circle; one module owns the shared matcher)."""
+    order = ["schema", "nodes", "snapshot", "freshness", "evidence", "record", "status", "upstream", "check"]
     src = ROOT / "src"
     modules = package_modules(src)
     for i, name in enumerate(order):

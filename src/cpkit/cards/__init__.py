@@ -16,7 +16,7 @@ collection).
 from cpkit.cards.check import Collected, ast_collect_node_ids, check_cards, collect_node_ids
 from cpkit.cards.freshness import ChangeIndex, Freshness
 from cpkit.cards.nodes import node_matches, read_junit
-from cpkit.cards.record import record_junit, write_last_result
+from cpkit.cards.record import record_evidence, record_junit, write_last_result
 from cpkit.cards.schema import (
     CARD_KEYS,
     FOLLOW_UP_KEYS,
@@ -48,7 +48,7 @@ from cpkit.cards.status import FAILING_RESULTS, card_status, format_status_table
 __all__ = [
     "VALIDATION_STATUSES", "FOLLOW_UP_STATUSES", "NEEDS", "GPUS_NEEDED", "CARD_KEYS", "FOLLOW_UP_KEYS",
     "OUTCOMES", "TEST_OUTCOMES", "LastResult", "FollowUp", "Card", "CardError", "load_card", "load_cards", "card_dirs",
-    "read_junit", "record_junit", "write_last_result", "ChangeIndex", "Freshness", "verdict",
+    "read_junit", "record_junit", "record_evidence", "write_last_result", "ChangeIndex", "Freshness", "verdict",
     "Collected", "collect_node_ids", "ast_collect_node_ids", "node_matches", "check_cards",
     "card_status", "status_report", "format_status_table", "write_report", "FAILING_RESULTS",
     "UPSTREAM_FILE", "UpstreamMap", "check_upstream_maps", "format_upstream_table", "load_upstream_maps",

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 from cpkit.anchors import resolve_anchor
-from cpkit.cards.nodes import node_matches
+from cpkit.cards.nodes import CLUSTER_PREFIX, node_matches
 from cpkit.cards.schema import card_dirs, load_cards
 from cpkit.cards.upstream import check_upstream_maps
 from cpkit.pytest_runner import run_pytest
@@ -76,6 +76,16 @@ def ast_collect_node_ids(root: str | Path, files: list[str]) -> Collected:
     return Collected(ids, set(files), None)
 
 
+def _cluster_entry_problems(where: str, entry: str) -> list[str]:
+    from cpkit.cluster.checks import CHECKS
+
+    name = entry[len(CLUSTER_PREFIX):]
+    if name in CHECKS:
+        return []
+    return [f"{where}: {entry!r} names no check of python -m cpkit.cluster (src/cpkit/cluster/checks.py::CHECKS: "
+            f"{', '.join(CHECKS)}); e.g. {CLUSTER_PREFIX}{CHECKS[0]}"]
+
+
 def check_cards(
     root: str | Path,
     *,
@@ -109,6 +119,9 @@ def check_cards(
         for i, item in enumerate(card.follow_up_validation):
             for j, node in enumerate(item.covered_by):
                 where = f"{card.path}: follow_up_validation[{i}].covered_by[{j}]"
+                if node.startswith(CLUSTER_PREFIX):
+                    problems += _cluster_entry_problems(where, node)
+                    continue
                 reason = resolve_anchor(root, node)
                 if reason:
                     problems.append(f"{where}: {node!r} {reason}")

@@ -1,9 +1,13 @@
 """Whether a recorded result still holds: a follow-up's `last_result` names the commit it was
-measured at; it is stale when a file its covering tests cover changed since that commit
-(`git diff --name-only COMMIT`, uncommitted changes included), where "cover" is what
-`cpkit validate --changed` runs for a changed path: the change map's rows and the import graph
-(src/cpkit/change_map.py::select_tests). Without git, or with a commit this clone does not
-have (a shallow clone, a copy without .git), the staleness is "unknown", never fresh."""
+measured at; it is stale when a file its covering tests cover changed since that commit, where
+"cover" is what `cpkit validate --changed` runs for a changed path: the change map's rows and the
+import graph (src/cpkit/change_map.py::select_tests).
+
+"Changed since the commit" comes from the commit's content snapshot (src/cpkit/cards/snapshot.py,
+written by `cpkit cards record`) compared with the files on disk, so a copy without git history
+gets a definite answer; where the clone also has the commit, `git diff --name-only COMMIT`
+(uncommitted changes included) is added as a second opinion. With neither, the staleness is
+"unknown", never fresh."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cpkit.cards.nodes import node_file
+from cpkit.cards.snapshot import changed_on_disk, find_snapshot
 from cpkit.change_map import select_tests
 
 __all__ = ["FRESH", "STALE", "UNKNOWN", "Freshness", "ChangeIndex", "head_commit"]
@@ -64,11 +69,19 @@ class ChangeIndex:
         return self._since[commit]
 
     def _diff(self, commit: str) -> tuple[tuple[str, ...] | None, str]:
+        snapshot = find_snapshot(self.root, commit)
+        by_git, git_why = self._git_diff(commit)
+        if snapshot is None:
+            return by_git, git_why
+        return tuple(sorted(set(changed_on_disk(self.root, snapshot)) | set(by_git or ()))), ""
+
+    def _git_diff(self, commit: str) -> tuple[tuple[str, ...] | None, str]:
         if self.git_error:
-            return None, self.git_error
+            return None, f"{self.git_error} and no snapshot of {commit} under cards/_snapshots"
         known = _git(self.root, "rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}")
         if known is None or known.returncode != 0:
-            return None, f"commit {commit} is not in this clone (shallow, or from another branch)"
+            return None, (f"commit {commit} is not in this clone (shallow, or from another branch) and "
+                          "cards/_snapshots has no snapshot of it")
         diff = _git(self.root, "diff", "--name-only", "--no-renames", commit, "--")
         if diff is None or diff.returncode != 0:
             return None, f"git diff {commit} failed: {(diff.stderr if diff else '').strip()}"

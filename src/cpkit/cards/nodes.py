@@ -7,7 +7,14 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-__all__ = ["node_matches", "node_file", "JUNIT_OUTCOMES", "worst", "read_junit"]
+__all__ = ["node_matches", "node_file", "JUNIT_OUTCOMES", "CLUSTER_PREFIX", "CLUSTER_TEST_FILE", "worst",
+           "read_junit"]
+
+#: A covered_by entry `cluster:<check>` names a check of `python -m cpkit.cluster` (its log's
+#: `<check>: pass` line), for runs that are not pytest runs (torchrun on a cluster).
+CLUSTER_PREFIX = "cluster:"
+#: The test file whose selection stands for a cluster check's code when judging staleness.
+CLUSTER_TEST_FILE = "functional/test_cluster.py"
 
 #: Outcomes of one test case in a junit file, best first; `worst` picks the last of several.
 JUNIT_OUTCOMES = ("passed", "xfailed", "skipped", "failed", "error")
@@ -20,8 +27,9 @@ def node_matches(entry: str, node_id: str) -> bool:
 
 
 def node_file(node_id: str) -> str:
-    """The repository-relative test file of a node id (`functional/test_x.py::test_y[a]`)."""
-    return node_id.split("::", 1)[0]
+    """The repository-relative test file of a node id (`functional/test_x.py::test_y[a]`); for a
+    cluster check entry, CLUSTER_TEST_FILE (which runs the same checks on gloo)."""
+    return CLUSTER_TEST_FILE if node_id.startswith(CLUSTER_PREFIX) else node_id.split("::", 1)[0]
 
 
 def worst(outcomes) -> str:

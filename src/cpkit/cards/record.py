@@ -1,9 +1,14 @@
 """`cpkit cards record --junit PATH --machine M [--commit SHA]`: write the outcomes of a pytest
 junit file (`pytest --junitxml PATH`, e.g. a GPU run) into the `last_result` of every card
 follow-up whose covering tests it ran, with the machine, the commit and the date of the run.
+`cpkit cards record --evidence evidence/<date>-<machine>-<commit>` does the same for a committed
+evidence folder (its junit files and cluster log, src/cpkit/cards/evidence.py), taking date,
+machine and commit from the folder's name and never replacing a newer result.
 
 Only the `last_result` block of each such follow-up is rewritten; the rest of the card's text
-(comments, order, quoting) stays as it was."""
+(comments, order, quoting) stays as it was. Each recorded commit gets its content snapshot
+(src/cpkit/cards/snapshot.py), so that freshness needs no git history later; snapshots no card
+names any more are deleted."""
 
 from __future__ import annotations
 
@@ -14,11 +19,14 @@ from pathlib import Path
 
 import yaml
 
+from cpkit.cards.evidence import read_evidence
 from cpkit.cards.freshness import head_commit
 from cpkit.cards.nodes import node_matches, read_junit, worst
-from cpkit.cards.schema import CardError, LastResult, load_card, load_cards
+from cpkit.cards.schema import GPUS_NEEDED, CardError, LastResult, load_card, load_cards
+from cpkit.cards.snapshot import find_snapshot, prune_snapshots, write_snapshot
 
-__all__ = ["Recorded", "last_result_from_outcomes", "write_last_result", "record_junit"]
+__all__ = ["Recorded", "last_result_from_outcomes", "write_last_result", "record_junit", "record_evidence",
+           "keep_snapshots"]
 
 # A junit outcome as a covering test's recorded outcome (schema.TEST_OUTCOMES).
 _AS_TEST = {"passed": "passed", "xfailed": "passed", "skipped": "skipped", "failed": "failed", "error": "failed"}
@@ -34,7 +42,7 @@ class Recorded:
 
 
 def last_result_from_outcomes(covered_by: tuple[str, ...], outcomes: dict[str, str], *, machine: str, commit: str,
-                              date: _dt.date, source: str) -> LastResult | None:
+                              date: _dt.date, source: str, evidence: str | None = None) -> LastResult | None:
     """The last_result that junit `outcomes` (node id -> outcome) give a follow-up covered by
     `covered_by`, or None when none of its covering tests ran (all absent or skipped: a GPU test
     skipped on a CPU machine leaves the GPU result alone). Each entry's outcome is the worst of
@@ -54,7 +62,7 @@ def last_result_from_outcomes(covered_by: tuple[str, ...], outcomes: dict[str, s
     cases = ", ".join(f"{n} {o}" for o, n in counts.items())
     not_run = len(tests) - len(ran)
     detail = f"{cases} in {source}" + (f"; {not_run} of {len(tests)} covering entries not in it" if not_run else "")
-    return LastResult(outcome, date, machine, commit, detail, tuple(tests.items()))
+    return LastResult(outcome, date, machine, commit, detail, tuple(tests.items()), evidence)
 
 
 def _block(result: LastResult, indent: str) -> list[str]:
@@ -121,16 +129,62 @@ def record_junit(root: str | Path, junit: list[str | Path], machine: str, commit
     if date is None:
         known = sorted(s[:10] for s in stamps if s)
         date = _dt.date.fromisoformat(known[-1]) if known else _dt.date.today()
+    source = ", ".join(Path(f).name for f in junit)
+    return _record(root, outcomes, feature, dict(machine=machine, commit=commit, date=date, source=source))
+
+
+def record_evidence(root: str | Path, folder: str | Path, machine: str | None = None,
+                    feature: str | None = None) -> list[Recorded]:
+    """Record an evidence folder (src/cpkit/cards/evidence.py::read_evidence) into every
+    follow-up its junit files or cluster log cover, with the folder's date, commit and machine
+    (`machine` replaces the folder's short form). A follow-up whose result is newer than the
+    folder keeps it. Raises ValueError for a folder that is no run."""
+    root = Path(root).resolve()
+    run = read_evidence(folder, root)
+    fields = dict(machine=machine or run.machine, commit=run.commit, date=run.date,
+                  source=f"{run.folder} ({', '.join(run.files)})", evidence=run.folder)
+    return _record(root, run.outcomes, feature, fields, keep_newer=True, fits=run.fits)
+
+
+def _record(root: Path, outcomes: dict[str, str], feature: str | None, fields: dict,
+            keep_newer: bool = False, fits=lambda gpus: True) -> list[Recorded]:
     cards, problems = load_cards(root, feature)
     if problems:
         raise CardError(problems)
-    source = ", ".join(Path(f).name for f in junit)
     recorded = []
     for card in cards:
         for item in card.follow_up_validation:
-            result = last_result_from_outcomes(item.covered_by, outcomes, machine=machine, commit=commit,
-                                               date=date, source=source)
+            last = item.last_result
+            if (keep_newer and last is not None and last.date > fields["date"]) or not fits(
+                    GPUS_NEEDED.get(item.needs, 0)):
+                continue
+            result = last_result_from_outcomes(item.covered_by, outcomes, **fields)
+            if (keep_newer and result is not None and last is not None
+                    and not _ran(last, item.covered_by) <= _ran(result, item.covered_by)):
+                continue  # an evidence folder that ran fewer of its entries would narrow the result
             if result is not None:
                 write_last_result(root / card.path, item.id, result)
                 recorded.append(Recorded(card.path, item.id, result))
+    if recorded:
+        keep_snapshots(root)
     return recorded
+
+
+def _ran(result: LastResult, covered_by: tuple[str, ...]) -> set[str]:
+    return {e for e, o in result.tests if o != "not run"} if result.tests else set(covered_by)
+
+
+def keep_snapshots(root: Path) -> list[str]:
+    """Give every commit a card's result names a content snapshot (where git still has the
+    commit) and delete the snapshots no result names; returns the commits left without one."""
+    cards, _ = load_cards(root)
+    commits = {i.last_result.commit for c in cards for i in c.follow_up_validation if i.last_result}
+    missing = []
+    for commit in sorted(commits):
+        if find_snapshot(root, commit) is None:
+            try:
+                write_snapshot(root, commit)
+            except ValueError:
+                missing.append(commit)
+    prune_snapshots(root, commits)
+    return missing

@@ -66,8 +66,8 @@ FOLLOW_UP_KEYS = {"id": "str", "text": "str", "status": "str", "covered_by": "li
 _FOLLOW_UP_OPTIONAL = {"covered_by", "last_result"}
 #: Keys of a follow-up's `last_result` mapping (`detail` and `tests` optional).
 LAST_RESULT_KEYS = {"outcome": "str", "date": "date", "machine": "str", "commit": "str", "detail": "str",
-                    "tests": "mapping"}
-_LAST_RESULT_OPTIONAL = {"detail", "tests"}
+                    "tests": "mapping", "evidence": "str"}
+_LAST_RESULT_OPTIONAL = {"detail", "tests", "evidence"}
 #: A last_result's outcome: every test that ran passed, one failed, or some were skipped or not run.
 OUTCOMES = ("passed", "failed", "partial")
 #: The outcome of one covering test (a covered_by entry) in `last_result.tests`.
@@ -93,6 +93,8 @@ class LastResult:
     commit: str
     detail: str | None = None
     tests: tuple[tuple[str, str], ...] = ()
+    #: The evidence folder the run was recorded from (`evidence/<date>-<machine>-<commit>`), if any.
+    evidence: str | None = None
 
     def test_outcome(self, entry: str) -> str:
         """The recorded outcome of one covered_by entry ("not run" when the run left it out)."""
@@ -106,6 +108,8 @@ class LastResult:
             out["detail"] = self.detail
         if self.tests:
             out["tests"] = dict(self.tests)
+        if self.evidence:
+            out["evidence"] = self.evidence
         return out
 
 
@@ -350,7 +354,8 @@ def _last_result(data: dict | None) -> LastResult | None:
     if data is None:
         return None
     return LastResult(outcome=data["outcome"], date=_dt.date.fromisoformat(data["date"]), machine=data["machine"],
-                      commit=data["commit"], detail=data.get("detail"), tests=tuple((data.get("tests") or {}).items()))
+                      commit=data["commit"], detail=data.get("detail"), tests=tuple((data.get("tests") or {}).items()),
+                      evidence=data.get("evidence"))
 
 
 def _rel(path: Path, root: Path) -> str:

@@ -9,8 +9,9 @@ import platform
 import textwrap
 from pathlib import Path
 
+from cpkit.cards.evidence import evidence_runs, unrecorded_evidence
 from cpkit.cards.freshness import FRESH, STALE, UNKNOWN, ChangeIndex, Freshness, head_commit
-from cpkit.cards.nodes import node_matches
+from cpkit.cards.nodes import CLUSTER_PREFIX, node_matches
 from cpkit.cards.schema import GPUS_NEEDED, CardError, FollowUp, card_dirs, load_cards
 from cpkit.devices import cuda_device_count
 from cpkit.pytest_runner import run_pytest
@@ -76,7 +77,8 @@ def status_report(
     `last_result` (the recorded run: outcome, date, machine, commit), `freshness` (stale when a
     file under its tests changed since that commit, see cpkit.cards.freshness; unknown without
     git or the commit), `measured` (per covering entry: its recorded result and staleness) and
-    `verdict` (cpkit.cards.status.verdict).
+    `verdict` (cpkit.cards.status.verdict) and `unrecorded_evidence` (evidence folders that cover
+    it and are newer than its last_result: record them with `cpkit cards record --evidence`).
     With `run=True`, the covering tests that fit this machine (unit and dist always; gpu1/gpu2/gpu4
     when at least 1/2/4 CUDA devices are visible) run in ONE pytest subprocess; each row's
     `result` is then passed, failed, error, skipped, "not collected", "no tests" or "needs gpuN".
@@ -93,6 +95,7 @@ def status_report(
         needs_gpu = any(i.needs in GPUS_NEEDED and i.covered_by for c in cards for i in c.follow_up_validation)
         gpu_count = cuda_device_count() if needs_gpu else 0
     changes = ChangeIndex(root)
+    runs = evidence_runs(root)
     rows: list[dict] = []
     for card in cards:
         for item in card.follow_up_validation:
@@ -112,6 +115,10 @@ def status_report(
                 "last_result": item.last_result.to_dict() if item.last_result else None,
                 "freshness": freshness,
                 "measured": measured,
+                # Only results this machine cannot give itself come from evidence folders.
+                "unrecorded_evidence": (unrecorded_evidence(item.covered_by, item.last_result, runs,
+                                                            GPUS_NEEDED[item.needs])
+                                        if item.needs in GPUS_NEEDED else []),
                 "results": {},
                 "_run": run and fits and bool(item.covered_by),
                 "_why": None if fits else f"needs {item.needs}",
@@ -127,7 +134,9 @@ def status_report(
         "pytest": None,
         "rows": rows,
     }
-    nodes = list(dict.fromkeys(n for r in rows if r["_run"] for n in r["covered_by"]))
+    # A cluster check (cluster:<name>) runs under torchrun, not pytest: recorded from its log only.
+    nodes = list(dict.fromkeys(n for r in rows if r["_run"] for n in r["covered_by"]
+                               if not n.startswith(CLUSTER_PREFIX)))
     outcomes: dict[str, str] = {}
     if nodes:
         # pytest's own output goes to stderr, so that stdout stays clean for --json.
@@ -143,6 +152,9 @@ def status_report(
                 row["result"] = why
             else:
                 for node in row["covered_by"]:
+                    if node.startswith(CLUSTER_PREFIX):
+                        row["results"][node] = "skipped"  # torchrun -m cpkit.cluster, not pytest
+                        continue
                     found = _node_outcomes(node, outcomes)
                     # Worst outcome wins: one skipped parameter makes the node "skipped".
                     row["results"][node] = max(found, key=_RANK.__getitem__) if found else "not collected"
@@ -193,7 +205,7 @@ def _measured_lines(row: dict) -> list[str]:
         if not row.get("result"):
             out.append("last result: none recorded (--run runs its tests here)" if row["covered_by"]
                        else "last result: no tests")
-        return out
+        return out + _unrecorded_lines(row)
     state = fresh.get("state", UNKNOWN)
     mark = {FRESH: "", STALE: ": STALE"}.get(state, ": staleness unknown")
     out.append(f"last result: {last['outcome']} on {last['machine']} at {last['commit']}, {last['date']}{mark}")
@@ -205,7 +217,12 @@ def _measured_lines(row: dict) -> list[str]:
         out.append(f"staleness unknown: {fresh.get('why') or 'no staleness check'}")
     if last.get("detail"):
         out.append(f"detail: {last['detail']}")
-    return out
+    return out + _unrecorded_lines(row)
+
+
+def _unrecorded_lines(row: dict) -> list[str]:
+    return [f"evidence not recorded: {folder} (cpkit cards record --evidence {folder})"
+            for folder in row.get("unrecorded_evidence") or ()]
 
 
 def node_result(node: str, row: dict) -> str:

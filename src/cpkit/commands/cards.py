@@ -16,6 +16,7 @@ from cpkit.cards import (
     format_upstream_table,
     upstream_status,
     format_status_table,
+    record_evidence,
     record_junit,
     status_report,
     write_report,
@@ -51,13 +52,20 @@ def add_parser(sub) -> None:
     status.set_defaults(func=run_status)
 
     record = cards_sub.add_parser(
-        "record", allow_abbrev=False, help="write a junit file's outcomes into the last_result of the follow-ups its tests cover",
-        description="Write the outcomes of pytest junit files (pytest --junitxml PATH, e.g. a GPU run) into "
+        "record", allow_abbrev=False,
+        help="write a junit file's or an evidence folder's outcomes into the last_result of the follow-ups they cover",
+        description="Write the outcomes of pytest junit files (pytest --junitxml PATH, e.g. a GPU run) or of "
+                    "committed evidence folders (their junit files and python -m cpkit.cluster log) into "
                     "the last_result of every card follow-up whose covering tests they ran: per covering test "
                     "passed, failed, skipped or not run, with the machine, the commit and the date.")
-    record.add_argument("--junit", type=Path, action="append", required=True, metavar="PATH",
+    source = record.add_mutually_exclusive_group(required=True)
+    source.add_argument("--junit", type=Path, action="append", metavar="PATH",
                         help="a junit XML file written by pytest --junitxml (repeat for several)")
-    record.add_argument("--machine", required=True, help='where the tests ran, e.g. "4x H100 (torch 2.11, MCore 0.19.2)"')
+    source.add_argument("--evidence", type=Path, action="append", metavar="DIR",
+                        help="an evidence folder evidence/<YYYY-MM-DD>-<machine>-<commit> (repeat for several; "
+                             "date, machine and commit come from its name; a newer result is kept)")
+    record.add_argument("--machine", help='where the tests ran, e.g. "4x H100 (torch 2.11, MCore 0.19.2)" '
+                                          "(required with --junit; with --evidence it replaces the folder's short form)")
     record.add_argument("--commit", default=None,
                         help="the commit the tests ran at (default: this checkout's HEAD)")
     record.add_argument("--date", type=_dt.date.fromisoformat, default=None,
@@ -130,8 +138,20 @@ def run_record(args) -> int:
     0 when at least one follow-up was written, 1 when none of the junit's tests cover one or a
     card does not load, 2 for an unreadable junit file or no commit."""
     root = repo_root(args.root)
+    if args.junit and not args.machine:
+        print('cpkit cards record: --junit needs --machine, e.g. --machine "4x H100 (torch 2.11, MCore 0.19.2)"',
+              file=sys.stderr)
+        return 2
+    if args.evidence and (args.commit or args.date):
+        print("cpkit cards record: --evidence takes commit and date from the folder's name; drop --commit/--date",
+              file=sys.stderr)
+        return 2
     try:
-        recorded = record_junit(root, args.junit, args.machine, args.commit, args.date, args.feature)
+        if args.junit:
+            recorded = record_junit(root, args.junit, args.machine, args.commit, args.date, args.feature)
+        else:
+            recorded = [r for folder in sorted(args.evidence, key=lambda f: f.name)
+                        for r in record_evidence(root, folder, args.machine, args.feature)]
     except ValueError as exc:
         if isinstance(exc, CardError):
             print("\n".join(exc.problems))
@@ -143,7 +163,8 @@ def run_record(args) -> int:
         counts = ", ".join(f"{sum(v == o for v in tests.values())} {o}" for o in dict.fromkeys(tests.values()))
         print(f"{r.card}: {r.id}: {r.result.outcome} at {r.result.commit} ({counts})")
     if not recorded:
-        print(f"cpkit cards record: no follow-up's covering tests are in {', '.join(map(str, args.junit))}",
+        print(f"cpkit cards record: no follow-up's covering tests are in {', '.join(map(str, args.junit or args.evidence))}"
+              " (or every follow-up they cover has a newer result)",
               file=sys.stderr)
         return 1
     print(f"recorded {len(recorded)} follow-up{'s' * (len(recorded) != 1)}; check with: cpkit cards check",
