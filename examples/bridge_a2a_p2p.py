@@ -32,6 +32,10 @@ import sys
 import torch
 import torch.distributed as dist
 
+from cpkit.notices import quiet_known_notices
+
+quiet_known_notices()  # before megatron-core is imported: its "Transformer Engine and Apex are not installed" notices
+
 from cpkit.bridge import DistInit, bridge_model_config, bridge_modules, bridge_src
 from cpkit.compat import ensure_global_memory_buffer
 from cpkit.devices import check_world_size, describe_rank_devices, init_rank

@@ -16,6 +16,10 @@ import os
 import torch
 import torch.distributed as dist
 
+from cpkit.notices import quiet_known_notices
+
+quiet_known_notices()  # before megatron-core is imported: its "Transformer Engine and Apex are not installed" notices
+
 from cpkit.attention.spec import get_gpt_block_spec_with_cp_attention
 from cpkit.devices import check_world_size, describe_rank_devices, init_rank
 from cpkit.groups import build_pg_collection

@@ -18,6 +18,10 @@ import os
 import torch
 import torch.distributed as dist
 
+from cpkit.notices import quiet_known_notices
+
+quiet_known_notices()  # before megatron-core is imported: its "Transformer Engine and Apex are not installed" notices
+
 from cpkit.attention.spec import get_gpt_block_spec_with_cp_attention
 from cpkit.devices import check_world_size, describe_rank_devices, init_rank
 from cpkit.eval_cp import build_eval_pg_collection, eval_cp_context, eval_shard_for

@@ -94,6 +94,11 @@ def _run(cmd: list[str], *, hide_gpus: bool, gpus: str | None = None) -> str:
         out, err = proc.communicate()
         pytest.fail(f"{' '.join(cmd[2:])} ran past {TIMEOUT_S} s:\n{out}\n{err[-6000:]}")
     assert proc.returncode == 0, f"{' '.join(cmd[2:])} exited {proc.returncode}:\n{out}\n{err[-6000:]}"
+    # An example a user copies prints what it checked, not notices they cannot act on.
+    from cpkit.notices import KNOWN_NOTICES
+
+    noise = [n for n in KNOWN_NOTICES if n in err]
+    assert not noise, f"{' '.join(cmd[2:])} printed megatron-core notices {noise}:\n{err[-3000:]}"
     return out
 
 

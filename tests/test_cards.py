@@ -313,3 +313,11 @@ def test_last_result_must_name_outcome_date_machine_and_commit():
     missing = _check_follow_up({**item, "last_result": {"outcome": "passed", "date": "2030-01-01"}}, "f", TODAY)
     assert missing == ["f.last_result.date: '2030-01-01' is in the future", "f.last_result.machine: missing required key",
                        "f.last_result.commit: missing required key"]
+
+
+def test_check_says_what_it_waits_on_before_collecting(repo, capsys):
+    """pytest's collection is the slow part of `cpkit cards check`: a line on stderr says so
+    before it starts, so that a newcomer does not look at a silent terminal."""
+    assert main(["cards", "check", "--root", str(repo)]) == 0
+    err = capsys.readouterr().err
+    assert "cpkit cards check: collecting the covering tests of 1 test file with pytest ..." in err
