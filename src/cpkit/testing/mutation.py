@@ -35,7 +35,7 @@ from pathlib import Path
 
 from cpkit.pytest_runner import run_pytest
 
-__all__ = ["Mutant", "find_mutants", "apply_mutant", "run", "main"]
+__all__ = ["Mutant", "find_mutants", "apply_mutant", "mutant_source", "run", "main"]
 
 _COMPARE_FLIP = {ast.Lt: ast.GtE, ast.GtE: ast.Lt, ast.Gt: ast.LtE, ast.LtE: ast.Gt, ast.Eq: ast.NotEq,
                  ast.NotEq: ast.Eq, ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In}
@@ -69,11 +69,15 @@ class _Sites(ast.NodeTransformer):
         self.count = 0
         self.found: list[Mutant] = []
         self.target = target
+        self.hit: ast.AST | None = None  # the mutated node, as it stood in the source
+        self.replacement: ast.AST | None = None  # what takes its place
 
     def _site(self, node: ast.AST, change: str) -> bool:
         index = self.count
         self.count += 1
         self.found.append(Mutant(index, getattr(node, "lineno", 0), getattr(node, "col_offset", 0), change))
+        if index == self.target:
+            self.hit = self.replacement = node  # mutated in place unless a visitor says otherwise
         return index == self.target
 
     def _docstring(self, node: ast.AST) -> bool:
@@ -90,7 +94,8 @@ class _Sites(ast.NodeTransformer):
     def visit_Constant(self, node):
         if isinstance(node.value, int) and not isinstance(node.value, bool):
             if self._site(node, f"{node.value} -> {node.value + 1}"):
-                return ast.copy_location(ast.Constant(node.value + 1), node)
+                self.replacement = ast.copy_location(ast.Constant(node.value + 1), node)
+                return self.replacement
         return node
 
     def visit_BoolOp(self, node):
@@ -103,6 +108,7 @@ class _Sites(ast.NodeTransformer):
     def visit_UnaryOp(self, node):
         self.generic_visit(node)
         if isinstance(node.op, ast.Not) and self._site(node, "drop not"):
+            self.replacement = node.operand
             return node.operand
         return node
 
@@ -127,7 +133,8 @@ class _Sites(ast.NodeTransformer):
         if self._docstring(node):
             return node
         if self._site(node, f"delete {type(node).__name__.lower()}"):
-            return ast.copy_location(ast.Pass(), node)
+            self.replacement = ast.copy_location(ast.Pass(), node)
+            return self.replacement
         return node
 
     visit_Assign = visit_AugAssign = visit_Expr = _statement
@@ -152,6 +159,34 @@ def apply_mutant(source: str, mutant: Mutant) -> str:
     tree = ast.parse(source)
     _Sites(target=mutant.index).visit(tree)
     return ast.unparse(ast.fix_missing_locations(tree))
+
+
+def mutant_source(source: str, mutant: Mutant) -> str | None:
+    """`source` with `mutant` applied as a minimal text edit (only the mutated expression or
+    statement is rewritten; formatting, comments and line numbers elsewhere are kept), so that a
+    diff against `source` shows the fault alone. None when the edit cannot be made faithfully
+    (checked: the result parses to the same tree as `apply_mutant`), e.g. inside an f-string."""
+    tree = ast.parse(source)
+    sites = _Sites(target=mutant.index)
+    mutated = ast.fix_missing_locations(sites.visit(tree))
+    node, replacement = sites.hit, sites.replacement
+    if node is None or not hasattr(node, "end_lineno"):
+        return None
+    text = ast.unparse(replacement)
+    if isinstance(replacement, ast.expr):
+        text = f"({text})"  # keeps precedence wherever the expression sits
+    data = source.encode()
+    starts = [0]
+    for line in data.splitlines(keepends=True):
+        starts.append(starts[-1] + len(line))
+    begin = starts[node.lineno - 1] + node.col_offset
+    end = starts[node.end_lineno - 1] + node.end_col_offset
+    edited = (data[:begin] + text.encode() + data[end:]).decode()
+    try:
+        same = ast.dump(ast.parse(edited)) == ast.dump(mutated)
+    except SyntaxError:
+        same = False
+    return edited if same else None
 
 
 def _pytest(src_copy: Path, root: Path, tests: list[str], timeout: float) -> tuple[str, float]:
