@@ -102,18 +102,17 @@ def test_a_function_without_coverage_or_a_module_level_change_selects_the_whole_
     assert picked >= feature | {"functional/test_made_up.py"} and "outside a function body" in why
 
 
-def test_rebind_code_run_only_in_ranks_is_recorded_and_selects_the_dist_tests():
-    """Rebind code reached only inside `dist` ranks, which the static selection missed: the map
-    records it against the functional test that spawned the ranks."""
+def test_rebind_code_run_inside_dist_ranks_selects_the_dist_tests():
+    """Rebind code that the `dist` tests reach only inside their ranks (a scenario run by name),
+    which the static selection missed: the map records it against the functional tests that
+    spawned the ranks, so a change there runs them."""
     cmap = load_map(ROOT)
-    rank_only = {key: tests for key, tests in cmap.functions.items()
-                 if key.startswith("src/cpkit/rebind.py::") and all(t.startswith("functional/") for t in tests)}
-    assert rank_only, "no rebind function recorded from rank processes: is rank measurement broken?"
-    key, tests = sorted(rank_only.items())[0]
-    path, name = key.split("::")
+    path, name = "src/cpkit/rebind.py", "install_pg_collection"
+    spawning = {"functional/test_eval_cp.py", "functional/test_dynamic_cp.py"}
+    assert spawning <= set(cmap.tests_of(path, name) or ()), "rank processes not measured?"
     first = next(s[0] for s in function_spans((ROOT / path).read_text()) if s[2] == name)
-    picked, _, _ = _measured(path, ROOT, {first}, cmap)
-    assert set(tests) <= picked and "functional/test_eval_cp.py" in set().union(*rank_only.values())
+    picked, everything, _ = _measured(path, ROOT, {first}, cmap)
+    assert spawning <= picked and not everything
 
 
 def test_rank_case_context_attributes_a_case_to_its_test(tmp_path):
