@@ -45,7 +45,7 @@ SETS = ("mix", "mixlong", "long")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m cpkit.bench dynamic_step",
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m cpkit.bench dynamic_step",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--quick", action="store_true",

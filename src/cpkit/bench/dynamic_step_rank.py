@@ -2,7 +2,7 @@
 
 1. The link table (`--link measured`, the default): cpkit.bench.link.measure_ring_exchange on
    these ranks, at cp 2 and 4, batched and unbatched; the replay and the model read its fit.
-2. An MCore GPTModel (cpkit.testing.models.build_gpt, cpkit's attention, bf16 on CUDA) of the
+2. An MCore GPTModel (cpkit.models.build_gpt, cpkit's attention, bf16 on CUDA) of the
    given ModelDims with a small vocabulary (the embedding and output layer are not replayed),
    one DPxCP group of all ranks (dp = N, cp = 1 statically), the registry of every aligned CP
    group (cpkit.dynamic.registry) and AdamW at lr 0: the optimizer does all its work, the
@@ -232,7 +232,7 @@ def _build(spec: StepSpec, device):
     from cpkit.dynamic.registry import build_group_registry
     from cpkit.groups import build_pg_collection
     from cpkit.layout import CPLayout
-    from cpkit.testing.models import GPTConfig, build_gpt
+    from cpkit.models import GPTConfig, build_gpt
 
     d, world = spec.dims, dist.get_world_size()
     longest = max(max(b.seq_lens) for b in spec.batches)
@@ -260,7 +260,7 @@ def run_rank(spec: StepSpec) -> Optional[dict]:
 
     device = launcher_device()
     if device.type == "cpu":
-        from cpkit.testing.models import prepare_cpu
+        from cpkit.models import prepare_cpu
 
         prepare_cpu()
     start = time.perf_counter()
