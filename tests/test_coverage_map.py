@@ -1,25 +1,31 @@
-"""The measured coverage map (cpkit.coverage_map) and what `cpkit validate --changed` selects
-from it (cpkit.changed_selection): functions by their body lines, staleness, rank-side
-attribution, and the union that never selects fewer tests than the static selection."""
+"""The measured coverage map (cpkit.coverage_map, cpkit.code_hashes) and what `cpkit validate
+--changed` selects from it (cpkit.changed_selection): functions by their body lines, what
+changed since the map (from its hashes, no git), the rule that widens the selection by that
+drift, the format-1 fallback, and rank-side attribution."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from cpkit.change_map import select_tests
-from cpkit.changed_selection import _measured
+from cpkit.changed_selection import _Change, _measured, select_changed
+from cpkit.code_hashes import function_hashes, module_level_hash
+from cpkit.commands.validate import _since_map
 from cpkit.coverage_map import (
-    CoverageMap,
+    MAP_PATH,
+    blob_hash,
+    drift_since,
     function_spans,
     functions_at_lines,
     load_map,
     rank_case_context,
-    staleness,
-    tracked_files,
 )
+from cpkit.coverage_record import build_map
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,45 +67,183 @@ def test_functions_are_named_by_qualified_name_and_body_lines():
     assert names == set() and outside == {2, 5, 13, 15}
 
 
-def _map(functions: dict[str, list[str]], files: dict[str, str] | None = None) -> CoverageMap:
-    return CoverageMap("0" * 40, files or {}, functions, {}, {})
+def test_hashes_see_code_not_comments_and_put_signatures_at_module_level():
+    before, module = function_hashes(SOURCE), module_level_hash(SOURCE)
+    commented = SOURCE.replace("return y + LIMIT", "return y + LIMIT  # a comment\n\n")
+    assert function_hashes(commented) == before and module_level_hash(commented) == module
+    body = SOURCE.replace("return y + LIMIT", "return y - LIMIT")
+    changed = {q for q, h in function_hashes(body).items() if before[q] != h}
+    assert changed == {"outer", "outer.inner"} and module_level_hash(body) == module
+    for edit in (SOURCE.replace("def outer(x):", "def outer(x=1):"),
+                 SOURCE.replace("    @property\n", ""),
+                 SOURCE.replace("LIMIT = 3", "LIMIT = 4"),
+                 SOURCE + "\n\ndef added():\n    return 0\n"):
+        assert module_level_hash(edit) != module
 
 
-def test_a_map_is_stale_when_a_measured_module_or_a_test_file_changed():
-    cmap = _map({}, {"src/cpkit/a.py": "1", "tests/test_a.py": "2"})
-    assert staleness(cmap, {"src/cpkit/a.py": "1", "tests/test_a.py": "2", "src/cpkit/never_run.py": "9"}) is None
-    assert "src/cpkit/a.py" in staleness(cmap, {"src/cpkit/a.py": "X", "tests/test_a.py": "2"})
-    assert "tests/test_new.py" in staleness(cmap, {"src/cpkit/a.py": "1", "tests/test_a.py": "2",
-                                                   "tests/test_new.py": "3"})
-    assert "record-map" in staleness(None, {})
+# ------------------------------------------------------------- a small repository, no git
+MODULE = "src/cpkit/devices.py"  # a path with a change-map row: tests/test_devices.py
+DEVICES = textwrap.dedent('''\
+    """Doc."""
+    LIMIT = 3
 
 
-def test_the_committed_map_is_not_older_than_the_code_it_covers():
-    """CI's check: a map measured before the last change of a module it ran, or of a test file,
-    would let `--changed` miss that change's callers. Refresh: `cpkit validate --record-map`."""
+    def f(x):
+        return x + 1
+
+
+    def g(x):
+        return x * 2
+
+
+    def h(x):
+        return x - LIMIT
+''')
+TESTS = {
+    "tests/test_alpha.py": "def test_a():\n    assert True\n",  # runs f: reached only at run time
+    "tests/test_beta.py": "def test_b():\n    assert True\n",  # runs g
+    "tests/test_gamma.py": "def test_c():\n    assert True\n",  # runs h
+    "tests/test_importer.py": "import cpkit.devices\n\ndef test_i():\n    assert cpkit.devices.LIMIT == 3\n",
+    "tests/test_devices.py": "from cpkit.devices import f\n\ndef test_d():\n    assert f(1) == 2\n",
+}
+RUNS = {"tests/test_alpha.py::test_a": ["f"], "tests/test_beta.py::test_b": ["g"],
+        "tests/test_gamma.py::test_c": ["h"], "tests/test_devices.py::test_d": ["f"]}
+FEATURE = {"tests/test_devices.py", "tests/test_importer.py"}  # the row and the importing tests
+
+
+def _record(root: Path, runs: dict[str, list[str]]) -> None:
+    """Write root's map as `cpkit validate --record-map` would after `runs` (test -> functions
+    of MODULE it ran), through coverage.py's own data type and build_map."""
+    coverage = pytest.importorskip("coverage")
+    data = coverage.CoverageData(no_disk=True)
+    spans = {name: first for first, _, name in function_spans((root / MODULE).read_text())}
+    for test, names in runs.items():
+        data.set_context(test)
+        data.add_lines({str(root / MODULE): [spans[n] for n in names]})
+    result = build_map(data, root, {}, "c0ffee" * 6 + "c0de", {}, {})
+    (root / MAP_PATH).parent.mkdir(parents=True, exist_ok=True)
+    (root / MAP_PATH).write_text(json.dumps(result))
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    (tmp_path / "src" / "cpkit").mkdir(parents=True)
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "src/cpkit/__init__.py").write_text("")
+    (tmp_path / MODULE).write_text(DEVICES)
+    for path, text in TESTS.items():
+        (tmp_path / path).write_text(text)
+    _record(tmp_path, RUNS)
+    return tmp_path
+
+
+def _edit(root: Path, old: str, new: str, path: str = MODULE) -> set[int]:
+    """Replace `old` by `new` in `path`; the new text's line numbers (the diff's lines)."""
+    text = (root / path).read_text()
+    assert old in text
+    first = text[:text.index(old)].count("\n") + 1
+    (root / path).write_text(text.replace(old, new))
+    return set(range(first, first + new.count("\n") + 1))
+
+
+def _select(root: Path, lines: set[int] | None, changed: list[str] | None = None):
+    changed = changed or [MODULE]
+    return select_changed(root, None, changed, {p: lines for p in changed if p.startswith("src/")})
+
+
+def _tests(selection) -> set[str]:
+    return {f for f in selection.files if f.startswith("tests/test_")}
+
+
+def test_a_body_edit_selects_the_tests_that_ran_the_function_and_the_static_users(repo):
+    sel = _select(repo, _edit(repo, "return x + 1", "return x + 2"))
+    assert not sel.everything
+    assert _tests(sel) == {"tests/test_alpha.py", "tests/test_devices.py"}
+    assert "1 functions changed" in sel.map_state and "c0ffeec0ffee" in sel.map_state
+
+
+def test_a_call_edge_added_since_the_map_selects_the_tests_of_the_changed_caller(repo):
+    """Since the map, g calls f: test_beta now reaches f, which the map cannot know; g changed
+    since the map, so its tests run when the diff changes f."""
+    _edit(repo, "return x * 2", "return f(x) * 2")  # committed since the map: not in the diff
+    sel = _select(repo, _edit(repo, "return x + 1", "return x + 2"))
+    assert {"tests/test_alpha.py", "tests/test_beta.py"} <= _tests(sel)
+    assert "tests/test_gamma.py" not in _tests(sel)
+
+
+def test_a_new_function_selects_the_whole_feature(repo):
+    lines = _edit(repo, "def h(x):", "def k(x):\n    return 0\n\n\ndef h(x):")
+    sel = _select(repo, lines)
+    assert FEATURE <= _tests(sel) and "no recorded coverage" in sel.reasons[MODULE]
+    assert "1 new" in sel.map_state
+
+
+def test_a_module_level_edit_selects_the_feature_and_every_test_that_ran_the_module(repo):
+    sel = _select(repo, _edit(repo, "LIMIT = 3", "LIMIT = 4"))
+    assert _tests(sel) == FEATURE | {"tests/test_alpha.py", "tests/test_beta.py", "tests/test_gamma.py"}
+    assert "outside a function body" in sel.reasons[MODULE]
+
+
+def test_a_deleted_function_selects_the_tests_that_ran_it(repo):
+    _edit(repo, "def g(x):\n    return x * 2\n", "")  # since the map
+    sel = _select(repo, _edit(repo, "return x + 1", "return x + 2"))
+    assert "tests/test_beta.py" in _tests(sel) and "g deleted" in sel.reasons[MODULE]
+
+
+def test_test_files_changed_or_added_since_the_map_are_selected(repo):
+    _edit(repo, "assert True", "assert 1", path="tests/test_gamma.py")
+    (repo / "tests/test_new.py").write_text("def test_n():\n    pass\n")
+    sel = _select(repo, _edit(repo, "return x + 1", "return x + 2"))
+    assert {"tests/test_gamma.py", "tests/test_new.py"} <= _tests(sel)
+    assert "tests/test_beta.py" not in _tests(sel)
+
+
+def test_a_diff_without_a_cpkit_module_needs_no_map(repo):
+    (repo / MAP_PATH).unlink()
+    sel = select_changed(repo, None, ["README.md"], {})
+    assert not sel.everything and sel.map_state.startswith("not used")
+    sel = _select(repo, {6})
+    assert sel.everything and "no coverage map" in sel.map_state
+
+
+def test_a_format_1_map_counts_a_module_whose_blob_differs_as_wholly_changed(repo):
+    raw = json.loads((repo / MAP_PATH).read_text())
+    old = {"version": 1, "commit": raw["commit"], "tests": raw["tests"], "functions": raw["functions"],
+           "files": raw["blobs"], "levels": {}, "recorded": {}}
+    (repo / MAP_PATH).write_text(json.dumps(old))
+    sel = _select(repo, {6})  # the module is as measured: its blob vouches for every function
+    assert _tests(sel) == {"tests/test_alpha.py", "tests/test_devices.py"} and "format 1" in sel.map_state
+    sel = _select(repo, _edit(repo, "return x + 1", "return x + 2"))
+    assert _tests(sel) == FEATURE | {"tests/test_alpha.py", "tests/test_beta.py", "tests/test_gamma.py"}
+    (repo / MAP_PATH).write_text(json.dumps(dict(old, version=0)))
+    sel = _select(repo, {6})
+    assert sel.everything and "cannot be read" in sel.map_state
+
+
+def test_without_git_the_change_since_the_map_is_the_change(repo):
+    assert not (repo / ".git").exists()
+    _edit(repo, "return x * 2", "return x * 3")
+    base, changed = _since_map(repo)
+    assert changed == [MODULE] and base.startswith("c0ffee")
+    sel = select_changed(repo, base, changed, {MODULE: set()})
+    assert "tests/test_beta.py" in _tests(sel) and "tests/test_alpha.py" not in _tests(sel)
+    drift = drift_since(load_map(repo), repo)
+    assert drift.changed == {MODULE: {"g"}} and not drift.module_level and not drift.test_files
+
+
+def test_the_map_stores_what_the_code_was(repo):
+    raw = json.loads((repo / MAP_PATH).read_text())
+    assert raw["version"] == 2 and raw["blobs"][MODULE] == blob_hash(DEVICES.encode())
+    assert raw["hashes"][MODULE] == function_hashes(DEVICES) and raw["modules"][MODULE] == module_level_hash(DEVICES)
+
+
+# ------------------------------------------------------------- the committed map, ranks
+def test_the_committed_map_loads_and_reports_its_drift():
+    """Any map in the repository stays usable: an older one selects more, never runs everything
+    by itself. Refresh: `cpkit validate --record-map`."""
     cmap = load_map(ROOT)
-    assert staleness(cmap, tracked_files(ROOT, None)) is None
-
-
-def test_a_changed_function_selects_the_tests_that_ran_it_and_no_fewer_than_the_static_selection():
-    path = "src/cpkit/rebind.py"
-    source = (ROOT / path).read_text()
-    first, last, name = next(s for s in function_spans(source) if "." not in s[2])
-    cmap = _map({f"{path}::{name}": ["functional/test_made_up.py"]})
-    picked, everything, why = _measured(path, ROOT, {first}, cmap)
-    assert picked == {"functional/test_made_up.py"} and not everything and name in why
-
-
-def test_a_function_without_coverage_or_a_module_level_change_selects_the_whole_feature():
-    path = "src/cpkit/rebind.py"
-    source = (ROOT / path).read_text()
-    first, _, name = function_spans(source)[0]
-    feature = set(select_tests([path], ROOT, narrow=False).files)
-    picked, everything, why = _measured(path, ROOT, {first}, _map({}))
-    assert picked >= feature and "no recorded coverage" in why
-    cmap = _map({f"{path}::somewhere": ["functional/test_made_up.py"]})
-    picked, _, why = _measured(path, ROOT, {1}, cmap)  # the module docstring: outside any function
-    assert picked >= feature | {"functional/test_made_up.py"} and "outside a function body" in why
+    assert cmap is not None and cmap.commit and cmap.functions
+    assert "functions changed" in drift_since(cmap, ROOT).summary()
 
 
 def test_rebind_code_run_inside_dist_ranks_selects_the_dist_tests():
@@ -110,8 +254,7 @@ def test_rebind_code_run_inside_dist_ranks_selects_the_dist_tests():
     path, name = "src/cpkit/rebind.py", "install_pg_collection"
     spawning = {"functional/test_eval_cp.py", "functional/test_dynamic_cp.py"}
     assert spawning <= set(cmap.tests_of(path, name) or ()), "rank processes not measured?"
-    first = next(s[0] for s in function_spans((ROOT / path).read_text()) if s[2] == name)
-    picked, everything, _ = _measured(path, ROOT, {first}, cmap)
+    picked, everything, _ = _measured(ROOT, _Change(functions={path: {name}}), cmap)
     assert spawning <= picked and not everything
 
 

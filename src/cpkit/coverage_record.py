@@ -30,9 +30,9 @@ from pathlib import Path
 
 import pytest
 
-from cpkit.coverage_map import CONTEXT_ENV, MAP_PATH, TEST_FOLDERS, function_spans, tracked_files
+from cpkit.coverage_map import CONTEXT_ENV, MAP_PATH, MAP_VERSION, TEST_FOLDERS, code_state, function_spans
 
-__all__ = ["record_map", "build_map", "pytest_runtest_protocol", "pytest_fixture_setup"]
+__all__ = ["record_map", "build_map", "coverage_rcfile", "pytest_runtest_protocol", "pytest_fixture_setup"]
 
 _FIXTURE_USES_ENV = "CPKIT_COVERAGE_FIXTURES"  # where the hooks write test file -> fixture names
 _contexts: list[str] = []
@@ -78,12 +78,14 @@ def pytest_fixture_setup(fixturedef, request):
         _switch(_contexts[-1] if _contexts else "")
 
 
-def _rcfile(tmp: Path, root: Path) -> Path:
+def coverage_rcfile(tmp: Path, source: Path) -> Path:
+    """Write the coverage.py config a map is recorded with (data under `tmp`, measuring `source`):
+    spawned ranks measured, each under the test that spawned it. Returns its path."""
     rc = tmp / "coveragerc"
     rc.write_text("\n".join([
         "[run]",
         f"data_file = {tmp / 'data' / '.coverage'}",
-        f"source = {root / 'src' / 'cpkit'}",
+        f"source = {source}",
         "parallel = true",
         "concurrency = multiprocessing,thread",
         "patch = _exit",
@@ -108,12 +110,13 @@ def _test_of(context: str, fixture_users: dict[str, set[str]]) -> set[str]:
 
 
 def build_map(data, root: Path, fixture_users: dict[str, set[str]], commit: str,
-              levels: dict[str, dict[str, int]], recorded: dict) -> dict:
-    """The map's JSON from combined CoverageData `data`: per function the test files that ran a
-    line of its body; `files` the blob ids of the executed modules and of every test file."""
+              levels: dict[str, dict[str, int]], recorded: dict, state: dict | None = None) -> dict:
+    """The map's JSON (format MAP_VERSION) from combined CoverageData `data`: per function the
+    test files that ran a line of its body; `blobs`, `modules` and `hashes` describe the code it
+    was measured on (`state`, default: cpkit.coverage_map.code_state now), for `--changed` to see
+    what changed since."""
     root = Path(root).resolve()
     functions: dict[str, set[str]] = {}
-    executed: list[str] = []
     for measured in data.measured_files():
         try:
             path = Path(measured).resolve().relative_to(root).as_posix()
@@ -121,7 +124,6 @@ def build_map(data, root: Path, fixture_users: dict[str, set[str]], commit: str,
             continue
         if not path.startswith("src/cpkit/") or not (root / path).is_file():
             continue
-        executed.append(path)
         spans = function_spans((root / path).read_text())
         for line, contexts in data.contexts_by_lineno(measured).items():
             inner = [s for s in spans if s[0] <= line <= s[1]]
@@ -131,12 +133,10 @@ def build_map(data, root: Path, fixture_users: dict[str, set[str]], commit: str,
             tests = set().union(*(_test_of(c, fixture_users) for c in contexts))
             if tests:
                 functions.setdefault(f"{path}::{name}", set()).update(tests)
-    current = tracked_files(root, None)
-    files = {p: b for p, b in current.items() if p in executed or p.split("/")[0] in TEST_FOLDERS}
     tests = sorted({t for ts in functions.values() for t in ts})
     index = {t: i for i, t in enumerate(tests)}
-    return {"version": 1, "commit": commit, "recorded": recorded, "tests": tests, "levels": levels,
-            "files": files,
+    return {"version": MAP_VERSION, "commit": commit, "recorded": recorded, "tests": tests, "levels": levels,
+            **(state or code_state(root)),
             "functions": {k: sorted(index[t] for t in v) for k, v in sorted(functions.items())}}
 
 
@@ -150,13 +150,14 @@ def record_map(root: Path, paths: list[str] | None = None, extra: list[str] | No
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
     with tempfile.TemporaryDirectory(prefix="cpkit-covmap-") as tmp_name:
         tmp = Path(tmp_name)
-        rc = _rcfile(tmp, root)
+        rc = coverage_rcfile(tmp, root / "src" / "cpkit")
         uses = tmp / "fixtures.jsonl"
         report = tmp / "report.jsonl"
         env = dict(os.environ, **{_FIXTURE_USES_ENV: str(uses), CONTEXT_ENV: "", "CPKIT_TEST_REPORT": str(report)})
         cmd = [sys.executable, "-m", "coverage", "run", f"--rcfile={rc}", "-m", "pytest", "-q", "-n", "0",
                "-p", "no:cacheprovider", "-p", "no:randomly", "-p", "cpkit.testing.report_plugin",
                "-p", "cpkit.coverage_record", "--rootdir", str(root), *(paths or list(TEST_FOLDERS)), *(extra or [])]
+        state = code_state(root)  # the code measured: taken before an edit during the run can change it
         start = time.perf_counter()
         proc = subprocess.run(cmd, cwd=root, env=env)
         seconds = time.perf_counter() - start
@@ -184,7 +185,7 @@ def record_map(root: Path, paths: list[str] | None = None, extra: list[str] | No
         recorded = {"seconds": round(seconds, 1), "pytest_exit": proc.returncode, "outcomes": outcomes,
                     "python": platform.python_version(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
                     "coverage": coverage.__version__, "paths": paths or list(TEST_FOLDERS)}
-        result = build_map(data, root, fixture_users, commit, levels, recorded)
+        result = build_map(data, root, fixture_users, commit, levels, recorded, state)
     target = root / MAP_PATH
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(result, separators=(",", ":"), sort_keys=True) + "\n")

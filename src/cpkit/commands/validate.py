@@ -7,9 +7,11 @@ without main, HEAD when there are uncommitted changes, else HEAD~1; uncommitted 
 files included), chosen by src/cpkit/changed_selection.py::select_changed: the test files that
 ran a changed function (the measured coverage map, rank processes included), united with
 src/cpkit/change_map.py::CHANGE_MAP's rows and the tests that use a changed function or class
-through its own package (with --wide: every test that imports the module); a stale coverage
-map runs everything. The report names the `dist` (gloo) tests run and the GPU tests the change
-makes stale. --record-map measures the coverage map (about twice the suite's time). Then
+through its own package (with --wide: every test that imports the module). What changed since
+the map was measured (from the hashes it stores) widens the selection, so an older map selects
+more; only a missing or unreadable map runs everything. Outside a git checkout, --changed with
+no BASE takes the change since the map. The report names the map's commit and its drift, the
+`dist` (gloo) tests run and the GPU tests the change makes stale. --record-map measures the coverage map (about twice the suite's time). Then
 `cpkit cards check`, `cpkit skills check` and each card's follow-up status. Prints feature,
 check, result, time, the GPU tests still owed; exits 1 on any failure.
 """
@@ -25,6 +27,7 @@ import time
 from pathlib import Path
 
 from cpkit.changed_selection import select_changed
+from cpkit.coverage_map import drift_since, load_map
 from cpkit.commands import repo_root
 from cpkit.pytest_runner import run_pytest
 
@@ -90,6 +93,18 @@ def changed_paths(root: Path, base: str | None) -> tuple[str, list[str]]:
     diff = _git(root, "diff", "--name-only", "--no-renames", base, "--") or ""
     untracked = _git(root, "ls-files", "--others", "--exclude-standard") or ""
     return base, sorted({p for p in (diff + untracked).splitlines() if p.strip()})
+
+
+def _since_map(root: Path) -> tuple[str, list[str]] | None:
+    """Without git: (the coverage map's commit as the base, the paths changed since the map, from
+    its hashes), or None when there is no readable map."""
+    try:
+        cmap = load_map(root)
+    except (ValueError, KeyError, TypeError, OSError):
+        return None
+    if cmap is None:
+        return None
+    return cmap.commit or "the coverage map", drift_since(cmap, root).paths()
 
 
 _HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+(\d+)(?:,(\d+))? @@", re.M)
@@ -250,19 +265,21 @@ def run(args) -> int:
     report: dict = {"changed": None}
     paths = ["tests", "functional"]
     if args.changed is not None:
+        since_map = None if args.changed or _git(root, "rev-parse", "--git-dir") is not None else _since_map(root)
         try:
-            base, changed = changed_paths(root, args.changed or None)
+            base, changed = since_map or changed_paths(root, args.changed or None)
         except ValueError as exc:
             print(f"cpkit validate: {exc}", file=sys.stderr)
             return 2
         modules = [p for p in changed if p.startswith("src/cpkit/") and p.endswith(".py")]
-        selection = select_changed(root, base, changed, {p: changed_lines(root, base, p) for p in modules},
-                                   wide=args.wide)
+        lines = {p: set() if since_map else changed_lines(root, base, p) for p in modules}
+        selection = select_changed(root, base, changed, lines, wide=args.wide)
         report["changed"] = {"base": base, "paths": changed, **selection.to_dict()}
         paths = [p for p in selection.files if (root / p).exists()]
         report["changed"]["run"] = paths
-        if selection.map_state != "fresh" and modules:
-            print(f"cpkit validate --changed: {selection.map_state}: running everything", file=out)
+        if modules:
+            print(f"cpkit validate --changed: coverage map {selection.map_state}"
+                  + (": running everything" if selection.everything else ""), file=out)
         print(f"changed since {base[:12]}: {len(changed)} paths; running {', '.join(paths) or 'no tests'}",
               file=out)
     rows: list[dict] = []
