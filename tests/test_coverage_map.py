@@ -280,3 +280,41 @@ def test_rank_case_context_attributes_a_case_to_its_test(tmp_path):
         cov.stop()
     contexts = cov.get_data().contexts_by_lineno(str(module))
     assert "tests/test_x.py::t" in contexts[2]
+
+
+POOL_SCRIPT = textwrap.dedent('''\
+    import os
+    from cpkit.coverage_map import CONTEXT_ENV
+    from cpkit.rank_pool import RankPool
+
+    if __name__ == "__main__":  # a spawned rank imports this file too
+        os.environ[CONTEXT_ENV] = "tests/test_first.py::t"  # the test that starts the pool
+        pool = RankPool(1, "gloo")  # one rank: attribution is per rank, the same on every one
+        pool.start()
+        os.environ[CONTEXT_ENV] = "tests/test_second.py::t"  # a later test reuses it
+        run = pool.run("probe_case:case", 7, timeout=60)
+        pool.close()
+        assert not run.errors, run.errors
+''')
+
+
+@pytest.mark.dist
+def test_a_pool_rank_credits_each_case_to_the_test_that_sent_it(tmp_path):
+    """Recorded as `--record-map` records: a pool started under one test runs a case for the
+    next; the case's lines belong to the second test (a rank's static context is the first)."""
+    coverage = pytest.importorskip("coverage")
+    from cpkit.coverage_record import _test_of, coverage_rcfile
+
+    probe = tmp_path / "probe_case.py"
+    probe.write_text("def case(n):\n    return n + 1\n")
+    (tmp_path / "run_pool.py").write_text(POOL_SCRIPT)
+    rc = coverage_rcfile(tmp_path, tmp_path)
+    env = {**__import__("os").environ, "PYTHONPATH": f"{ROOT / 'src'}:{tmp_path}"}
+    proc = subprocess.run([sys.executable, "-m", "coverage", "run", f"--rcfile={rc}", str(tmp_path / "run_pool.py")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    combined = coverage.Coverage(config_file=str(rc))
+    combined.combine(keep=False)
+    contexts = combined.get_data().contexts_by_lineno(str(probe))
+    assert contexts.get(2), f"the ranks' coverage was not saved: {contexts}"
+    assert {t for c in contexts[2] for t in _test_of(c, {})} == {"tests/test_second.py"}
