@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from cpkit.changed_selection import _Change, _measured, select_changed
+from cpkit.changed_selection import _Change, _measured, changed_since_map, select_changed
 from cpkit.code_hashes import function_hashes, module_level_hash
-from cpkit.commands.validate import _since_map
 from cpkit.coverage_map import (
     MAP_PATH,
     blob_hash,
@@ -223,7 +222,7 @@ def test_a_format_1_map_counts_a_module_whose_blob_differs_as_wholly_changed(rep
 def test_without_git_the_change_since_the_map_is_the_change(repo):
     assert not (repo / ".git").exists()
     _edit(repo, "return x * 2", "return x * 3")
-    base, changed = _since_map(repo)
+    base, changed = changed_since_map(repo)
     assert changed == [MODULE] and base.startswith("c0ffee")
     sel = select_changed(repo, base, changed, {MODULE: set()})
     assert "tests/test_beta.py" in _tests(sel) and "tests/test_alpha.py" not in _tests(sel)

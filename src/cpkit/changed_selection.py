@@ -31,7 +31,7 @@ from pathlib import Path
 from cpkit.change_map import EVERYTHING, select_tests
 from cpkit.coverage_map import MAP_PATH, CoverageMap, Drift, drift_since, functions_at_lines, load_map
 
-__all__ = ["ChangedSelection", "select_changed", "GPU_LEVELS"]
+__all__ = ["ChangedSelection", "select_changed", "changed_since_map", "GPU_LEVELS"]
 
 GPU_LEVELS = ("gpu1", "gpu2", "gpu4")
 
@@ -137,6 +137,18 @@ def _gpu_stale(root: Path, changed_modules: list[str], files: list[str], everyth
             if levels.get(test, {}).get(level):
                 out.setdefault(level, []).append(test)
     return {level: out[level] for level in GPU_LEVELS if level in out}
+
+
+def changed_since_map(root: Path) -> tuple[str, list[str]] | None:
+    """For a copy without git: (the map's commit, as the base, and the repository paths changed
+    since the map, from its hashes), or None when there is no readable map."""
+    try:
+        cmap = load_map(root)
+    except (ValueError, KeyError, TypeError, OSError):
+        return None
+    if cmap is None:
+        return None
+    return cmap.commit or "the coverage map", drift_since(cmap, root).paths()
 
 
 def _map_state(cmap: CoverageMap, drift: Drift) -> str:

@@ -26,8 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from cpkit.changed_selection import select_changed
-from cpkit.coverage_map import drift_since, load_map
+from cpkit.changed_selection import changed_since_map, select_changed
 from cpkit.commands import repo_root
 from cpkit.pytest_runner import run_pytest
 
@@ -93,18 +92,6 @@ def changed_paths(root: Path, base: str | None) -> tuple[str, list[str]]:
     diff = _git(root, "diff", "--name-only", "--no-renames", base, "--") or ""
     untracked = _git(root, "ls-files", "--others", "--exclude-standard") or ""
     return base, sorted({p for p in (diff + untracked).splitlines() if p.strip()})
-
-
-def _since_map(root: Path) -> tuple[str, list[str]] | None:
-    """Without git: (the coverage map's commit as the base, the paths changed since the map, from
-    its hashes), or None when there is no readable map."""
-    try:
-        cmap = load_map(root)
-    except (ValueError, KeyError, TypeError, OSError):
-        return None
-    if cmap is None:
-        return None
-    return cmap.commit or "the coverage map", drift_since(cmap, root).paths()
 
 
 _HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+(\d+)(?:,(\d+))? @@", re.M)
@@ -265,7 +252,7 @@ def run(args) -> int:
     report: dict = {"changed": None}
     paths = ["tests", "functional"]
     if args.changed is not None:
-        since_map = None if args.changed or _git(root, "rev-parse", "--git-dir") is not None else _since_map(root)
+        since_map = None if args.changed or _git(root, "rev-parse", "--git-dir") is not None else changed_since_map(root)
         try:
             base, changed = since_map or changed_paths(root, args.changed or None)
         except ValueError as exc:
