@@ -1,5 +1,5 @@
 """`python -m cpkit.bench changed_recall`: does `cpkit validate --changed` catch every fault the
-full validation catches? Measured over seeded mutants of src/cpkit (src/cpkit/testing/mutation.py).
+full validation catches? Measured over seeded mutants of src/cpkit (src/cpkit/mutants.py).
 
 For each mutant (a minimal text edit, `mutation.mutant_source`) in a scratch worktree of HEAD:
 1. `cpkit validate --changed HEAD` with the mutant as the only change: its verdict and time.
@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from cpkit.testing.mutation import Mutant, find_mutants, mutant_source
+from cpkit.mutants import Mutant, find_mutants, mutant_source
 
 __all__ = ["FOCUS", "sample_mutants", "probe_source", "main"]
 
@@ -75,7 +75,7 @@ def hit(site):
 
 def _segment(source: str, mutant: Mutant) -> tuple[int, int, bool]:
     """(start, end) byte offsets of the mutated node, and whether it is an expression."""
-    from cpkit.testing.mutation import _Sites  # the walk that numbers sites
+    from cpkit.mutants import _Sites  # the walk that numbers sites
 
     sites = _Sites(target=mutant.index)
     sites.visit(ast.parse(source))
@@ -285,7 +285,7 @@ def _table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cpkit.bench changed_recall", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--sample", type=int, default=40)
     parser.add_argument("--seed", type=int, default=51)
     parser.add_argument("--log", type=Path, default=Path("bench-results/changed_recall.jsonl"),
