@@ -149,7 +149,7 @@ CHANGE_MAP: tuple[Row, ...] = (
     Row(("src/cpkit/cards/", "src/cpkit/skills/", "src/cpkit/anchors.py", "src/cpkit/strict_yaml.py",
          "src/cpkit/repo.py", "src/cpkit/pytest_runner.py", "src/cpkit/change_map.py", "src/cpkit/import_graph.py", "src/cpkit/symbol_graph.py", "src/cpkit/cli.py",
          "src/cpkit/commands/__init__.py", "src/cpkit/commands/cards.py", "src/cpkit/commands/skills.py",
-         "src/cpkit/commands/validate.py", "src/cpkit/testing/mutation.py", "src/cpkit/coverage_map.py",
+         "src/cpkit/commands/validate.py", "src/cpkit/testing/mutation.py", "src/cpkit/mutants.py", "src/cpkit/coverage_map.py", "src/cpkit/code_hashes.py",
          "src/cpkit/coverage_record.py", "src/cpkit/changed_selection.py",
          "cards/", "skills/"),
         ("tests/test_cards.py", "tests/test_cards_upstream.py", "tests/test_cards_results.py", "tests/test_skills.py", "tests/test_repo_cards_skills.py", "tests/test_validate.py",
