@@ -10,7 +10,7 @@ PY=${PYTHON:-python3}
 if [ -d .whl ]; then
   echo "set-up: offline, from .whl/ (megatron-core wheel, then cpkit[test] editable)"
   "$PY" -c "import megatron.core" 2>/dev/null || "$PY" -m pip install -q --no-index --no-deps .whl/megatron_core-*.whl
-  "$PY" -m pip install -q --no-index --no-build-isolation -e ".[test]"
+  "$PY" -m pip install -q --no-index --find-links .whl --no-build-isolation -e ".[test]"
 else
   if ! "$PY" -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1; then

@@ -1,11 +1,12 @@
 """The mutation driver (cpkit.testing.mutation) on a throw-away package: which faults it injects,
 and that it tells killed mutants from survivors and leaves known-equivalent ones out of the score."""
 
+import ast
 import io
 import json
 import textwrap
 
-from cpkit.testing.mutation import Mutant, apply_mutant, find_mutants, main, run
+from cpkit.testing.mutation import Mutant, apply_mutant, find_mutants, main, mutant_source, run
 
 SOURCE = textwrap.dedent('''
     """A module."""
@@ -35,6 +36,17 @@ def test_apply_mutant_changes_exactly_one_site():
     mutated = apply_mutant(SOURCE, Mutant(4, 10, 11, "+ -> -"))
     assert "return a - b" in mutated and "not a < b and b" in mutated and "return 1" in mutated
     assert "return a" not in apply_mutant(SOURCE, Mutant(5, 10, 4, "return None")).replace("return a +", "")
+
+
+def test_mutant_source_edits_only_the_mutated_text():
+    """A diff of the edit names the fault's lines alone (the changed-tests recall bench relies on it)."""
+    for mutant in find_mutants(SOURCE):
+        edited = mutant_source(SOURCE, mutant)
+        assert edited is not None, mutant
+        assert ast.dump(ast.parse(edited)) == ast.dump(ast.parse(apply_mutant(SOURCE, mutant))), mutant
+        differ = [i + 1 for i, (a, b) in enumerate(zip(SOURCE.splitlines(), edited.splitlines())) if a != b]
+        assert differ == [mutant.line], mutant
+    assert '"""Sum."""' in mutant_source(SOURCE, find_mutants(SOURCE)[4])  # docstrings kept
 
 
 def test_run_tells_killed_from_survived_and_skips_equivalent_ones(tmp_path):

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from cpkit.coverage_map import current_test_id
 from cpkit.notices import child_warnoptions
 from cpkit.rank_stderr import StderrFollower, describe_exit
 from cpkit.rank_worker import rank_main
@@ -180,9 +181,12 @@ class RankPool:
             self.dir = None
 
     # -- running cases ---------------------------------------------------------------------
-    def run(self, fn: Callable[[Any], Any] | str, case: Any, timeout: float) -> CaseRun:
-        """Run `fn(case)` on every rank within `timeout` seconds (start-up not included)."""
+    def run(self, fn: Callable[[Any], Any] | str, case: Any, timeout: float, *, test_id: str | None = None) -> CaseRun:
+        """Run `fn(case)` on every rank within `timeout` seconds (start-up not included).
+        `test_id` (default: the test being measured, when a coverage map is recorded) is the test
+        the ranks attribute the case's coverage to: a pool outlives the test that started it."""
         ref = fn if isinstance(fn, str) else function_ref(fn)
+        test_id = test_id or current_test_id()
         if not self.alive:
             self.start()
         self.seq += 1
@@ -190,7 +194,7 @@ class RankPool:
         running = set(range(self.world_size))
         for r, conn in enumerate(self.conns):
             try:
-                conn.send(("case", self.seq, ref, case))
+                conn.send(("case", self.seq, ref, case, test_id))
             except (OSError, ValueError) as exc:
                 out.errors[r] = f"rank {r}: the case could not be sent ({exc})"
                 running.discard(r)

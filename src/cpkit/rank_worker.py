@@ -26,6 +26,7 @@ import sys
 import time
 import traceback
 
+from cpkit.coverage_map import rank_case_context
 from cpkit.rank_stderr import capture_stderr
 
 __all__ = ["BACKEND_ENV", "GPU_LEAK_SLACK_BYTES", "die_with_parent", "rank_main", "resolve"]
@@ -217,10 +218,11 @@ def _serve(rank, world_size, backend, pool_dir, conn, threads, pg_timeout_s, syn
             dist.destroy_process_group()
             conn.send(("bye",))
             return
-        _, seq, ref, case = message
+        _, seq, ref, case, test_id = message
         _seed_everything()
         start = time.perf_counter()
-        kind, payload = _outcome(resolve(ref), case, device)
+        with rank_case_context(test_id):  # the coverage map credits the case to the test that asked
+            kind, payload = _outcome(resolve(ref), case, device)
         try:
             conn.send((kind, seq, payload, time.perf_counter() - start))
         except Exception:  # noqa: BLE001 - an unpicklable return value is the case's error

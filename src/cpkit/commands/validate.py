@@ -1,12 +1,17 @@
-"""`cpkit validate [--changed [BASE] [--wide]]`: run what fits this machine and print one table per feature.
+"""`cpkit validate [--changed [BASE] [--wide]] [--record-map]`: run what fits this machine and print one table per feature.
 
 Without --changed: the unit tests, the `dist` tests (gloo) and the gpu1/gpu2/gpu4 tests where
 enough CUDA devices are present, in one pytest process. With --changed: only the test files that
 cover the paths changed since BASE (default: the merge base with main; on main itself, or
 without main, HEAD when there are uncommitted changes, else HEAD~1; uncommitted and untracked
-files included), chosen by src/cpkit/change_map.py::CHANGE_MAP: for a changed module the tests
-that use a changed function or class through its own package, or with --wide every test that
-imports the module, directly or through other cpkit modules. Then
+files included), chosen by src/cpkit/changed_selection.py::select_changed: the test files that
+ran a changed function (the measured coverage map, rank processes included), united with
+src/cpkit/change_map.py::CHANGE_MAP's rows and the tests that use a changed function or class
+through its own package (with --wide: every test that imports the module). What changed since
+the map was measured (from the hashes it stores) widens the selection, so an older map selects
+more; only a missing or unreadable map runs everything. Outside a git checkout, --changed with
+no BASE takes the change since the map. The report names the map's commit and its drift, the
+`dist` (gloo) tests run and the GPU tests the change makes stale. --record-map measures the coverage map (about twice the suite's time). Then
 `cpkit cards check`, `cpkit skills check` and each card's follow-up status. Prints feature,
 check, result, time, the GPU tests still owed; exits 1 on any failure.
 """
@@ -21,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from cpkit.change_map import select_tests
+from cpkit.changed_selection import changed_since_map, select_changed
 from cpkit.commands import repo_root
 from cpkit.pytest_runner import run_pytest
 
@@ -217,11 +222,29 @@ def _print_table(rows: list[dict], out) -> None:
             print(f"[{r['feature']}] {note}", file=out)
 
 
+def _print_tiers(changed: dict, dist_run: list[str], out) -> None:
+    """The multi-rank part of a --changed run: the dist cases it ran, the GPU tests it made stale."""
+    files = sorted({n.split("::")[0] for n in dist_run})
+    if dist_run:
+        print(f"dist (gloo) tests run: {len(dist_run)} in {', '.join(files)}", file=out)
+    stale = changed.get("gpu_stale") or {}
+    for level, tests in stale.items():
+        print(f"stale on GPUs ({level}), run them on a GPU machine: {', '.join(tests)}", file=out)
+    if stale:
+        every = sorted({t for tests in stale.values() for t in tests})
+        print(f"  python -m pytest -m \"{' or '.join(stale)}\" {' '.join(every)}", file=out)
+
+
 def run(args) -> int:
     """Run the checks; print the table (or JSON with `--json -`); 0 when all hold, else 1."""
     root = repo_root(getattr(args, "root", None))
     to_stdout = args.json == "-"
     out = sys.stderr if to_stdout else sys.stdout
+    if getattr(args, "record_map", False):
+        from cpkit.coverage_record import record_map
+
+        recorded = record_map(root, out=out)["recorded"]
+        return 0 if recorded["pytest_exit"] == 0 else 1
     extra = ["-m", args.markers] if args.markers else []
     if args.pytest_args:
         extra += args.pytest_args.split()
@@ -229,26 +252,33 @@ def run(args) -> int:
     report: dict = {"changed": None}
     paths = ["tests", "functional"]
     if args.changed is not None:
+        since_map = None if args.changed or _git(root, "rev-parse", "--git-dir") is not None else changed_since_map(root)
         try:
-            base, changed = changed_paths(root, args.changed or None)
+            base, changed = since_map or changed_paths(root, args.changed or None)
         except ValueError as exc:
             print(f"cpkit validate: {exc}", file=sys.stderr)
             return 2
         modules = [p for p in changed if p.startswith("src/cpkit/") and p.endswith(".py")]
-        selection = select_tests(changed, narrow=not args.wide,
-                                 lines={p: changed_lines(root, base, p) for p in modules})
+        lines = {p: set() if since_map else changed_lines(root, base, p) for p in modules}
+        selection = select_changed(root, base, changed, lines, wide=args.wide)
         report["changed"] = {"base": base, "paths": changed, **selection.to_dict()}
         paths = [p for p in selection.files if (root / p).exists()]
         report["changed"]["run"] = paths
+        if modules:
+            print(f"cpkit validate --changed: coverage map {selection.map_state}"
+                  + (": running everything" if selection.everything else ""), file=out)
         print(f"changed since {base[:12]}: {len(changed)} paths; running {', '.join(paths) or 'no tests'}",
               file=out)
     rows: list[dict] = []
     owed: dict = {}
+    dist_run: list[str] = []
     if paths:
         # "-v" cancels BASE_FLAGS' "-q": pytest's default verbosity names each test file as it runs.
         run_ = run_pytest(root, ["-v", *paths, *extra], output="stderr" if to_stdout else "inherit")
         rows = _summarise(run_.records, run_.levels)
         owed = gpu_owed(run_.records, run_.levels)
+        dist_run = [r["nodeid"] for r in run_.records if run_.levels.get(r["nodeid"]) == "dist"
+                    and r["outcome"] != "skipped"]
         rc = run_.exit_code
         if rc not in (0, 1, 5) or (rc == 1 and all(r["ok"] for r in rows)):
             rows.append({"feature": "foundation", "check": "pytest run", "ok": False, "seconds": 0.0,
@@ -260,12 +290,14 @@ def run(args) -> int:
     rows += _check_rows(root, args.cli_parser, collect) + _card_rows(root)
     ok = all(r["ok"] for r in rows)
     seconds = time.perf_counter() - start
-    report.update({"ok": ok, "seconds": round(seconds, 1), "rows": rows, "gpu_owed": owed})
+    report.update({"ok": ok, "seconds": round(seconds, 1), "rows": rows, "gpu_owed": owed, "dist_run": dist_run})
     print(file=out)
     _print_table(rows, out)
     for level, files in owed.items():
         listed = ", ".join(f"{file} ({n})" for file, n in files.items())
         print(f"needs {level}: {listed}", file=out)
+    if args.changed is not None:
+        _print_tiers(report["changed"], dist_run, out)
     print(f"\ncpkit validate: {'PASS' if ok else 'FAIL'} in {seconds:.0f}s"
           + (" (GPU tests owed above)" if owed else ""), file=out)
     if to_stdout:
@@ -288,6 +320,9 @@ def add_parser(sub):
                    help="with --changed: every test that imports a changed module, directly or through "
                         "other cpkit modules (default: the tests that use a changed function or class "
                         "through its own package)")
+    p.add_argument("--record-map", action="store_true",
+                   help="measure which tests run which function (rank processes included) and write "
+                        "evidence/coverage-map.json, which --changed selects by; takes about twice the suite")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="write the report as JSON to PATH, or to stdout when PATH is left out")
     p.add_argument("-m", "--markers", default="",

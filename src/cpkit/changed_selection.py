@@ -1,0 +1,196 @@
+"""What `cpkit validate --changed` runs: the measured callers of what changed (the coverage map,
+src/cpkit/coverage_map.py) united with the static selection (the change map and the symbol
+graph, src/cpkit/change_map.py::select_tests), never fewer tests than the static selection.
+
+The change is what the diff against BASE touches united with what changed since the map was
+measured (coverage_map.drift_since, from the hashes the map stores: no git needed). The map's
+edges are from its own commit: a test may reach a diff's function today through code that
+changed since, so every such change widens the selection, and an older map selects more:
+- a changed function (its body, in the diff or since the map) selects the test files that ran
+  it (rank processes included); one the map has no coverage for (new, or never run) selects its
+  module's whole feature: its change-map row and every test importing the module (`--wide`);
+- a deleted function selects the test files that ran it;
+- a change outside function bodies (module or class level, a decorator, a signature, a function
+  added or removed), a new or a deleted module: the whole feature plus every test that ran any
+  function of the module (module-level code runs at import, which the map cannot attribute);
+- a test file (or conftest) changed or added since the map: itself (conftest: its row).
+The since-map part applies when the diff changes a cpkit module, the only case the map decides;
+a docs-only or test-only diff runs its static selection alone. A missing or unreadable map, or
+one of an unknown format, runs everything when a module changed, and says why. A format-1 map
+(blob ids only) counts a module whose blob differs as wholly changed.
+
+The report also names the GPU tests (gpu1/gpu2/gpu4) the change makes stale: those in the
+selected files and those of GPU-only test files importing a changed module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cpkit.change_map import EVERYTHING, select_tests
+from cpkit.coverage_map import MAP_PATH, CoverageMap, Drift, drift_since, functions_at_lines, load_map
+
+__all__ = ["ChangedSelection", "select_changed", "changed_since_map", "GPU_LEVELS"]
+
+GPU_LEVELS = ("gpu1", "gpu2", "gpu4")
+
+
+@dataclass
+class ChangedSelection:
+    """Test files to run (or everything), why, the map's state, and per GPU level the test
+    files whose GPU tests the change makes stale."""
+
+    files: list[str]
+    reasons: dict[str, str]
+    everything: bool
+    map_state: str  # the map's commit and its drift, or why it was not used
+    gpu_stale: dict[str, list[str]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"files": self.files, "reasons": self.reasons, "everything": self.everything,
+                "coverage_map": self.map_state, "gpu_stale": self.gpu_stale}
+
+
+def _whole_feature(path: str, root: Path) -> tuple[set[str], bool]:
+    """(the test files of `path`'s feature, whether that is everything): --wide for the path."""
+    wide = select_tests([path], root, narrow=False)
+    return set(wide.files), wide.everything
+
+
+@dataclass
+class _Change:
+    """Per cpkit module: functions whose body changed, deleted functions, and whether its
+    module-level code changed (with why), from the diff and the drift together."""
+
+    functions: dict[str, set[str]] = field(default_factory=dict)
+    deleted: dict[str, set[str]] = field(default_factory=dict)
+    module_level: dict[str, str] = field(default_factory=dict)
+
+
+def _change(root: Path, modules: list[str], lines: dict[str, set[int] | None], drift: Drift) -> _Change:
+    out = _Change()
+    for path in modules:  # the diff against BASE
+        file = root / path
+        if not file.is_file() or lines.get(path) is None:
+            out.module_level[path] = "new or deleted module"
+            continue
+        names, outside = functions_at_lines(file.read_text(), lines[path])
+        out.functions.setdefault(path, set()).update(names)
+        if outside:
+            out.module_level[path] = f"lines {min(outside)}-{max(outside)} outside a function body"
+    for kind in ("changed", "new"):  # since the map
+        for path, names in getattr(drift, kind).items():
+            out.functions.setdefault(path, set()).update(names)
+    for path, names in drift.deleted.items():
+        out.deleted.setdefault(path, set()).update(names)
+    for path in drift.module_level:
+        out.module_level.setdefault(path, "module-level code changed since the map")
+    for path in drift.unhashed:
+        out.module_level.setdefault(path, "file changed since the map (format 1: no hashes)")
+    return out
+
+
+def _measured(root: Path, change: _Change, cmap: CoverageMap) -> tuple[set[str], bool, dict[str, str]]:
+    """(test files, everything?, reason per module) the coverage map selects for `change`."""
+    picked: set[str] = set()
+    everything = False
+    why: dict[str, list[str]] = {}
+    for path in sorted({*change.functions, *change.deleted, *change.module_level}):
+        for name in sorted(change.functions.get(path, ())):
+            tests = cmap.tests_of(path, name)
+            if tests is None:
+                feature, all_ = _whole_feature(path, root)
+                picked |= feature
+                everything |= all_
+                why.setdefault(path, []).append(f"{name} (no recorded coverage: its whole feature)")
+            else:
+                picked.update(tests)
+                why.setdefault(path, []).append(f"{name} ({len(tests)} test files ran it)")
+        for name in sorted(change.deleted.get(path, ())):
+            tests = cmap.tests_of(path, name) or []
+            picked.update(tests)
+            why.setdefault(path, []).append(f"{name} deleted ({len(tests)} test files ran it)")
+        if path in change.module_level:
+            feature, all_ = _whole_feature(path, root)
+            picked |= feature | cmap.tests_of_module(path)
+            everything |= all_
+            why.setdefault(path, []).append(f"{change.module_level[path]}: its feature and every test that ran "
+                                            "the module")
+    return picked, everything, {path: "; ".join(parts) for path, parts in why.items()}
+
+
+def _gpu_stale(root: Path, changed_modules: list[str], files: list[str], everything: bool,
+               cmap: CoverageMap | None) -> dict[str, list[str]]:
+    """GPU level -> test files whose tests at that level the change makes stale."""
+    levels = cmap.levels if cmap is not None else {}
+    candidates = set(files)
+    if everything:
+        candidates |= set(levels)
+    for path in changed_modules:
+        for test in _whole_feature(path, root)[0]:
+            if levels.get(test) and not set(levels[test]) - set(GPU_LEVELS):  # a GPU-only file
+                candidates.add(test)
+    out: dict[str, list[str]] = {}
+    for test in sorted(candidates):
+        for level in GPU_LEVELS:
+            if levels.get(test, {}).get(level):
+                out.setdefault(level, []).append(test)
+    return {level: out[level] for level in GPU_LEVELS if level in out}
+
+
+def changed_since_map(root: Path) -> tuple[str, list[str]] | None:
+    """For a copy without git: (the map's commit, as the base, and the repository paths changed
+    since the map, from its hashes), or None when there is no readable map."""
+    try:
+        cmap = load_map(root)
+    except (ValueError, KeyError, TypeError, OSError):
+        return None
+    if cmap is None:
+        return None
+    return cmap.commit or "the coverage map", drift_since(cmap, root).paths()
+
+
+def _map_state(cmap: CoverageMap, drift: Drift) -> str:
+    commit = cmap.commit[:12] or "an unknown commit"
+    return (f"measured at {commit} (format {cmap.version}); since then: {drift.summary()}. The selection "
+            "grows with the map's age: `cpkit validate --record-map` refreshes it")
+
+
+def select_changed(root: Path, base: str | None, changed: list[str], lines: dict[str, set[int] | None], *,
+                   wide: bool = False) -> ChangedSelection:
+    """The selection for repository paths `changed` since commit `base` (`lines`: changed line
+    numbers per changed module, None for an untracked one), per the module docstring. Needs no
+    git: `base` only names the diff's base in the report."""
+    del base  # the diff is given; the map's drift comes from its hashes
+    root = Path(root).resolve()
+    modules = [p for p in changed if p.startswith("src/cpkit/") and p.endswith(".py")]
+    static = select_tests(changed, root, narrow=not wide, lines=lines)
+    if not modules:
+        return ChangedSelection(static.files, dict(static.reasons), static.everything,
+                                "not used: the diff changes no cpkit module", _gpu_stale(root, [], static.files,
+                                                                                        static.everything, None))
+    try:
+        cmap = load_map(root)
+        problem = None if cmap is not None else (f"no coverage map at {MAP_PATH}; record one with "
+                                                 "`cpkit validate --record-map`")
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        cmap, problem = None, f"the coverage map cannot be read ({exc}); re-record it with `cpkit validate --record-map`"
+    if problem is not None:
+        reasons = dict(static.reasons, **{"(coverage map)": problem + ": running everything"})
+        return ChangedSelection(list(EVERYTHING), reasons, True, problem, _gpu_stale(root, modules, [], True, None))
+    drift = drift_since(cmap, root)
+    since = select_tests(drift.test_files, root) if drift.test_files else None
+    picked, measured_all, why = _measured(root, _change(root, modules, lines, drift), cmap)
+    files = dict.fromkeys(static.files)
+    reasons = dict(static.reasons)
+    for path, text in why.items():
+        reasons[path] = f"{reasons.get(path, '')}; measured: {text}".lstrip("; ")
+    if since is not None:
+        files.update(dict.fromkeys(since.files))
+        reasons["(changed since the map)"] = ", ".join(drift.test_files)
+    files.update(dict.fromkeys(sorted(picked)))
+    everything = static.everything or measured_all or (since is not None and since.everything)
+    chosen = list(EVERYTHING) if everything else sorted(f for f in files if f in EVERYTHING or (root / f).exists())
+    return ChangedSelection(chosen, reasons, everything, _map_state(cmap, drift),
+                            _gpu_stale(root, modules, chosen, everything, cmap))

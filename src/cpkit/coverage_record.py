@@ -1,0 +1,194 @@
+"""Measure the coverage map (src/cpkit/coverage_map.py): `cpkit validate --record-map`.
+
+Why coverage.py itself rather than pytest-cov or pytest-testmon: the map must see into rank
+processes that `multiprocessing` spawns, attribute each rank to the test that launched it, and
+end up as a small reviewable JSON in the repository. coverage.py's multiprocessing support
+starts measurement in spawned ranks, and its config expands environment variables when a rank
+reads it, so a rank's static context is the test that spawned it (CONTEXT_ENV) and a rank pool
+can switch per case (coverage_map.rank_case_context). pytest-cov adds only the per-test context
+switch, which this module's hooks do; testmon keeps its own SQLite database of fingerprints,
+needs a plugin in every CI run and does not attribute spawned ranks to tests.
+
+One pytest process, no xdist workers (`-n 0`): a worker's tests would be measured apart from
+the process that records their contexts. The run takes about twice the suite (measured figure in the
+map's `recorded.seconds`); it is not part of CI's test command.
+
+Fixtures of module or wider scope are set up once, during whichever test needs them first:
+what they run is recorded under `fixture:<name>` and counted for every test file using it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from cpkit.coverage_map import CONTEXT_ENV, MAP_PATH, MAP_VERSION, TEST_FOLDERS, code_state, function_spans
+
+__all__ = ["record_map", "build_map", "coverage_rcfile", "pytest_runtest_protocol", "pytest_fixture_setup"]
+
+_FIXTURE_USES_ENV = "CPKIT_COVERAGE_FIXTURES"  # where the hooks write test file -> fixture names
+_contexts: list[str] = []
+
+
+def _switch(context: str) -> None:
+    import coverage
+
+    cov = coverage.Coverage.current()
+    if cov is not None:
+        cov.switch_context(context)
+    os.environ[CONTEXT_ENV] = context
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Attribute everything the test runs (setup, call, teardown, ranks it spawns) to its node id."""
+    path = os.environ.get(_FIXTURE_USES_ENV)
+    if path:
+        with open(path, "a") as fh:
+            fh.write(json.dumps([item.nodeid.split("::")[0], sorted(item.fixturenames)]) + "\n")
+    _contexts.append(item.nodeid)
+    _switch(item.nodeid)
+    try:
+        yield
+    finally:
+        _contexts.pop()
+        _switch(_contexts[-1] if _contexts else "")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    """A fixture set up once for many tests is counted for every test that uses it."""
+    if fixturedef.scope == "function":
+        yield
+        return
+    _contexts.append(f"fixture:{fixturedef.argname}")
+    _switch(_contexts[-1])
+    try:
+        yield
+    finally:
+        _contexts.pop()
+        _switch(_contexts[-1] if _contexts else "")
+
+
+def coverage_rcfile(tmp: Path, source: Path) -> Path:
+    """Write the coverage.py config a map is recorded with (data under `tmp`, measuring `source`):
+    spawned ranks measured, each under the test that spawned it. Returns its path."""
+    rc = tmp / "coveragerc"
+    rc.write_text("\n".join([
+        "[run]",
+        f"data_file = {tmp / 'data' / '.coverage'}",
+        f"source = {source}",
+        "parallel = true",
+        "concurrency = multiprocessing,thread",
+        "patch = _exit",
+        "sigterm = true",
+        # Expanded when each process reads this file: a spawned rank gets the test that spawned it.
+        f"context = ${{{CONTEXT_ENV}}}",
+        "",
+    ]))
+    (tmp / "data").mkdir()
+    return rc
+
+
+def _test_of(context: str, fixture_users: dict[str, set[str]]) -> set[str]:
+    """Test files a coverage context stands for ("static|dynamic": the dynamic part wins)."""
+    label = [part for part in context.split("|") if part]
+    if not label:
+        return set()
+    label = label[-1]
+    if label.startswith("fixture:"):
+        return fixture_users.get(label.removeprefix("fixture:"), set())
+    return {label.split("::", 1)[0]}
+
+
+def build_map(data, root: Path, fixture_users: dict[str, set[str]], commit: str,
+              levels: dict[str, dict[str, int]], recorded: dict, state: dict | None = None) -> dict:
+    """The map's JSON (format MAP_VERSION) from combined CoverageData `data`: per function the
+    test files that ran a line of its body; `blobs`, `modules` and `hashes` describe the code it
+    was measured on (`state`, default: cpkit.coverage_map.code_state now), for `--changed` to see
+    what changed since."""
+    root = Path(root).resolve()
+    functions: dict[str, set[str]] = {}
+    for measured in data.measured_files():
+        try:
+            path = Path(measured).resolve().relative_to(root).as_posix()
+        except ValueError:
+            continue
+        if not path.startswith("src/cpkit/") or not (root / path).is_file():
+            continue
+        spans = function_spans((root / path).read_text())
+        for line, contexts in data.contexts_by_lineno(measured).items():
+            inner = [s for s in spans if s[0] <= line <= s[1]]
+            if not inner:
+                continue
+            name = max(inner, key=lambda s: s[0])[2]
+            tests = set().union(*(_test_of(c, fixture_users) for c in contexts))
+            if tests:
+                functions.setdefault(f"{path}::{name}", set()).update(tests)
+    tests = sorted({t for ts in functions.values() for t in ts})
+    index = {t: i for i, t in enumerate(tests)}
+    return {"version": MAP_VERSION, "commit": commit, "recorded": recorded, "tests": tests, "levels": levels,
+            **(state or code_state(root)),
+            "functions": {k: sorted(index[t] for t in v) for k, v in sorted(functions.items())}}
+
+
+def record_map(root: Path, paths: list[str] | None = None, extra: list[str] | None = None, out=sys.stderr) -> dict:
+    """Run the tests (default tests/ and functional/) under coverage, in one process with ranks
+    measured, and write MAP_PATH. Returns the map. A failing test still counts for the map; the
+    outcome counts are in `recorded`."""
+    import coverage
+
+    root = Path(root).resolve()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+    with tempfile.TemporaryDirectory(prefix="cpkit-covmap-") as tmp_name:
+        tmp = Path(tmp_name)
+        rc = coverage_rcfile(tmp, root / "src" / "cpkit")
+        uses = tmp / "fixtures.jsonl"
+        report = tmp / "report.jsonl"
+        env = dict(os.environ, **{_FIXTURE_USES_ENV: str(uses), CONTEXT_ENV: "", "CPKIT_TEST_REPORT": str(report)})
+        cmd = [sys.executable, "-m", "coverage", "run", f"--rcfile={rc}", "-m", "pytest", "-q", "-n", "0",
+               "-p", "no:cacheprovider", "-p", "no:randomly", "-p", "cpkit.testing.report_plugin",
+               "-p", "cpkit.coverage_record", "--rootdir", str(root), *(paths or list(TEST_FOLDERS)), *(extra or [])]
+        state = code_state(root)  # the code measured: taken before an edit during the run can change it
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=root, env=env)
+        seconds = time.perf_counter() - start
+        combined = coverage.Coverage(config_file=str(rc))
+        combined.combine(keep=False)
+        data = combined.get_data()
+        fixture_users: dict[str, set[str]] = {}
+        if uses.exists():
+            for line in uses.read_text().splitlines():
+                file, names = json.loads(line)
+                for name in names:
+                    fixture_users.setdefault(name, set()).add(file)
+        outcomes: dict[str, int] = {}
+        if report.exists():
+            for line in report.read_text().splitlines():
+                rec = json.loads(line)
+                if rec["outcome"] != "started":
+                    outcomes[rec["outcome"]] = outcomes.get(rec["outcome"], 0) + 1
+        levels: dict[str, dict[str, int]] = {}
+        levels_path = Path(str(report) + ".levels")
+        if levels_path.exists():
+            for nodeid, level in json.loads(levels_path.read_text()).items():
+                per = levels.setdefault(nodeid.split("::")[0], {})
+                per[level] = per.get(level, 0) + 1
+        recorded = {"seconds": round(seconds, 1), "pytest_exit": proc.returncode, "outcomes": outcomes,
+                    "python": platform.python_version(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+                    "coverage": coverage.__version__, "paths": paths or list(TEST_FOLDERS)}
+        result = build_map(data, root, fixture_users, commit, levels, recorded, state)
+    target = root / MAP_PATH
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(result, separators=(",", ":"), sort_keys=True) + "\n")
+    print(f"coverage map: {len(result['functions'])} functions, {len(result['tests'])} test files, "
+          f"{target.stat().st_size // 1024} KiB, measured in {seconds:.0f} s -> {MAP_PATH}", file=out)
+    return result
