@@ -19,12 +19,18 @@ import ast
 import hashlib
 from typing import Iterator
 
-__all__ = ["HASH_CHARS", "iter_functions", "function_hashes", "module_level_hash", "source_hashes"]
+__all__ = ["HASH_CHARS", "git_blob_id", "iter_functions", "function_hashes", "module_level_hash", "source_hashes"]
 
 #: Hex characters kept of each sha1: enough that two versions of one function never collide in practice.
 HASH_CHARS = 12
 
 _FUNCTION = (ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+def git_blob_id(data: bytes) -> str:
+    """git's blob id of a file's bytes (what `git ls-tree` shows), computed without git, so that
+    a file can be compared with a commit in a copy that has no history."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
 def iter_functions(nodes: list[ast.AST], prefix: str = "") -> Iterator[tuple[str, ast.AST]]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import hashlib
 import json
 import os
 import subprocess
@@ -31,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from cpkit.code_hashes import iter_functions, source_hashes
+from cpkit.code_hashes import git_blob_id, iter_functions, source_hashes
 
 __all__ = ["MAP_PATH", "MAP_VERSION", "CONTEXT_ENV", "current_test_id", "rank_case_context", "function_spans",
            "functions_at_lines", "blob_hash", "is_test_dependency", "tracked_files", "CoverageMap", "load_map",
@@ -108,9 +107,8 @@ def functions_at_lines(source: str, lines: set[int]) -> tuple[set[str], set[int]
 
 
 def blob_hash(data: bytes) -> str:
-    """git's blob id of `data` (what `git ls-tree` shows), so that a file can be compared with a
-    commit without checking it out."""
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+    """git's blob id of `data` (src/cpkit/code_hashes.py::git_blob_id)."""
+    return git_blob_id(data)
 
 
 def is_test_dependency(path: str) -> bool:

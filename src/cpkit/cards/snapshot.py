@@ -11,11 +11,12 @@ diff, where the clone has the commit, is the second opinion (src/cpkit/cards/fre
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import json
 import os
 import subprocess
 from pathlib import Path
+
+from cpkit.code_hashes import git_blob_id
 
 __all__ = ["SNAPSHOT_DIR", "blob_id", "snapshot_at", "write_snapshot", "find_snapshot", "changed_on_disk",
            "prune_snapshots"]
@@ -30,8 +31,8 @@ _ALWAYS_IGNORED = ("__pycache__", "*.pyc", "*.pyo", ".git")
 
 
 def blob_id(data: bytes) -> str:
-    """git's blob id of `data` (what `git ls-tree` shows), shortened: computable without git."""
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()[:_ID_DIGITS]
+    """git's blob id of `data` (src/cpkit/code_hashes.py::git_blob_id), shortened."""
+    return git_blob_id(data)[:_ID_DIGITS]
 
 
 def _kept(path: str) -> bool:
