@@ -220,8 +220,8 @@ def _calibrate(spec: StepSpec, device, dev_name, link, link_data, model, opt, pg
     """Measure the calibration on every rank (module docstring, step 2); rank 0's dict."""
     from cpkit.bench.dynamic_step_calibrate import measure_step_costs, share_kernel_timing
     from cpkit.bench.replay_kernels import KernelTimer
-    from cpkit.dynamic.cost import Calibration, CostModel
     from cpkit.bench.dynamic_step_report import cpkit_commit
+    from cpkit.dynamic.cost import Calibration, CostModel
 
     t0 = time.perf_counter()
     longest = max(max(b.seq_lens) for b in spec.batches)
@@ -234,6 +234,11 @@ def _calibrate(spec: StepSpec, device, dev_name, link, link_data, model, opt, pg
     kernel_model = CostModel(spec.dims, Calibration.from_dict(cal))
     cal["step"] = measure_step_costs(model, opt, registry, pgc, group, spec.vocab_size, device,
                                      longest=longest, quick=spec.quick, kernel_model=kernel_model)
+    from cpkit.bench.common import machine_info
+
+    cal["machine"] = machine_info()
+    cal["software"] = (f"torch {cal['machine']['torch']}, megatron-core {cal['machine'].get('megatron_core')}, "
+                       f"{dist.get_world_size()} ranks")
     cal["link_table"] = link_data
     cal["link_name"] = link.to_dict()
     cal["measured_s"] = {"kernels": kernels_s, "total": time.perf_counter() - t0}

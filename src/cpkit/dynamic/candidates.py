@@ -24,13 +24,26 @@ from typing import Mapping, Optional, Sequence
 
 from cpkit.dynamic.plan import CPGroupAssignment, Microbatch, Plan
 
-__all__ = ["MODEL_ERROR_BAND", "MODEL_ERROR_SOURCE", "choose_plan", "fill_to_capacity_plan"]
+__all__ = ["MODEL_ERROR_BAND", "MODEL_ERROR_SOURCE", "VALIDATED_ERROR", "VALIDATED_ON", "choose_plan",
+           "error_band_text", "fill_to_capacity_plan"]
 
 MODEL_ERROR_BAND = 0.10
 """How much faster the model must say cpkit's own plan is before it beats a reference plan."""
 MODEL_ERROR_SOURCE = ("issue 50's target for the step model (|modeled / real - 1| <= 10% per plan "
                       "and batch on 4 GPUs); not validated on GPUs yet: python -m cpkit.bench "
                       "dynamic_step measures the error")
+VALIDATED_ERROR: float | None = None
+"""The largest |modeled / real - 1| of the step model over every plan and batch of the last
+4-GPU `python -m cpkit.bench dynamic_step` run (None: no such run yet)."""
+VALIDATED_ON = "not validated on GPUs yet"
+"""Where VALIDATED_ERROR was measured (the evidence folder), or why there is none."""
+
+
+def error_band_text() -> str:
+    """The validated error band of modeled step times, for every printed ratio."""
+    if VALIDATED_ERROR is None:
+        return f"error band: {VALIDATED_ON}"
+    return f"error band +-{VALIDATED_ERROR:.0%}, {VALIDATED_ON}"
 
 
 def _blocks(dp_cp_size: int, size: int) -> list[int]:
