@@ -147,18 +147,20 @@ def warm_groups(model, registry, pgc, group, vocab, device) -> None:
 
 
 def _grid(sizes, longest: int, quick: bool) -> list[tuple[int, list[int]]]:
-    """(cp, sample lengths) of the micro-benchmark points: local tokens from tiny to the
-    batches' scale, one and four samples (module docstring, step 3)."""
+    """(cp, sample lengths) of the micro-benchmark points (module docstring, step 3): at cp 1,
+    one sample from tiny to the batches' scale (host-bound to GPU-bound), four of a quarter of
+    the largest, and four and eight tiny ones (the per-sample host cost); at cp > 1, a tiny
+    and a large sample and four of a quarter (the residual's median)."""
     top = max(256, min(8192, longest))
     locals_ = [64, 256] if quick else [64, 1024, top // 2, top]
     out = []
     for cp in sizes:
         tokens = locals_ if cp == 1 else [locals_[0], locals_[-1]]
-        for T in tokens:
-            out.append((cp, [min(longest, T * cp)]))
+        out += [(cp, [min(longest, T * cp)]) for T in tokens]
         out.append((cp, [min(longest, locals_[-1] * cp // 4)] * 4))
+        out.append((cp, [16 * cp] * 4))
         if cp == 1:
-            out.append((cp, [locals_[0] // 2] * 4))
+            out.append((cp, [16] * 8))
     return out
 
 
