@@ -1,5 +1,5 @@
 """The report of `python -m cpkit.bench dynamic_step`: predicted vs real, per plan family and
-batch, the targets of issue 50, the table, and the commit of the cpkit that ran.
+batch, the targets (module docstring), the table, and the commit of the cpkit that ran.
 
 Per family and batch (`summarize`): the real step and forward + backward (median over steps of
 the slowest rank), the step model's predictions of both, and the error of each (predicted /

@@ -29,7 +29,7 @@ __all__ = ["MODEL_ERROR_BAND", "MODEL_ERROR_SOURCE", "VALIDATED_ERROR", "VALIDAT
 
 MODEL_ERROR_BAND = 0.10
 """How much faster the model must say cpkit's own plan is before it beats a reference plan."""
-MODEL_ERROR_SOURCE = ("issue 50's target for the step model (|modeled / real - 1| <= 10% per plan "
+MODEL_ERROR_SOURCE = ("the step model's target (|modeled / real - 1| <= 10% per plan "
                       "and batch on 4 GPUs); not validated on GPUs yet: python -m cpkit.bench "
                       "dynamic_step measures the error")
 VALIDATED_ERROR: float | None = None

@@ -1,7 +1,7 @@
 """A model of the real training step of a dynamic-CP plan: kernels plus what the host pays.
 
 cpkit.dynamic.cost.CostModel times the kernels (GEMM, attention, exposed ring communication).
-The real step (cpkit.dynamic.runtime through MCore) pays more, measured at 0f7f3d4 (issue 50):
+The real step (cpkit.dynamic.runtime through MCore) pays more, measured at 0f7f3d4 on 4x H200:
 host-launched operations (hundreds per micro-batch, ~300 more per packed sample at 4 layers:
 MCore's per-sequence THD RoPE loop), host syncs, the CP group switch, memory-bound layers
 (norms, residual adds, RoPE, casts), an idle slot's zero-loss backward, the batch preparation
