@@ -85,6 +85,10 @@ def test_summary_errors_ratios_order_and_targets():
     assert ok["lognormal a: real step cpkit <= best of MCore / Megatron-LM"] is True
     assert ok["lognormal a: real step static / cpkit >= 1.2"] is True
     assert "b: real step static / cpkit >= 1.2" not in ok  # lognormal batches only
+    run = {"skipped": ["c"], "calibrated_here": True, "phases": {"calibration_s": 61.0}}
+    ok = {k.split(" (")[0]: v for k, v in targets(results, s, run).items()}
+    assert ok["every batch ran within --budget-s"] is False
+    assert ok["calibration from micro-benchmarks within 60 s"] is False
     text = table(results)
     assert "lognormal a mcore: crash: x" in text and "pred step" in text and "900/810" in text
 

@@ -235,7 +235,7 @@ def main(argv=None) -> int:
               f"plans {r['predict_wall_s']:.1f} s + steps {r['steps_wall_s']:.0f} s" for r in results))
     if res["skipped"]:
         print(f"skipped (--budget-s): {', '.join(res['skipped'])}")
-    checks = targets(results, summary)
+    checks = targets(results, summary, res)
     for name, ok in checks.items():
         print(f"target {name}: {'PASS' if ok else 'MISS'}")
     if res["link_table"] is not None and res["calibrated_here"]:
