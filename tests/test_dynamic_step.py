@@ -185,3 +185,19 @@ def test_link_from_a_measured_table_updates_a_calibration(tmp_path):
     assert load_calibration(str(cal)).link == tuple(map(tuple, table["points"]))
     with pytest.raises(CPConfigError, match="--from"):
         link.main(["--from", str(src)])
+
+
+def test_rope_fusion_needs_transformer_engine():
+    """Why the bench model keeps MCore's per-sequence THD RoPE loop (its host ops per packed sample
+    are counted instead): MCore's fused RoPE is Transformer Engine's, and without TE MCore refuses
+    apply_rope_fusion=True when the config is built."""
+    pytest.importorskip("megatron.core")
+    from cpkit.attention.te import te_version
+
+    if te_version() is not None:
+        pytest.skip("Transformer Engine is installed: the fused path exists here")
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    with pytest.raises(ValueError, match="apply_rope_fusion is not available"):
+        TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, apply_rope_fusion=True,
+                          use_cpu_initialization=True)

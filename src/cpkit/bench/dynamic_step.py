@@ -128,20 +128,14 @@ def _spec(args):
     todo = todo[:limit] if limit else todo
     out = Path(args.out or f"{DEFAULT_RESULTS_DIR}/{NAME}.json")
     vocab = 128 if args.quick else args.vocab
-    if args.calibration:
-        cal = args.calibration
-    else:
-        from cpkit.bench.dynamic_step_calibrate import cache_path
-
-        name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
-        cal = str(cache_path(CALIBRATION_DIR, name, args.ranks, dims, vocab))
     return StepSpec(
         dims=dims, vocab_size=vocab, batches=tuple(todo), recalibrate=args.recalibrate,
         replay=args.replay,
         families=tuple(f.strip() for f in args.families.split(",")),
         warmup=1 if args.quick else args.warmup, iters=2 if args.quick else args.iters,
         kernel_warmup=args.kernel_warmup, kernel_iters=args.kernel_iters, link=args.link,
-        link_bytes=tuple(QUICK_BYTES if args.quick else BYTES), calibration=cal,
+        link_bytes=tuple(QUICK_BYTES if args.quick else BYTES), calibration=args.calibration or "",
+        calibration_dir=CALIBRATION_DIR,
         quick=args.quick, budget_s=args.budget_s,
         partial_path=str(out.with_suffix(".partial.json")), seed=args.seed), out
 

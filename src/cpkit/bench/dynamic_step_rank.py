@@ -59,11 +59,13 @@ class StepSpec:
     """"measured" (ring exchange on these ranks) or a spec for replay_timing.link_table."""
     link_bytes: tuple[int, ...]
     calibration: str
-    """The calibration file: read when it exists (unless `recalibrate`), else measured and written."""
+    """The calibration file: read when it exists (unless `recalibrate`), else measured and written;
+    "": cpkit.bench.dynamic_step_calibrate.cache_path under `calibration_dir`."""
     quick: bool
     budget_s: Optional[float]
     partial_path: Optional[str]
     seed: int = 0
+    calibration_dir: str = "bench-results/dynamic_step-calibration"
     recalibrate: bool = False
     replay: bool = False
     """Also the replay's prediction (rank 0 times every plan's kernels: slow)."""
@@ -264,15 +266,20 @@ def run_rank(spec: StepSpec) -> Optional[dict]:
     rank = dist.get_rank()
     if rank == 0:
         start_mlm_worker()
-    cal_path = Path(spec.calibration)
-    cached = [json.loads(cal_path.read_text()) if rank == 0 and cal_path.is_file()
-              and not spec.recalibrate else None]
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke run)"
+    cached = [None, None]
+    if rank == 0:
+        from cpkit.bench.dynamic_step_calibrate import cache_path
+
+        where = Path(spec.calibration) if spec.calibration else cache_path(
+            spec.calibration_dir, dev_name.split(" (")[0], dist.get_world_size(), spec.dims, spec.vocab_size)
+        cached = [str(where), json.loads(where.read_text()) if where.is_file() and not spec.recalibrate
+                  else None]
     dist.broadcast_object_list(cached, src=0)
-    cal = cached[0]
+    cal_path, cal = Path(cached[0]), cached[1]
     if cal is not None and cal.get("dims") != vars(spec.dims):
         cal = None  # another model's calibration: measure this one's
     phases = {}
-    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke run)"
     if cal is None:
         link, link_data = _link(spec, device)
     else:
