@@ -201,3 +201,32 @@ def test_rope_fusion_needs_transformer_engine():
     with pytest.raises(ValueError, match="apply_rope_fusion is not available"):
         TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, apply_rope_fusion=True,
                           use_cpu_initialization=True)
+
+
+def test_the_calibration_cache_is_per_gpu_ranks_versions_and_model(tmp_path):
+    import re
+
+    from cpkit.bench.dynamic_step_calibrate import cache_path
+    from cpkit.bench.replay import REPLAY_DIMS, TINY_DIMS
+
+    a = cache_path(str(tmp_path), "NVIDIA H100 80GB HBM3", 4, REPLAY_DIMS, 1024)
+    assert a.parent == tmp_path and a.suffix == ".json" and re.fullmatch(r"[A-Za-z0-9.+_-]+", a.stem)
+    assert "H100" in a.name and "4r" in a.name and "torch" in a.name and "mcore" in a.name
+    others = {cache_path(str(tmp_path), "NVIDIA H200", 4, REPLAY_DIMS, 1024),
+              cache_path(str(tmp_path), "NVIDIA H100 80GB HBM3", 2, REPLAY_DIMS, 1024),
+              cache_path(str(tmp_path), "NVIDIA H100 80GB HBM3", 4, TINY_DIMS, 1024),
+              cache_path(str(tmp_path), "NVIDIA H100 80GB HBM3", 4, REPLAY_DIMS, 128)}
+    assert a not in others and len(others) == 4
+    assert cache_path(str(tmp_path), "NVIDIA H100 80GB HBM3", 4, REPLAY_DIMS, 1024) == a
+
+
+def test_the_micro_benchmarks_span_host_bound_to_gpu_bound_at_every_cp_size():
+    from cpkit.bench.dynamic_step_calibrate import _grid
+
+    grid = _grid([1, 2, 4], longest=20000, quick=False)
+    assert {cp for cp, _ in grid} == {1, 2, 4}
+    for cp in (1, 2, 4):
+        local = sorted(sum(-(-L // cp) for L in lens) for c, lens in grid if c == cp)
+        assert local[0] <= 64 * 4 and local[-1] >= 4096  # tiny (host-bound) to the batches' scale
+        assert any(len(lens) >= 4 for c, lens in grid if c == cp)  # the per-sample host cost
+    assert max(L for _, lens in grid for L in lens) <= 20000  # never longer than the model takes

@@ -164,9 +164,10 @@ def _print_calibration(res: dict) -> None:
     print(f"calibration ({how}): {res['calibration_path']}")
     ops = step["ops"]["per_cp"]
     print("  counted per micro-batch fwd+bwd: " + "; ".join(
-        f"cp {c}: {v[0]:.0f} ops + {v[1]:.0f} per sample, {v[2]:.0f} syncs + {v[3]:.1f} per sample"
-        for c, v in ops.items()))
-    print(f"  host {step['host_op_s'] * 1e6:.1f} us/op (per-sample ops {step['sample_op_s'] * 1e6:.1f} us), sync {step['sync_s'] * 1e6:.1f} us, memory-bound "
+        f"cp {c}: {v[0]:.0f} ops + {v[1]:.0f} per sample, {v[2]:.0f} syncs {v[3]:+.1f} per sample"
+        for c, v in ops.items()) + f" ({step['ops']['source']})")
+    print(f"  host {step['host_op_s'] * 1e6:.1f} us/op (per-sample ops {step['sample_op_s'] * 1e6:.1f} us), "
+          f"sync {step['sync_s'] * 1e6:.1f} us, memory-bound "
           f"{step['mem_s_per_token'] * 1e9:.2f} ns/token/layer, overlap loss {step['overlap_loss']:.2f}, "
           f"residual " + ", ".join(f"cp {c} {v * 1e3:.2f} ms" for c, v in step["residual_s"].items())
           + f", idle slot {step['idle_s'] * 1e3:.2f} ms, prep {step['prep_mb_s'] * 1e3:.2f} ms/mb + "

@@ -178,22 +178,32 @@ def measure_step_costs(model, opt, registry, pgc, group, vocab, device, *, longe
     world = dist.get_world_size(group)
     sizes = [c for c in registry.sizes if c <= world]
     warmup, iters = (1, 2) if quick else (1, 3)
-    counted = {}
+    counted, failed = {}, None
     for cp in sizes:  # ops and syncs, n = 1 and 3 samples of a few tokens
         rows = []
         for n in (1, 3):
             local = run.prepare(_point_plan(cp, [32 * cp] * n, world, 1 << 20))
-            rows.append((n, *count_ops(lambda: run.fwd_bwd(local, 1.0))))
-        ob, op = fit_linear([r[0] for r in rows], [r[1] for r in rows])
-        sb, sp = fit_linear([r[0] for r in rows], [r[2] for r in rows])
-        counted[cp] = (ob, op, sb, sp)
+            try:  # every rank runs the same code: a failure under the mode is on all of them
+                rows.append((n, *count_ops(lambda: run.fwd_bwd(local, 1.0))))
+            except Exception as err:  # noqa: BLE001 - the run goes on with the fallback below
+                failed = f"{type(err).__name__}: {err}"
+                run.fwd_bwd(run.prepare(_point_plan(cp, [32 * cp] * n, world, 1 << 20)), 1.0)
+        if len(rows) == 2:
+            ob, op = fit_linear([r[0] for r in rows], [r[1] for r in rows])
+            sb, sp = fit_linear([r[0] for r in rows], [r[2] for r in rows])
+            counted[cp] = (ob, op, sb, sp)
     from cpkit.bench.common import machine_info
 
     info = machine_info()
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    ops = OpCounts(counted, f"counted on {dev_name} (torch {info['torch']}, megatron-core "
-                            f"{info.get('megatron_core')}): aten ops of one micro-batch forward + "
-                            "backward of the bench's model")
+    where = (f"counted on {dev_name} (torch {info['torch']}, megatron-core {info.get('megatron_core')}): "
+             "aten ops of one micro-batch forward + backward of the bench's model")
+    if failed or not counted:  # 4 layers on CPU, MCore 0.19.2 (the 0f7f3d4 reading), per layer
+        scale = kernel_model.dims.num_layers / 4
+        counted = {c: (v * scale, 300 * scale, 17.0, 0.0) for c, v in ((1, 589), (2, 989), (4, 1373))
+                   if c in sizes}
+        where = f"NOT COUNTED ({failed}): 0f7f3d4's CPU reading, scaled by layers"
+    ops = OpCounts(counted, where)
     points, prep = [], []
     for cp, lens in _grid(sizes, longest, quick):
         plan = _point_plan(cp, lens, world, 1 << 20)

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from cpkit.bench.common import format_table
 
-__all__ = ["CALIBRATION_BUDGET_S", "ORDER_MARGIN", "STATIC_TARGET", "TOLERANCE", "cpkit_commit", "cpkit_source", "order_problems",
-           "summarize", "table", "targets"]
+__all__ = ["CALIBRATION_BUDGET_S", "ORDER_MARGIN", "STATIC_TARGET", "TOLERANCE", "cpkit_commit", "cpkit_source",
+           "order_problems", "summarize", "table", "targets"]
 
 TOLERANCE = 0.10  # |predicted / real - 1| per family and batch, step and forward + backward
 ORDER_MARGIN = 0.05  # real steps this far apart must be predicted in the same order
