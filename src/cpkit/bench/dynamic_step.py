@@ -225,8 +225,8 @@ def main(argv=None) -> int:
     for p in summary["order_problems"]:
         print(f"order: {p}")
     ph = res["phases"]
-    print(f"wall: link {ph['link_s']:.0f} s, model build {ph['build_s']:.0f} s, calibration "
-          f"{ph['calibration_s']:.0f} s; per batch: " + ", ".join(
+    print(f"wall: link {ph['link_s']:.0f} s, model build and communicators {ph['build_s']:.0f} s, "
+          f"calibration {ph['calibration_s']:.0f} s; per batch: " + ", ".join(
               f"plans {r['predict_wall_s']:.1f} s + steps {r['steps_wall_s']:.0f} s" for r in results))
     if res["skipped"]:
         print(f"skipped (--budget-s): {', '.join(res['skipped'])}")

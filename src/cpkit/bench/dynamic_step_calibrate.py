@@ -100,16 +100,23 @@ class _Runner:
         self.model, self.registry, self.pgc, self.group = model, registry, pgc, group
         self.vocab, self.device = vocab, device
 
-    def prepare(self, plan: Plan):
+    def samples(self, plan: Plan) -> list[dict]:
+        """The plan's samples on the device (as the bench holds its batch: preparing them does
+        no host-to-device copy)."""
+        gen = torch.Generator().manual_seed(0)
+        out = []
+        for L in plan.seq_lens:
+            seq = torch.randint(0, self.vocab, (L + 1,), generator=gen)
+            out.append({"tokens": seq[:-1].to(self.device), "labels": seq[1:].to(self.device),
+                        "loss_mask": torch.ones(L, device=self.device)})
+        return out
+
+    def prepare(self, plan: Plan, samples: list[dict] | None = None):
+        """This rank's micro-batch 0 of `plan` (cpkit.dynamic.runtime.prepare_microbatch)."""
         from cpkit.dynamic.runtime import dp_cp_position, prepare_microbatch
 
-        gen = torch.Generator().manual_seed(0)
-
-        def sample(i):
-            seq = torch.randint(0, self.vocab, (plan.seq_lens[i] + 1,), generator=gen)
-            return {"tokens": seq[:-1], "labels": seq[1:], "loss_mask": torch.ones(plan.seq_lens[i])}
-
-        return prepare_microbatch(plan, 0, self.registry, dp_cp_position(self.registry), sample,
+        samples = samples if samples is not None else self.samples(plan)
+        return prepare_microbatch(plan, 0, self.registry, dp_cp_position(self.registry), samples.__getitem__,
                                   device=self.device)
 
     def fwd_bwd(self, local, total: float) -> None:
@@ -207,10 +214,10 @@ def measure_step_costs(model, opt, registry, pgc, group, vocab, device, *, longe
     points, prep = [], []
     for cp, lens in _grid(sizes, longest, quick):
         plan = _point_plan(cp, lens, world, 1 << 20)
-        holder = {}
+        holder, samples = {}, run.samples(plan)
 
         def prepare():
-            holder["local"] = run.prepare(plan)
+            holder["local"] = run.prepare(plan, samples)
 
         prep.append((len(lens), run.timed(prepare, warmup, iters)))
         seconds = run.timed(lambda: run.fwd_bwd(holder["local"], float(sum(lens))), warmup, iters)

@@ -216,13 +216,12 @@ def _build(spec: StepSpec, device):
     return model, opt, pgc, registry
 
 
-
-
 def _calibrate(spec: StepSpec, device, dev_name, link, link_data, model, opt, pgc, registry, group) -> dict:
     """Measure the calibration on every rank (module docstring, step 2); rank 0's dict."""
+    from cpkit.bench.common import machine_info
     from cpkit.bench.dynamic_step_calibrate import measure_step_costs, share_kernel_timing
-    from cpkit.bench.replay_kernels import KernelTimer
     from cpkit.bench.dynamic_step_report import cpkit_commit
+    from cpkit.bench.replay_kernels import KernelTimer
     from cpkit.dynamic.cost import Calibration, CostModel
 
     t0 = time.perf_counter()
@@ -236,8 +235,6 @@ def _calibrate(spec: StepSpec, device, dev_name, link, link_data, model, opt, pg
     kernel_model = CostModel(spec.dims, Calibration.from_dict(cal))
     cal["step"] = measure_step_costs(model, opt, registry, pgc, group, spec.vocab_size, device,
                                      longest=longest, quick=spec.quick, kernel_model=kernel_model)
-    from cpkit.bench.common import machine_info
-
     cal["machine"] = machine_info()
     cal["software"] = (f"torch {cal['machine']['torch']}, megatron-core {cal['machine'].get('megatron_core')}, "
                        f"{dist.get_world_size()} ranks")
@@ -298,6 +295,8 @@ def run_rank(spec: StepSpec) -> Optional[dict]:
             cal_path.parent.mkdir(parents=True, exist_ok=True)
             cal_path.write_text(json.dumps(cal, indent=1) + "\n")
     phases["calibration_s"] = time.perf_counter() - start - phases["link_s"] - phases["build_s"]
+    # what measuring it cost: the link table too (measured before the model was built)
+    phases["calibration_total_s"] = phases["calibration_s"] + (phases["link_s"] if calibrated_here else 0.0)
     predictor = None
     if rank == 0:
         timer = None
