@@ -409,7 +409,18 @@ def test_choose_keeps_cpkits_plan_only_where_it_wins_by_more_than_the_band():
     assert pick[1] == "earliest-finish"  # a 20% lead is outside it
     pick = choose_plan((1.0, "static", own), {"mlm": a}, times.__getitem__, 1.02)
     assert pick[1] == "static"  # a reference modeled slower than static CP is never taken
-    assert MODEL_ERROR_BAND == 0.10 and "not validated" in MODEL_ERROR_SOURCE
+    assert 0 < MODEL_ERROR_BAND < 0.5 and "dynamic_step" in MODEL_ERROR_SOURCE
+
+
+def test_the_error_band_says_whether_gpus_validated_it(monkeypatch):
+    from cpkit.dynamic import candidates
+
+    monkeypatch.setattr(candidates, "VALIDATED_ERROR", None)
+    monkeypatch.setattr(candidates, "VALIDATED_ON", "not validated on GPUs yet")
+    assert candidates.error_band_text() == "error band: not validated on GPUs yet"
+    monkeypatch.setattr(candidates, "VALIDATED_ERROR", 0.083)
+    monkeypatch.setattr(candidates, "VALIDATED_ON", "4x H100, evidence/x")
+    assert candidates.error_band_text() == "error band +-8%, 4x H100, evidence/x"
 
 
 def test_schedule_takes_a_reference_plan_the_model_cannot_tell_apart():
