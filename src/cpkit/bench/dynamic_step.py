@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -197,7 +196,8 @@ def main(argv=None) -> int:
     print(f"dynamic_step: {len(spec.batches)} batches x {len(spec.families)} plan families on "
           f"{args.ranks} ranks ({args.device}), {spec.dims.num_layers} layers of "
           f"{spec.dims.hidden_size}, {spec.warmup} warm-up + {spec.iters} steps each; cpkit "
-          f"{source['commit'] or 'not in git'} (content {source['fingerprint']})", flush=True)
+          f"{source['commit'] or 'not in git'}{' with changes' if source['dirty'] else ''} (content "
+          f"{source['fingerprint']})", flush=True)
     try:
         res = launch(run_rank, args.ranks, backend="nccl" if args.device == "cuda" else "gloo",
                      timeout=args.timeout_s, args=(spec,))[0]

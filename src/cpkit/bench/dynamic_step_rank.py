@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from cpkit.bench.replay_plans import Batch
 from cpkit.dynamic.cost import ModelDims
-from cpkit.dynamic.plan import CPGroupAssignment, Microbatch, Plan
+from cpkit.dynamic.plan import Plan
 
 __all__ = ["FAMILIES", "StepSpec", "run_order", "run_rank", "unrunnable"]
 
