@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from cpkit.bridge import DistInit, bridge_model_config, bridge_modules, bridge_src
+from cpkit.compat import ensure_global_memory_buffer
 from cpkit.devices import check_world_size, describe_rank_devices, init_rank
 from cpkit.groups import HCP_LOG_PREFIX, build_pg_collection, describe_groups
 from cpkit.layout import CPLayout
@@ -112,7 +113,10 @@ def main() -> str:
         model = build_gpt(model_config, pgs, rd.device, cp_attention=True)
         cp_loss, cp_grads = train_step(model, shard_batch(batch, pgs.cp), pgs, tokens)
     finally:
-        parallel_state.destroy_model_parallel()
+        parallel_state.destroy_model_parallel()  # drops MCore's global memory buffer with the groups
+    # The cp=1 reference runs MCore's local attention on the decentralized path, which takes its
+    # scratch space from that buffer and never creates it (CUDA and the CPU shim alike)
+    ensure_global_memory_buffer()
 
     # CP 1, data parallel, MCore's own attention: rank r holds all of sequence r.
     dp_pgs = build_pg_collection(CPLayout(world_size=world, cp=1, seq_length=SEQ, num_attention_heads=HEADS,

@@ -32,11 +32,11 @@ import torch
 import pytest
 
 from cpkit.attention.options import CPAttentionOptions
-from cpkit.testing import dist_params, run_cases
+from cpkit.grid import GridSpec, default_pools
+from cpkit.testing import dist_params
 from cpkit.testing.scenarios.attention import HEADS, attention_case as _scenario, cases as _cases
 
 
-_RESULTS: dict = {}
 
 
 def _ring_size(case, world_size: int) -> int:
@@ -74,13 +74,18 @@ def _variant_cases(backend: str, world_size: int) -> list[dict]:
     return out
 
 
+def _all_cases(backend: str, world_size: int):
+    return _cases(backend, world_size) + _variant_cases(backend, world_size)
+
+
+def _timeout(backend: str) -> float:
+    return 1200.0 if backend == "nccl" else 300.0
+
+
 def _grid(backend: str, world_size: int):
-    key = (backend, world_size)
-    if key not in _RESULTS:
-        timeout = 1200 if backend == "nccl" else 300
-        _RESULTS[key] = run_cases(_scenario, _cases(backend, world_size) + _variant_cases(backend, world_size),
-                                  world_size, backend=backend, timeout=timeout, pg_timeout=300)
-    return _RESULTS[key]
+    """The whole grid's results (one rank pool run; a pytest run on GPUs starts it in the background)."""
+    spec = GridSpec(_scenario, tuple(_all_cases(backend, world_size)), backend, world_size, _timeout(backend))
+    return default_pools().result(spec)
 
 
 def _params(cases_for, keep=lambda case: True):
@@ -89,7 +94,8 @@ def _params(cases_for, keep=lambda case: True):
         backend, world_size = p.values
         for case in cases_for(backend, world_size):
             if keep(case):
-                params.append(pytest.param(backend, world_size, case["id"], marks=p.marks,
+                grid = pytest.mark.cpkit_grid(scenario=_scenario, cases_for=_all_cases, timeout=_timeout(backend))
+                params.append(pytest.param(backend, world_size, case["id"], marks=[*p.marks, grid],
                                            id=f"{p.id}-{case['id']}"))
     return params
 

@@ -244,6 +244,6 @@ def _assert_close(case, name, got, want) -> float:
     return (got.float() - want).abs().max().item()
 
 
-@pytest.mark.parametrize("backend,world_size,case_id", grid_params(_cases))
+@pytest.mark.parametrize("backend,world_size,case_id", grid_params(_cases, scenario=_scenario, timeout=600))
 def test_cp_attention_feature_matches_reference(backend, world_size, case_id):
     grid_result(_scenario, _cases, backend, world_size, case_id, timeout=600).check()

@@ -18,7 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cpkit.testing import device, dist_params, run_cases
+from cpkit.grid import GridSpec, default_pools
+from cpkit.testing import device, dist_params
 from cpkit.testing.reference import attention_inputs, reference_shard, sdpa_reference
 
 HEADS, HEAD_DIM, BATCH, SEQ = 8, 16, 2, 32
@@ -161,16 +162,16 @@ def _run_case(case):
     return _check_group_case(case) if case["kind"] == "group" else _check_module_case(case)
 
 
-_RESULTS: dict = {}  # (backend, world) -> run_cases result: one launch serves both tests below
+def _grid_cases(backend: str, world: int) -> list:
+    return _module_cases(world, backend) + (GROUP_CASES if world == 4 else [])
 
 
 def _results(backend: str, world: int) -> dict:
-    if (backend, world) not in _RESULTS:
-        cases = _module_cases(world, backend) + (GROUP_CASES if world == 4 else [])
-        _RESULTS[(backend, world)] = run_cases(_run_case, cases, world, backend=backend, timeout=600)
-    return _RESULTS[(backend, world)]
+    """One rank-pool run serves both tests below."""
+    return default_pools().result(GridSpec(_run_case, tuple(_grid_cases(backend, world)), backend, world, 600.0))
 
 
+@pytest.mark.cpkit_grid(scenario=_run_case, cases_for=_grid_cases, timeout=600.0)
 @pytest.mark.parametrize("backend,world_size", dist_params((2, 4)))
 def test_module_matches_single_rank_attention(backend, world_size):
     results = _results(backend, world_size)
@@ -249,6 +250,7 @@ GROUP_CASES = [{"kind": "group", "id": "micro-batch-cp-group"},
                {"kind": "group", "id": "bind-te-groups-hcp"}]
 
 
+@pytest.mark.cpkit_grid(scenario=_run_case, cases_for=_grid_cases, timeout=600.0)
 @pytest.mark.parametrize("backend,world_size", dist_params((4,)))
 def test_module_group_binding(backend, world_size):
     results = _results(backend, world_size)

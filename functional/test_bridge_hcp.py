@@ -20,7 +20,7 @@ _SRC, _WHY = bridge_src()
 pytestmark = pytest.mark.skipif(_SRC is None, reason=_WHY)
 
 
-@pytest.mark.parametrize("backend,world_size,case_id", grid_params(cases, world_sizes=(WORLD,)))
+@pytest.mark.parametrize("backend,world_size,case_id", grid_params(cases, scenario=bridge_hcp_case, timeout=300, world_sizes=(WORLD,)))
 def test_bridge_hcp_step_matches_cp1(backend, world_size, case_id):
     """Bridge's groups have MCore's membership on every rank; one step equals cp=1."""
     res = grid_result(bridge_hcp_case, cases, backend, world_size, case_id, timeout=300).check()

@@ -30,7 +30,7 @@ from cpkit.testing import grid_params, grid_result
 from cpkit.testing.scenarios.dynamic_cp import WORLD, cases, dynamic_case
 
 
-@pytest.mark.parametrize("backend,world_size,case_id", grid_params(cases, world_sizes=(WORLD,)))
+@pytest.mark.parametrize("backend,world_size,case_id", grid_params(cases, scenario=dynamic_case, timeout=240.0, world_sizes=(WORLD,)))
 def test_dynamic_cp_matches_cp1(backend, world_size, case_id):
     """Dynamic CP (local CP sizes 1, 2, 4 in one global batch): the cp=1 loss and gradients."""
     grid_result(dynamic_case, cases, backend, world_size, case_id, timeout=240.0).check()

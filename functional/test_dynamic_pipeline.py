@@ -16,13 +16,16 @@ every micro-batch runs on the CP group the plan gives it. Cases (one launch of 4
   the launch. On NCCL a collective timeout is the watchdog's, which aborts the process instead
   of raising, so this case does not apply there.
 
-Reference: the same weights on one rank, pp = tp = cp = 1 (MCore's local attention, fp32 on
-gloo; cpkit's at cp=1 in bf16 on NCCL), every sequence on its own; loss = sum of all token
-losses / all tokens. Each rank compares the gradients of the parameters it holds.
+Reference: the same weights on one rank, pp = tp = cp = 1, every sequence on its own; loss = sum
+of all token losses / all tokens: in fp32 with MCore's local attention (on gloo the run itself is
+fp32; on NCCL the bf16 model's weights, copied to fp32), and on NCCL also in bf16 with cpkit's
+attention at cp=1. Each rank compares the gradients of the parameters it holds.
 
-Tolerances: fp32 (gloo) 1e-5 absolute on the loss, gradients rtol=atol=1e-5; bf16 (NCCL) 5e-3 on
-the loss, gradients rtol=atol=2e-2 relative to each reference gradient's largest entry (as
-functional/test_dynamic_cp.py: the same terms summed in another order over several ranks).
+Tolerances (cpkit.testing.compare): fp32 (gloo) 1e-5 absolute on the loss, gradients
+rtol=atol=1e-5; bf16 (NCCL) against the fp32 reference, per tensor within 2x the bf16
+reference's own largest error plus one bf16 ulp at the tensor's scale (was: two bf16 runs within
+2% of the largest entry, which a layer-norm gradient summing ~1800 tokens broke on 4x H100 while
+the code was right: the bf16 reference itself is up to 20% off fp32 there).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from cpkit.layout import CPLayout
 from cpkit.rank_grid import rank_groups
 from cpkit.testing.models import GPTConfig, build_gpt, build_gpt_chunks, named_gradients
 from cpkit.testing import device, grid_params, grid_result
-from cpkit.testing.compare import assert_grads_close
+from cpkit.testing.compare import assert_bf16_against_fp32, assert_grads_close
 from cpkit.mcore_cpu import install_mcore_cpu_shim
 from cpkit.testing.reference import per_sequence_reference, single_rank_pg_collection, token_sample
 
@@ -52,10 +55,7 @@ LENS_CP4 = (13, 54, 11, 29, 8, 26, 12, 10)
 MAX_SEQ_LEN_PER_RANK = 16
 FAILING_RANK = 2
 
-TOL = {
-    torch.float32: dict(loss=1e-5, rtol=1e-5, atol=1e-5),
-    torch.bfloat16: dict(loss=5e-3, rtol=2e-2, atol=2e-2),
-}
+TOL = dict(loss=1e-5, rtol=1e-5, atol=1e-5)  # fp32; bf16: cpkit.testing.compare.assert_bf16_against_fp32
 
 
 # Hand-built plans (micro-batches of (ranks, samples) groups), so each case runs the CP sizes
@@ -131,8 +131,17 @@ def pipeline_case(case):
     # Reference: one rank, tp = pp = cp = 1, one sequence at a time.
     ref_pgc = single_rank_pg_collection()
     ref = build_gpt(cfg, ref_pgc, attention="local" if dtype == torch.float32 else "cpkit", device=dev)
+    ref32 = None
+    if dtype != torch.float32:  # the fp32 reference on the bf16 model's weights
+        ref32 = build_gpt(cfg.with_(dtype=torch.float32), ref_pgc, attention="local", device=dev)
+        loaded = ref32.load_state_dict({k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
+                                        for k, v in ref.state_dict().items()}, strict=False)
+        assert not [k for k in loaded.missing_keys if not k.endswith("_extra_state")], loaded
     ref_loss = per_sequence_reference(ref, samples, ref_pgc, total_tokens=total)
     ref_grads = named_gradients(ref)
+    if ref32 is not None:
+        ref32_loss = per_sequence_reference(ref32, samples, ref_pgc, total_tokens=total)
+        ref32_grads = named_gradients(ref32)
 
     comm = case.get("comm")
     hierarchical = [2, 2] if comm == "a2a+p2p" else None
@@ -186,13 +195,16 @@ def pipeline_case(case):
     for c in chunks:
         grads.update(named_gradients(c, get_pg(pgc, "tp")))
     want = {name: ref_grads[name] for name in grads}
-    tol = TOL[dtype]
-    assert abs(result.loss - ref_loss) <= tol["loss"], f"loss {result.loss} vs reference {ref_loss}"
-    assert_grads_close(grads, want, rtol=tol["rtol"], atol=tol["atol"], scaled=dtype != torch.float32)
+    if ref32 is None:
+        assert abs(result.loss - ref_loss) <= TOL["loss"], f"loss {result.loss} vs reference {ref_loss}"
+        assert_grads_close(grads, want, rtol=TOL["rtol"], atol=TOL["atol"], scaled=False)
+    else:
+        assert_bf16_against_fp32({"loss": result.loss}, {"loss": ref32_loss}, {"loss": ref_loss}, what="loss")
+        assert_bf16_against_fp32(grads, {n: ref32_grads[n] for n in grads}, want)
     return result.loss, ref_loss, result.cp_sizes, len(grads)
 
 
-@pytest.mark.parametrize("backend,world_size,case_id", grid_params(_cases, world_sizes=(WORLD,)))
+@pytest.mark.parametrize("backend,world_size,case_id", grid_params(_cases, scenario=pipeline_case, timeout=300.0, world_sizes=(WORLD,)))
 def test_dynamic_cp_through_the_pipeline_schedule(backend, world_size, case_id):
     """PP2, PP2 with VPP2, TP2, an a2a+p2p block, idle ranks: the cp=1 loss and gradients; a
     failure inside the schedule makes every rank raise."""

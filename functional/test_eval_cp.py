@@ -33,7 +33,7 @@ from cpkit.testing import device, dist_params, grid_params, grid_result, launch
 from cpkit.testing.scenarios.eval_cp import cases, eval_cp_scenario
 
 
-@pytest.mark.parametrize("backend,world_size,case_id", grid_params(cases))
+@pytest.mark.parametrize("backend,world_size,case_id", grid_params(cases, scenario=eval_cp_scenario, timeout=600.0))
 def test_eval_cp_matches_training_layout_and_restores(backend, world_size, case_id):
     """One eval-CP case: equal eval loss at both layouts, each sample once, exact restore."""
     grid_result(eval_cp_scenario, cases, backend, world_size, case_id).check()

@@ -74,7 +74,7 @@ def _skip_without_bridge(name: str) -> None:
             pytest.skip(why)
 
 
-def _run(cmd: list[str], *, hide_gpus: bool) -> str:
+def _run(cmd: list[str], *, hide_gpus: bool, gpus: str | None = None) -> str:
     """Run `cmd` from the repository root in a session of its own; on a timeout kill the whole
     session (torchrun and its ranks) and fail with the output so far. Returns stdout; fails with
     stdout and stderr on a non-zero exit."""
@@ -83,6 +83,8 @@ def _run(cmd: list[str], *, hide_gpus: bool) -> str:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
     if hide_gpus:
         env["CUDA_VISIBLE_DEVICES"] = ""
+    elif gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpus
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -103,10 +105,42 @@ def _check_output(name: str, n: int, out: str, backend: str) -> None:
         assert re.search(pattern, out), f"examples/{name} on {n} ranks did not print /{pattern}/:\n{out}"
 
 
+def _command(name: str, n: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", f"examples/{name}"]
+
+
+_NCCL_RUNS: dict = {}  # (name, n) -> Future of its output: every NCCL example starts at the first one's test
+
+
+def _start_nccl_runs() -> None:
+    """Start every NCCL example that will run, side by side (each pays its own imports and NCCL
+    start-up, 20-30 s, so one after another they cost minutes): 2-rank runs alternate between the
+    GPU pairs, 4-rank runs take the first four GPUs. Failures surface in each example's own test."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cpkit.bridge import bridge_src
+    from cpkit.devices import cuda_device_count
+
+    count = cuda_device_count()
+    pool = ThreadPoolExecutor(max_workers=6, thread_name_prefix="cpkit-example")
+    pairs = [f"{i},{i + 1}" for i in range(0, count - 1, 2)] or [None]
+    for i, param in enumerate(_cases("nccl")):
+        name, n = param.values
+        if count < n or (name in NEEDS_BRIDGE and bridge_src()[0] is None):
+            continue
+        gpus = pairs[i % len(pairs)] if n == 2 else ",".join(str(g) for g in range(n))
+        _NCCL_RUNS[(name, n)] = pool.submit(_run, _command(name, n), hide_gpus=False, gpus=gpus)
+    pool.shutdown(wait=False)
+
+
 def _torchrun(name: str, n: int, backend: str) -> None:
     _skip_without_bridge(name)
-    out = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-                f"examples/{name}"], hide_gpus=backend == "gloo")
+    if backend == "nccl":
+        if not _NCCL_RUNS:
+            _start_nccl_runs()
+        out = _NCCL_RUNS[(name, n)].result()
+    else:
+        out = _run(_command(name, n), hide_gpus=True)
     print(out)  # the evidence: each rank's backend and device, what was checked, the numbers (-rP shows it)
     _check_output(name, n, out, backend)
 

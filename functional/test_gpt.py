@@ -104,7 +104,7 @@ def _cases_for(backend, world_size):
     return _cases(world_size)
 
 
-@pytest.mark.parametrize("backend,world_size,case_id", grid_params(_cases_for))
+@pytest.mark.parametrize("backend,world_size,case_id", grid_params(_cases_for, scenario=gpt_case, timeout=600.0))
 def test_gpt_matches_single_rank(backend, world_size, case_id):
     """One layout case: loss, loss after the update and gradients equal the single-rank run."""
     grid_result(gpt_case, _cases_for, backend, world_size, case_id).check()

@@ -84,6 +84,6 @@ def gpt_feature_case(case):
     return loss, ref_loss
 
 
-@pytest.mark.parametrize("backend,world_size,case_id", grid_params(_cases))
+@pytest.mark.parametrize("backend,world_size,case_id", grid_params(_cases, scenario=gpt_feature_case, timeout=600.0))
 def test_feature_gpt_matches_cp1(backend, world_size, case_id):
     grid_result(gpt_feature_case, _cases, backend, world_size, case_id).check()

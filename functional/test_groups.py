@@ -21,7 +21,7 @@ def _cases(backend, world_size):
     return [c for c in CASES if backend == "gloo" or c["id"] in NCCL_CASES]
 
 
-@pytest.mark.parametrize("backend,world_size,case_id", grid_params(_cases, world_sizes=(4,)))
+@pytest.mark.parametrize("backend,world_size,case_id", grid_params(_cases, scenario=groups_case, timeout=300, world_sizes=(4,)))
 def test_groups_match_mcore(backend, world_size, case_id):
     res = grid_result(groups_case, _cases, backend, world_size, case_id, timeout=300).check()
     lines = res.values[0]

@@ -32,7 +32,7 @@ from cpkit.testing import grid_params, grid_result
 from cpkit.testing.scenarios.hierarchical import WORLD, cases, expected_hcp_line, hierarchical_case
 
 
-@pytest.mark.parametrize("backend,world_size,case_id", grid_params(cases, world_sizes=(WORLD,)))
+@pytest.mark.parametrize("backend,world_size,case_id", grid_params(cases, scenario=hierarchical_case, timeout=600.0, world_sizes=(WORLD,)))
 def test_hierarchical_gpt_trains_like_cp1(backend, world_size, case_id):
     """One case: 3 steps equal cp=1, broken hcp refused at build, local-only attention far off, log line."""
     res = grid_result(hierarchical_case, cases, backend, world_size, case_id).check()

@@ -175,28 +175,28 @@ def test_case_grid_reports_each_case_separately():
     assert sorted(res["fail-rank1"].errors) == [1]
     with pytest.raises(AssertionError, match="mismatch on rank 1"):
         res["fail-rank1"].check()
-    # After a one-sided failure the ranks may be out of step: later cases are not run.
-    assert "not run" in res["after"].errors[0]
+    # The failures came after the case's last collective: nothing is out of step, later cases run.
+    assert res["after"].check().values == {0: ("after", 2.0), 1: ("after", 2.0)}
 
 
 @pytest.mark.dist
-def test_case_grid_after_a_collective_timeout_marks_later_cases_not_run():
-    """A one-sided failure before a collective ends in a collective timeout; the cases after it
-    are "not run" (never a traceback of the agreement step blamed on a case that never ran)."""
-    res = run_cases(_fail_before_collective, ["ok", "early", "after"], 2, timeout=120, pg_timeout=5)
+def test_case_grid_after_a_one_sided_failure_before_a_collective_runs_later_cases():
+    """A one-sided failure before a collective leaves rank 0 waiting in it: rank 0 is reported
+    as stuck within the pool's fail grace (not the collective timeout), and the case after it
+    runs on a fresh pool."""
+    start = time.monotonic()
+    res = run_cases(_fail_before_collective, ["ok", "early", "after"], 2, timeout=120)
+    assert time.monotonic() - start < 90
     assert res["ok"].check().values == {0: "ok", 1: "ok"}
     assert "early failure on rank 1" in res["early"].errors[1]
-    assert sorted(res["early"].errors) == [0, 1]  # rank 0 timed out in its all_reduce
-    assert sorted(res["after"].errors) == [0, 1]
-    for r in (0, 1):
-        assert res["after"].errors[r].startswith("not run"), res["after"].errors[r]
-        assert "early" in res["after"].errors[r]
+    assert "waiting in a collective" in res["early"].errors[0], res["early"].errors[0]
+    assert res["after"].check().values == {0: "after", 1: "after"}
 
 
 @pytest.mark.dist
 def test_crashed_rank_keeps_the_other_ranks_finished_cases():
     """Progress that arrives while a crash is being confirmed is kept, not dropped."""
-    res = run_cases(_crash_on_rank1_late_progress, ["a"], 2, timeout=120, pg_timeout=30)
+    res = run_cases(_crash_on_rank1_late_progress, ["a"], 2, timeout=120)
     assert res["a"].values == {0: "a"}
     assert sorted(res["a"].errors) == [1]
     assert "exit code 7" in res["a"].errors[1]
@@ -219,12 +219,12 @@ def test_rank_killed_by_a_signal_is_reported_with_its_stderr():
 def test_case_grid_names_the_case_a_crashed_rank_was_running():
     """run_cases: a rank that segfaults in its second case is reported on that case, with its
     rank, the signal, its stderr's last lines; the finished case keeps its results."""
-    res = run_cases(_segfault_in_case, ["fine", "crash", "later"], 2, timeout=120, pg_timeout=30)
+    res = run_cases(_segfault_in_case, ["fine", "crash", "later"], 2, timeout=120)
     assert res["fine"].check().values == {0: "fine", 1: "fine"}
     err = res["crash"].errors[0]
-    assert "while rank 0 ran case crash" in err and "signal 11: SIGSEGV" in err, err
+    assert "rank 0 of 2 died" in err and "signal 11: SIGSEGV" in err, err
     assert "Cuda failure 'invalid argument' (from C)" in err and "_segfault_in_case" in err, err
-    assert res["later"].errors[0].startswith("not run: case crash"), res["later"].errors
+    assert res["later"].check().values == {0: "later", 1: "later"}  # on a fresh pool
 
 
 @pytest.mark.dist

@@ -174,7 +174,7 @@ def hybrid_case(case):
     return loss.item(), ref_loss, local_sizes
 
 
-@pytest.mark.parametrize("backend,world_size,case_id", grid_params(_cases, world_sizes=(WORLD,), backends=("nccl",)))
+@pytest.mark.parametrize("backend,world_size,case_id", grid_params(_cases, scenario=hybrid_case, timeout=300.0, world_sizes=(WORLD,), backends=("nccl",)))
 def test_mcore_hybrid_cp_matches_cp1(backend, world_size, case_id):
     """MCore's hybrid-CP path with cpkit's attention: one training step equals cp=1."""
     result = grid_result(hybrid_case, _cases, backend, world_size, case_id, timeout=300.0)

@@ -68,6 +68,7 @@ import torch.distributed as dist
 
 from cpkit.testing import device, grid_params, grid_result
 from cpkit.testing.compare import assert_grads_close, first_layer_name, max_rel_diff
+from cpkit.testing.plans import MIXED_CP_LENS, mixed_cp_plan
 from cpkit.testing.reference import attention_inputs, reference_shard, sdpa_reference, token_sample
 from cpkit.testing.te_support import requires_te
 from functional.test_attention_module import _config, _full_reference, _pg_collection, _sharder, _thd_params
@@ -90,9 +91,8 @@ PROBE_GRAD = "self_attention.linear_qkv.weight"
 # source (see the module docstring); a case listed here is skipped with that reason.
 TE_UNSUPPORTED: dict[tuple[str, str], str] = {}
 
-# Dynamic CP: test_dynamic_cp.py's mixed lengths on GPU (x16), minus 3 so THD pads them.
-DYN_LENS = tuple(n * 16 - 3 for n in (13, 54, 11, 29, 8, 26, 12, 10, 11))
-DYN_MAX_PER_RANK = 24 * 16
+# Dynamic CP: a plan at CP sizes 1, 2 and 4 written out (cpkit.testing.plans.mixed_cp_plan)
+DYN_LENS = MIXED_CP_LENS
 
 
 def _require_te() -> None:
@@ -254,7 +254,7 @@ def attention_case(case):
     return errors
 
 
-@pytest.mark.parametrize("backend,world_size,case_id", grid_params(_attention_cases, backends=("nccl",)))
+@pytest.mark.parametrize("backend,world_size,case_id", grid_params(_attention_cases, scenario=attention_case, timeout=600, backends=("nccl",)))
 def test_te_attention_matches_cpkit(backend, world_size, case_id):
     """cpkit's and TE's CP attention: outputs and dq, dk, dv equal the fp32 reference and each other."""
     case = next(c for c in _attention_cases(backend, world_size) if c["id"] == case_id)
@@ -311,7 +311,7 @@ def gpt_case(case):
     return dict(loss=loss, after=after)
 
 
-@pytest.mark.parametrize("backend,world_size,case_id", grid_params(_gpt_cases, backends=("nccl",)))
+@pytest.mark.parametrize("backend,world_size,case_id", grid_params(_gpt_cases, scenario=gpt_case, timeout=600, backends=("nccl",)))
 def test_te_gpt_matches_cpkit_spec(backend, world_size, case_id):
     """The GPT with TE's spec gives the cpkit spec's loss (5e-3) and gradients from the same weights."""
     res = grid_result(gpt_case, _gpt_cases, backend, world_size, case_id, timeout=600).check()
@@ -453,7 +453,7 @@ def _dynamic_samples(vocab: int, dev) -> list[dict]:
 
 
 def _dynamic_case(case):
-    from cpkit.dynamic import build_group_registry, schedule
+    from cpkit.dynamic import build_group_registry
     from cpkit.dynamic.runtime import dynamic_cp_step
     from cpkit.groups import build_pg_collection
     from cpkit.testing.models import build_gpt, named_gradients
@@ -476,7 +476,7 @@ def _dynamic_case(case):
     ref_grads = named_gradients(ref)
 
     registry = build_group_registry([list(range(world))], dist.get_rank())
-    plan = schedule(list(DYN_LENS), dp_cp_size=world, max_seq_len_per_rank=DYN_MAX_PER_RANK)
+    plan = mixed_cp_plan()  # not the scheduler's choice: it may put the whole batch on CP 4
     used = {g.cp_size for mb in plan.microbatches for g in mb.groups}
     assert used == {1, 2, 4}, f"the plan should use CP sizes 1, 2 and 4, used {sorted(used)}"
 
@@ -542,7 +542,7 @@ def _feature_result(backend, world_size, case_id):
     return grid_result(feature_case, _feature_grid, backend, world_size, case_id, timeout=600).check()
 
 
-@pytest.mark.parametrize("backend,world_size,case_id", grid_params(_kind("eval"), backends=("nccl",)))
+@pytest.mark.parametrize("backend,world_size,case_id", grid_params(_kind("eval"), scenario=feature_case, timeout=600, grid_cases_for=_feature_grid, backends=("nccl",)))
 def test_te_eval_cp_rebinding(backend, world_size, case_id):
     """TE-spec model trained at cp=1 evaluates at a larger CP: same loss, TE bound, exact restore."""
     res = _feature_result(backend, world_size, case_id)
@@ -550,7 +550,7 @@ def test_te_eval_cp_rebinding(backend, world_size, case_id):
 
 
 @pytest.mark.parametrize("backend,world_size,case_id",
-                         grid_params(_kind("hcp"), world_sizes=(4,), backends=("nccl",)))
+                         grid_params(_kind("hcp"), scenario=feature_case, timeout=600, grid_cases_for=_feature_grid, world_sizes=(4,), backends=("nccl",)))
 def test_te_hierarchical_cp(backend, world_size, case_id):
     """a2a+p2p [2,2] with TE on the decentralized path: [a2a, p2p] bound, trains like cp=1."""
     res = _feature_result(backend, world_size, case_id)
@@ -559,7 +559,7 @@ def test_te_hierarchical_cp(backend, world_size, case_id):
 
 @pytest.mark.skipif(_DYNAMIC_MISSING is not None, reason=_DYNAMIC_MISSING or "")
 @pytest.mark.parametrize("backend,world_size,case_id",
-                         grid_params(_kind("dynamic"), world_sizes=(4,), backends=("nccl",)))
+                         grid_params(_kind("dynamic"), scenario=feature_case, timeout=600, grid_cases_for=_feature_grid, world_sizes=(4,), backends=("nccl",)))
 def test_te_dynamic_cp(backend, world_size, case_id):
     """Dynamic CP with TE (packed_seq_params.cp_group): cp=1 loss and gradients, binding restored."""
     res = _feature_result(backend, world_size, case_id)

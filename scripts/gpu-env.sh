@@ -8,7 +8,8 @@
 #   (or disabled its fused attention, leaving no CP backend). CUDNN_PATH points it at torch's,
 #   and LD_LIBRARY_PATH the loader (TE's core library names cuDNN's sub-libraries itself).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-if ! python3 -c "import megatron.core" 2>/dev/null; then
+# Each install only when its wheel is carried, so that scripts under `set -e` can source this file.
+if ls .whl/megatron_core-*.whl >/dev/null 2>&1 && ! PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} python3 -c "import megatron.core" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/megatron_core-*.whl
 fi
 # The cuDNN frontend (extra cpkit[kernels]) when its wheel is carried in .whl/ (scripts/kernels-wheel.sh).

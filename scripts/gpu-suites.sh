@@ -8,15 +8,11 @@
 # The whole GPU tier in one sitting, on any host with 2, 4 or more GPUs (gpu4 cases skip below 4):
 #   bash scripts/gpu-suites.sh -m "gpu2 or gpu4" --ignore=functional/test_te_backend.py   # no TE
 #   bash scripts/gpu-suites.sh -m "gpu2 or gpu4" functional/test_te_backend.py            # TE suite
-# Budgets: no TE, 4 GPUs <= 480 s; -m gpu2 on 2 GPUs <= 240 s; TE suite, 4 GPUs <= 300 s. Not met yet:
-# README "GPU machines" has the last measured runs (2026-11-26, both cut by their time limit).
-# How it is parallel: on 8+ cores the plugin runs cores // 4 xdist workers; each file's 2-GPU
-# grid and 4-GPU grid is one xdist group (one launch, one NCCL world for all its cases), and
-# every NCCL launch claims its GPUs from the host (src/cpkit/gpu_claim.py): two 2-GPU launches
-# run side by side on 4 GPUs (four on 8), a 4-GPU launch waits for all four and holds back new
-# 2-GPU ones meanwhile. CPKIT_GPU_CLAIM=0 turns claims off (then run with -n 0: every launch
-# sees every GPU); CPKIT_NCCL_BIND_DEVICE=1 binds each rank's device at init_process_group
-# (eager NCCL init, subgroups split from the world's communicator) for an A/B of start-up time.
+# How it is fast (no flags needed; plain pytest does the same): every NCCL grid runs on a
+# persistent rank pool (src/cpkit/grid.py, src/cpkit/rank_pool.py) started once per world size and
+# GPU slice; at the session's first test all NCCL grids start in the background, two 2-GPU pools
+# side by side on disjoint GPU pairs (four on 8 GPUs), then the 3- and 4-GPU pools; the NCCL
+# examples run side by side under torchrun meanwhile. Budgets: functional/GPU_TIER.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-results}; mkdir -p "$out"; out=$(cd "$out" && pwd)  # absolute: ranks run elsewhere
@@ -42,7 +38,11 @@ echo "wall time: $(( $(date +%s) - start )) s" | tee -a "$out/pytest.log"
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
 grids = sorted((r for r in rows if "wall_s" in r), key=lambda r: -r["wall_s"])
-print("grid (backend, ranks): wall s, cases s, start-up and wait for GPUs s")
+pools = [r for r in rows if r.get("pool")]
+print("rank pools (backend, ranks, GPUs): starts, cases, start-up s")
+for r in pools:
+    print(f"  {r['backend']}{r['world_size']} {r['gpus'] or '-'}: {r['starts']}, {r['cases']}, {r['start_s']}")
+print("grid (backend, ranks): wall s, cases s, overhead s (queueing behind other grids of its pool included)")
 for r in grids[:25]:
     print(f"  {r['grid']} ({r['backend']}{r['world_size']}): {r['wall_s']}, {r['cases_s']}, {r['wall_s'] - r['cases_s']:.1f}")
 print("slowest cases (s):")

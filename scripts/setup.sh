@@ -8,20 +8,25 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if [ -d .whl ]; then
+  echo "set-up: offline, from .whl/ (megatron-core wheel, then cpkit[test] editable)"
   "$PY" -c "import megatron.core" 2>/dev/null || "$PY" -m pip install -q --no-index --no-deps .whl/megatron_core-*.whl
   "$PY" -m pip install -q --no-index --no-build-isolation -e ".[test]"
 else
   if ! "$PY" -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1; then
+      echo "set-up: installing torch (CUDA build, several GB: minutes)"
       "$PY" -m pip install -q "torch>=2.6"
     else
       # Resolves to the CPU wheel where a CPU wheel index/find-links is configured (as on the
       # project's machines); elsewhere add: --index-url https://download.pytorch.org/whl/cpu
+      echo "set-up: installing torch 2.13.0 (CPU build, about 200 MB)"
       "$PY" -m pip install -q torch==2.13.0
     fi
   fi
+  echo "set-up: installing cpkit[test] editable (megatron-core, pytest, hypothesis)"
   "$PY" -m pip install -q -e ".[test]"
 fi
+echo "set-up: checking that cpkit, torch and megatron-core import"
 # The check imports megatron-core, which warns that Transformer Engine and Apex are not installed:
 # nothing to act on here, so it is quiet about those notices as every cpkit command is.
 "$PY" -c "from cpkit.notices import quiet_known_notices; quiet_known_notices(); import cpkit, torch, megatron.core; print('cpkit ready: torch', torch.__version__, '| megatron-core', megatron.core.__version__)"

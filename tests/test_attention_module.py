@@ -28,7 +28,12 @@ FP32_TOL = dict(rtol=1e-5, atol=1e-5)
 
 @pytest.fixture(scope="module")
 def groups(world1):
-    """Two distinct world-size-1 gloo groups (conftest's world1 initializes torch.distributed)."""
+    """Two distinct world-size-1 gloo groups (conftest's world1 initializes torch.distributed),
+    and MCore's global memory buffer, which MCore on CUDA needs too (the CPU shim no longer
+    creates it on demand)."""
+    from cpkit.compat import ensure_global_memory_buffer
+
+    ensure_global_memory_buffer()
     return dist.new_group([0]), dist.new_group([0])
 
 

@@ -58,7 +58,8 @@ CHECKS = ["tests/test_import_graph.py", "tests/test_repo_text.py"]  # with every
     # A file in the harness folder with a row of its own: that row, not everything.
     ("src/cpkit/testing/models.py", ["functional/test_dynamic_cp.py", "functional/test_eval_cp.py",
                                      "functional/test_gpt.py", "functional/test_hierarchical.py",
-                                     "functional/test_te_backend.py", "tests/test_dynamic_runtime.py",
+                                     "functional/test_te_backend.py", "tests/test_collective_devices.py",
+                                     "tests/test_dynamic_runtime.py",
                                      "tests/test_eval_cp.py", "tests/test_models.py"]),
 ])
 def test_a_file_in_each_feature_selects_its_tests(changed, expected):
@@ -147,7 +148,7 @@ def test_every_test_file_is_selected_by_some_change():
     named = {f for row in CHANGE_MAP for f in (*row.unit, *row.functional)} | set(ALWAYS) | set(ANY_MODULE)
     files = [p.relative_to(ROOT).as_posix() for folder in ("tests", "functional") for p in (ROOT / folder).glob("test_*.py")]
     harness = {"functional/test_launcher.py", "tests/test_pytest_plugin.py", "tests/test_gpu_claim.py",
-               "tests/test_cpu_shim.py"}  # selected with the harness: everything
+               "tests/test_cpu_shim.py", "functional/test_rank_pool.py"}  # selected with the harness: everything
     assert sorted(f for f in files if f not in named and f not in harness) == []
 
 

@@ -101,7 +101,7 @@ def test_mcore_keeps_every_invariant_at_power_of_two_dp_cp(batch):
     assert _violations("mcore", batch) == {}
 
 
-@pytest.mark.xfail(strict=True, reason=(
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     f"{MCORE_SCHEDULER}: get_groups_and_subsamples raises IndexError in fill_empty_gpus at a "
     "DPxCP size that is not a power of two (megatron-core 0.16.1 and 0.19.2). If this passes, upstream "
     "fixed it: remove this xfail."))
@@ -113,7 +113,7 @@ def test_mcore_does_not_crash(batch):
     assert "no-crash" not in found, found["no-crash"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     f"{MCORE_SCHEDULER}: fill_empty_gpus widens a group to every rank of a DPxCP group that is "
     "not a power of two (3 ranks), a group parallel_state does not create (megatron-core "
     "0.16.1 and 0.19.2). If this passes, upstream fixed it: remove this xfail."))

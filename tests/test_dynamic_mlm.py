@@ -160,7 +160,7 @@ def test_mlm_keeps_every_invariant_at_power_of_two_dp_cp_without_vpp(batch):
 # ---------------------------------------------------------------- recorded upstream defects
 
 @needs_checkout
-@pytest.mark.xfail(strict=True, reason=(
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     f"{UTILS}::next_hdp_group_packing_aware (fill_empty_gpus_once) raises IndexError when it "
     "widens a group at a DPxCP size that is not a power of two (5, 10, 14, 15 ranks). If this "
     "passes, upstream fixed it: remove this xfail."))
@@ -174,7 +174,7 @@ def test_mlm_does_not_crash(batch):
 
 
 @needs_checkout
-@pytest.mark.xfail(strict=True, reason=(
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     f"{UTILS}::align_sample_id_groups (fill_empty_by_expanding_cp) loops forever when the "
     "micro-batch it splits has a group larger than its empty tail (DPxCP 3, 6, 12 with VPP): "
     "fill_empty makes no progress. If this passes, upstream fixed it: remove this xfail."))
@@ -188,7 +188,7 @@ def test_mlm_with_vpp_returns_at_non_power_of_two_dp_cp(batch):
 
 
 @needs_checkout
-@pytest.mark.xfail(strict=True, reason=(
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     f"{UTILS}::align_sample_id_groups: a batch with too few samples to make a multiple of the "
     "VPP micro-batch group raises a bare AssertionError ('no tail microbatch has enough ids "
     "to split': no field, value or fix), at power-of-two DPxCP sizes too. If this passes, "
@@ -203,7 +203,7 @@ def test_mlm_with_vpp_gives_a_clear_error_or_a_plan_for_small_batches(batch):
 
 
 @needs_checkout
-@pytest.mark.xfail(strict=True, reason=(
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     f"{UTILS}::next_hdp_group_packing_aware budgets a packed group by sum(L / cp) as a float; "
     "a rank holds ceil(L / cp) tokens of each sample, so a packed group can exceed "
     "max_seq_len_per_rank where cp does not divide L (2*DPxCP padding, DPxCP 5 or 10). If "
@@ -270,7 +270,7 @@ def test_fill_empty_reads_index_minus_one_but_the_read_cannot_change_its_result(
 
 
 @needs_checkout
-@pytest.mark.xfail(strict=True, reason=(
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     f"{BALANCED}.next_hdp_group (fill_empty_gpus): `assert not all(work for work in "
     "micro_batches[empty_gpu : empty_gpu + needed_count])` is inverted: the slice starts at an "
     "empty rank, so it never fires, and too few empty ranks end in an IndexError instead of "
@@ -294,7 +294,7 @@ def test_too_few_empty_ranks_end_in_an_index_error_past_the_inverted_assertion()
 
 
 @needs_checkout
-@pytest.mark.xfail(strict=True, reason=(
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     f"{BALANCED}.next_hdp_group (fill_empty_gpus) builds `[[]] * len(micro_batches)` and "
     "gives every rank of a widened group the same list object, so the per-rank sample lists "
     "it returns alias each other. If this passes, upstream fixed it: remove this xfail."))

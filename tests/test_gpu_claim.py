@@ -70,10 +70,10 @@ def test_nccl_launch_without_gpus_fails_before_starting_ranks(monkeypatch):
         launch(print, 2, backend="nccl", timeout=5)
 
 
-def test_xdist_groups_split_gpu_grids_by_gpu_count():
+def test_xdist_groups_put_every_nccl_test_with_the_worker_that_owns_the_pools():
     assert xdist_group_of("functional/test_gpt.py::test_x[gloo2-a]", []) == "functional/test_gpt.py"
-    assert xdist_group_of("functional/test_gpt.py::test_x[nccl2-a]", ["gpu2"]) == "functional/test_gpt.py::gpu2"
-    assert xdist_group_of("functional/test_gpt.py::test_x[nccl4-a]", ["gpu4"]) == "functional/test_gpt.py::gpu4"
+    assert xdist_group_of("functional/test_gpt.py::test_x[nccl2-a]", ["gpu2"]) == "nccl"
+    assert xdist_group_of("functional/test_attention.py::test_y[nccl4-a]", ["gpu4"]) == "nccl"
     assert xdist_group_of("functional/test_kernels_gpu.py::test_k", ["gpu1"]) == "gpu1"
 
 

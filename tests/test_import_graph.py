@@ -16,10 +16,10 @@ from cpkit.import_graph import import_cycles, imports, module_name
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "cpkit"
 
-# Test support, and the layers built on top of it (benchmarks launch ranks with the test launcher;
-# the cluster runner runs the functional tests' scenarios under torchrun).
+# Test support, and the layer built on top of it (the cluster runner, itself a test runner, runs
+# the functional tests' scenarios under torchrun). Benchmarks are a product part: library.
 SUPPORT = ("cpkit.testing",)
-ON_TOP_OF_SUPPORT = ("cpkit.testing", "cpkit.bench", "cpkit.cluster")
+ON_TOP_OF_SUPPORT = ("cpkit.testing", "cpkit.cluster")
 
 
 def _module_name(path: Path, root: Path = SRC) -> str:
@@ -47,8 +47,15 @@ def test_the_library_is_found():
 
 @pytest.mark.parametrize("path", LIBRARY, ids=_module_name)
 def test_library_module_imports_no_test_support(path):
-    bad = sorted(name for name in _imports(path) if _is_under(name, SUPPORT) or name == "cpkit.models")
+    bad = sorted(name for name in _imports(path) if _is_under(name, SUPPORT))
     assert not bad, f"{_module_name(path)} imports test support {bad}; move what it needs into the library"
+
+
+def test_the_benchmarks_and_their_model_are_library():
+    """Users run `python -m cpkit.bench`: no benchmark module imports test scaffolding (its model
+    is `cpkit.models`, its launcher `cpkit.launch`)."""
+    names = {_module_name(p) for p in LIBRARY}
+    assert "cpkit.bench.attention" in names and "cpkit.bench.eval_cp" in names and "cpkit.models" in names
 
 
 def test_the_check_catches_a_lazy_import(tmp_path):

@@ -39,8 +39,9 @@ def test_invalid_layout_exits_2_with_one_line_per_violation(capsys):
     assert main(argv) == 2
     out, err = capsys.readouterr()
     assert out == ""
-    lines = err.strip().splitlines()
-    assert len(lines) == 4
+    errors, _, fixes = err.partition("nearest layouts that pass this check (nearest first):\n")
+    lines = errors.strip().splitlines()
+    assert len(lines) == 4 and fixes.strip().startswith("cpkit layout check --world-size")
     assert all(line.startswith("error: ") for line in lines)
     fields = [line.split()[1].split("=")[0] for line in lines]
     assert fields == ["cp_comm_type", "hierarchical_context_parallel_sizes", "world_size", "seq_length"]
@@ -130,7 +131,7 @@ def test_nproc_per_node_lists_the_cross_node_a2a_next_to_the_head_violations(cap
     argv = ["layout", "check", "--world-size", "32", "--cp", "32", "--cp-comm-type", "a2a+p2p",
             "--hierarchical-cp-sizes", "32,1", "--num-heads", "32", "--num-kv-heads", "16", "--nproc-per-node", "8"]
     assert main(argv) == 2
-    errors = capsys.readouterr().err.splitlines()
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 2, errors
     assert errors[0].startswith("error: num_query_groups=16: all-to-all scatters heads")
     assert errors[1].startswith("error: hierarchical_context_parallel_sizes=[32, 1]: a2a groups span nodes")

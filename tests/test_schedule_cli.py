@@ -65,7 +65,7 @@ def test_packed_cells_wrap_and_never_leave_a_sample_out(capsys):
 
 
 def test_json_has_impl_microbatches_stats_and_violations(capsys):
-    assert main(README_EXAMPLE + ["--json"]) == 0
+    assert main(README_EXAMPLE + ["--json", "--vs-mcore"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert set(plan) == {"impl", "microbatches", "stats", "violations"}
     assert plan["impl"] == "cpkit" and plan["violations"] == []
@@ -158,7 +158,7 @@ def test_mcore_crash_is_the_no_crash_violation_with_its_last_line(capsys):
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err and "no-crash: IndexError" in out
     # cpkit on the same input: a valid plan, and MCore's crash in its stats
-    assert main(argv[:2] + ["cpkit"] + argv[3:] + ["--json"]) == 0
+    assert main(argv[:2] + ["cpkit"] + argv[3:] + ["--json", "--vs-mcore"]) == 0
     assert "IndexError" in json.loads(capsys.readouterr().out)["stats"]["mcore_error"]
 
 
@@ -212,9 +212,9 @@ def _step_line(out: str) -> str:
 
 
 def test_a_dynamic_win_names_its_candidate_and_how_much_faster(capsys):
-    assert main(["schedule"] + LONG_TAIL + ["--json"]) == 0
+    assert main(["schedule"] + LONG_TAIL + ["--json", "--vs-mcore"]) == 0
     stats = json.loads(capsys.readouterr().out)["stats"]
-    assert main(["schedule"] + LONG_TAIL) == 0
+    assert main(["schedule"] + LONG_TAIL + ["--vs-mcore"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("dynamic CP plan (cpkit): ")
     line = _step_line(out)
@@ -257,8 +257,55 @@ def test_each_ratio_says_which_plan_is_faster(ratio, worded):
 
 
 def test_the_model_line_names_the_calibrations_host_and_versions_and_every_ratio_its_band(capsys):
-    assert main(["schedule"] + LONG_TAIL) == 0
+    assert main(["schedule"] + LONG_TAIL + ["--vs-mcore"]) == 0
     out = capsys.readouterr().out
     assert "model: kernels-only model, hidden 4096" in out
     assert "host vm, torch 2.11.0+cu130, megatron-core 0.19.2" in out  # the shipped H200 file's
     assert BAND.startswith("error band") and _step_line(out).count(BAND) == 2  # static CP's and MCore's
+
+
+# -- the model flags and a planner without torch --------------------------------------------------
+
+
+def test_the_h100_calibrations_model_is_rebuilt_from_the_command_line():
+    """The flags build the same ModelDims as the Python API for the model the shipped H100 replay
+    calibration measured (its "dims"), SwiGLU included."""
+    from importlib import resources
+
+    from cpkit.cli import build_parser
+    from cpkit.commands.schedule import model_dims_from_args
+    from cpkit.dynamic.cost import ModelDims
+
+    dims = json.loads(resources.files("cpkit.dynamic").joinpath("calibration_h100_replay.json").read_text())["dims"]
+    api = ModelDims(**dims)
+    flags = ["--hidden-size", "4096", "--num-heads", "32", "--num-kv-heads", "8", "--head-dim", "128",
+             "--num-layers", "32", "--ffn-hidden-size", "14336", "--swiglu", "--bytes-per-element", "2"]
+    args = build_parser().parse_args(["schedule", "--dp-cp", "8", "--max-seq-len-per-rank", "4096",
+                                      "--seq-lens", "100"] + flags)
+    assert model_dims_from_args(args) == api and api.gated_linear_unit
+
+
+def test_swiglu_changes_the_modeled_step_time_and_is_named(capsys):
+    assert main(["schedule"] + LONG_TAIL + ["--ffn-hidden-size", "14336", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)["stats"]
+    assert main(["schedule"] + LONG_TAIL + ["--ffn-hidden-size", "14336", "--swiglu", "--json"]) == 0
+    gated = json.loads(capsys.readouterr().out)["stats"]
+    assert gated["modeled_step_time_s"] > plain["modeled_step_time_s"]
+    assert "SwiGLU MLP 14336" in gated["model"] and "MLP 14336" in plain["model"]
+
+
+def test_schedule_plans_with_torch_blocked():
+    """Planning is pure Python: `cpkit schedule` runs in a process where importing torch fails;
+    MCore's plan (torch code) is compared only on request."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "src"
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from cpkit.cli import main\n"
+            f"sys.exit(main(['schedule'] + {LONG_TAIL!r}))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    assert "MCore not compared (--vs-mcore)" in proc.stdout

@@ -31,7 +31,7 @@ run `cpkit <command> --help` for a command's options."""
 def build_parser() -> argparse.ArgumentParser:
     """The full `cpkit` parser; every handler finds it as `args.cli_parser` (the skills check
     validates commands against it)."""
-    parser = argparse.ArgumentParser(prog="cpkit", description=DESCRIPTION, epilog=EPILOG,
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="cpkit", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"cpkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="<command>")
@@ -53,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader left early (`cpkit cards status | head`): not an error
         quiet_closed_stdout()
         return 0
+    except KeyboardInterrupt:  # Ctrl-C: say so, no traceback; what was running has no result
+        print(f"\ncpkit {args.command}: interrupted (Ctrl-C); the test or check that was running has no "
+              "result, it is not counted as a failure", file=sys.stderr)
+        return 130
 
 
 def quiet_closed_stdout() -> None:

@@ -60,9 +60,9 @@ def init_rank(*, memory_buffer: bool = True) -> RankDevice:
     """Start this rank of a training loop on rank_device(): set the CUDA device, initialize the
     default process group from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) unless
     one is up, and make MCore ready for the device: on CPU cpkit.mcore_cpu's shim (MCore calls
-    CUDA in a few places), on CUDA MCore's "model-parallel-rng" state and global memory buffer
-    (the decentralized process-group path never calls initialize_model_parallel, which sets
-    them). `memory_buffer=False` leaves the buffer to a loop that then calls MCore's
+    CUDA in a few places), on CUDA MCore's "model-parallel-rng" state, and on both MCore's global
+    memory buffer (the decentralized process-group path never calls initialize_model_parallel,
+    which sets them). `memory_buffer=False` leaves the buffer to a loop that then calls MCore's
     initialize_model_parallel (itself or through Megatron-Bridge), which creates it and refuses a
     second one. Returns the RankDevice. Idempotent."""
     import torch
@@ -73,16 +73,16 @@ def init_rank(*, memory_buffer: bool = True) -> RankDevice:
         torch.cuda.set_device(rd.device)
     if not dist.is_initialized():
         dist.init_process_group(rd.backend)
+    from cpkit.compat import ensure_cuda_rng_tracker, ensure_global_memory_buffer
+
     if rd.device.type == "cpu":
         from cpkit.mcore_cpu import install_mcore_cpu_shim
 
         install_mcore_cpu_shim("cpu")
     else:
-        from cpkit.compat import ensure_cuda_rng_tracker, ensure_global_memory_buffer
-
-        if memory_buffer:
-            ensure_global_memory_buffer()
         ensure_cuda_rng_tracker()
+    if memory_buffer:  # on CPU too: the shim does not create it on demand, as CUDA does not
+        ensure_global_memory_buffer()
     return rd
 
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from cpkit.compat import get_pg
 from cpkit.errors import CPConfigError
-from cpkit.group_info import group_size
+from cpkit.group_info import group_device, group_size
 from cpkit.loss import gather_vocab, reduce_group
 from cpkit.rebind import ModelOrChunks, model_roots
 from cpkit.sharding import shard_batch
@@ -63,9 +63,9 @@ def reduce_eval_loss(loss_sum: torch.Tensor, num_tokens: torch.Tensor, pg_collec
     Each rank passes the sum of its per-token losses and its token count (its dp shard, its
     CP slice); every rank of the group gets the same result. A collective over `dp_cp`.
     """
-    device = loss_sum.device
-    buf = torch.stack([loss_sum.detach().double().reshape(()), num_tokens.detach().double().reshape(()).to(device)])
     group = reduce_group(pg_collection)
+    device = group_device(group)  # the group's, whatever device the caller's sums are on
+    buf = torch.stack([t.detach().double().reshape(()).to(device) for t in (loss_sum, num_tokens)])
     if group_size(group) > 1:
         dist.all_reduce(buf, group=group)
     total, count = buf.tolist()

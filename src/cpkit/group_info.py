@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional, Sequence
 
+import torch
 import torch.distributed as dist
 
 from cpkit.errors import CPConfigError, Violation
@@ -25,6 +26,7 @@ __all__ = [
     "group_rank",
     "global_ranks",
     "members",
+    "group_device",
     "uses_hierarchical",
     "check_hierarchical_groups",
     "require_hierarchical_groups",
@@ -66,6 +68,31 @@ def members(group: Any) -> Optional[tuple]:
     if isinstance(group, (list, tuple)):
         return tuple(members(g) for g in group)
     return tuple(sorted(global_ranks(group)))
+
+
+def group_device(group: Any) -> torch.device:
+    """The device of a tensor handed to a collective over `group`: the current CUDA device for an
+    NCCL group (NCCL refuses CPU tensors; so does any group without a CPU backend), else cpu (gloo
+    moves CPU tensors, also on a host with GPUs). None means the default group; without one, cpu.
+    For a hierarchical [a2a, p2p] list, its first level's (both share a backend).
+
+    Take a collective's device from here, never from the data it reduces: that data can be empty
+    on some ranks (a pipeline stage other than the last has no losses), and a device taken from
+    it then falls back to cpu where the group needs cuda.
+    """
+    if isinstance(group, (list, tuple)):
+        group = group[0] if group else None
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return torch.device("cpu")
+        group = dist.group.WORLD
+    try:
+        backend = str(dist.get_backend(group))  # "gloo", "nccl", "cpu:gloo,cuda:nccl"
+    except ValueError:  # a group torch.distributed does not list (cpkit.testing.fakes)
+        backend = group._get_backend_name()
+    if "nccl" in backend or all(d.type != "cpu" for d in group._device_types):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def uses_hierarchical(cp_comm_type: Any) -> bool:

@@ -16,49 +16,47 @@ import pickle
 import queue as queue_mod
 import shutil
 import signal
-import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 from cpkit.gpu_claim import CLAIM_ENV, claim_gpus, cuda_device_count, visible_gpu_ids
-from cpkit.launch_times import record_grid_times, record_times
+from cpkit.launch_times import record_times
 from cpkit.notices import child_warnoptions
 from cpkit.rank_stderr import StderrFollower, capture_stderr, describe_exit
+from cpkit.rank_worker import BACKEND_ENV, die_with_parent
 
 __all__ = [
     "LaunchTimeout",
     "RankFailure",
+    "CaseFailed",
     "CaseResult",
+    "case_id_of",
     "device",
     "launch",
     "run_cases",
 ]
 
 DEFAULT_TIMEOUT_S = 300.0
-_BACKEND_ENV = "CPKIT_LAUNCH_BACKEND"
+_BACKEND_ENV = BACKEND_ENV
 _BIND_ENV = "CPKIT_NCCL_BIND_DEVICE"  # "1": init_process_group(device_id=...): eager NCCL, split subgroups
-# Set in a rank process only: where run_cases reports finished cases as they complete.
-_progress_queue = None
 
 
 class RankFailure(RuntimeError):
     """A rank raised (or died). `.rank` is the first failing rank, `.details` maps rank -> text."""
 
-    def __init__(self, message: str, rank: int | None, details: dict[int, str], progress=()):
+    def __init__(self, message: str, rank: int | None, details: dict[int, str]):
         super().__init__(message)
         self.rank = rank
         self.details = details
-        self.progress = list(progress)
 
 
 class LaunchTimeout(RankFailure):
     """The launch ran past its timeout; `.hung_ranks` never reported, `.details` holds stacks."""
 
-    def __init__(self, message: str, hung_ranks: list[int], details: dict[int, str], progress):
-        super().__init__(message, hung_ranks[0] if hung_ranks else None, details, progress)
+    def __init__(self, message: str, hung_ranks: list[int], details: dict[int, str]):
+        super().__init__(message, hung_ranks[0] if hung_ranks else None, details)
         self.hung_ranks = hung_ranks
 
 
@@ -71,34 +69,17 @@ def device():
     return torch.device("cpu")
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Have the kernel kill this rank when the launching process dies (Linux), so that a
-    launcher killed outright (SIGKILL, pytest-timeout's thread method) leaves no orphan ranks."""
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            pr_set_pdeathsig = 1
-            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
-        except (OSError, AttributeError):  # no libc prctl: fall back to the check below only
-            pass
-    if os.getppid() != parent_pid:  # the parent died before the signal was armed
-        os._exit(1)
-
-
 def _worker(rank, world_size, backend, store_path, dump_dir, pg_timeout_s, fn, args, kwargs, out_q,
             parent_pid=None, cuda_visible=None, gpu_ids=None, threads=None):
-    global _progress_queue
     capture_stderr(os.path.join(dump_dir, f"rank{rank}.stderr"))
     if parent_pid is not None:
-        _die_with_parent(parent_pid)
+        die_with_parent(parent_pid)
     if not (cuda_visible if cuda_visible is not None else backend == "nccl"):
         # A gloo rank runs on CPU: hide the GPUs before torch first looks for them, so that
         # nothing in the rank (MCore, a kernel choice, an RNG fork) initializes CUDA by accident.
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     elif gpu_ids is not None:  # the GPUs this launch claimed (cpkit.gpu_claim): rank r on the r-th
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu_ids
-    _progress_queue = out_q
     # A stack dump on SIGUSR1 lets the parent show where a hung rank is stuck.
     dump_file = open(os.path.join(dump_dir, f"rank{rank}.stacks"), "w")
     faulthandler.register(signal.SIGUSR1, file=dump_file, all_threads=True)
@@ -200,7 +181,7 @@ def _collect_stacks(procs, ranks, dump_dir) -> dict[int, str]:
     return stacks
 
 
-def _raise_failure(procs, out_q, world_size, rank, payload, progress, follower):
+def _raise_failure(procs, out_q, world_size, rank, payload, follower):
     """Stop every rank and raise RankFailure for `rank`, listing other ranks' errors after it."""
     details = {rank: payload}
     deadline = time.monotonic() + 0.5  # errors the first failure caused elsewhere, if any
@@ -211,15 +192,13 @@ def _raise_failure(procs, out_q, world_size, rank, payload, progress, follower):
             continue
         if kind == "error":
             details.setdefault(other, text)
-        elif kind == "progress":
-            progress.append((other, text))
     # A rank that died without a word (a crash, a kill) is often the root cause: name it.
     for r, p in enumerate(procs):
         if r not in details and p.exitcode not in (None, 0, 1):
             details[r] = describe_exit(r, world_size, p.exitcode, follower.tail(r))
     _stop(procs)
     text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in details.items())
-    raise RankFailure(f"rank {rank} of {world_size} failed first:\n{text}", rank, details, progress)
+    raise RankFailure(f"rank {rank} of {world_size} failed first:\n{text}", rank, details)
 
 
 def launch(
@@ -232,7 +211,6 @@ def launch(
     kwargs: dict | None = None,
     pg_timeout: float | None = None,
     cuda_visible: bool | None = None,
-    _on_progress: Callable[[int, Any], None] | None = None,
 ) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` fresh ranks; return the per-rank results.
 
@@ -256,7 +234,7 @@ def launch(
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: must be >= 1")
     if backend != "nccl" or os.environ.get(CLAIM_ENV) == "0":
-        return _launch(fn, world_size, backend, timeout, args, kwargs, pg_timeout, cuda_visible, _on_progress,
+        return _launch(fn, world_size, backend, timeout, args, kwargs, pg_timeout, cuda_visible,
                        None, max(1, (os.cpu_count() or 1) // world_size))
     count = cuda_device_count()
     asked = time.monotonic()
@@ -265,11 +243,11 @@ def launch(
                             claim_wait_s=round(time.monotonic() - asked, 2))])
         # Share the cores by GPU: launches side by side must not oversubscribe them either.
         threads = max(1, (os.cpu_count() or 1) // max(world_size, count))
-        return _launch(fn, world_size, backend, timeout, args, kwargs, pg_timeout, cuda_visible, _on_progress,
+        return _launch(fn, world_size, backend, timeout, args, kwargs, pg_timeout, cuda_visible,
                        ",".join(mine), threads)
 
 
-def _launch(fn, world_size, backend, timeout, args, kwargs, pg_timeout, cuda_visible, _on_progress,
+def _launch(fn, world_size, backend, timeout, args, kwargs, pg_timeout, cuda_visible,
             gpu_ids, threads):
     ctx = mp.get_context("spawn")
     tmp = tempfile.mkdtemp(prefix="cpkit-launch-")
@@ -286,19 +264,14 @@ def _launch(fn, world_size, backend, timeout, args, kwargs, pg_timeout, cuda_vis
         for r in range(world_size)
     ]
     results: dict[int, Any] = {}
-    progress: list[tuple[int, Any]] = []
     follower = StderrFollower([os.path.join(tmp, f"rank{r}.stderr") for r in range(world_size)])
 
     def handle(message) -> None:
         kind, rank, payload = message
         if kind == "ok":
             results[rank] = pickle.loads(payload)
-        elif kind == "progress":
-            progress.append((rank, payload))
-            if _on_progress is not None:
-                _on_progress(rank, payload)
         elif kind == "error":
-            _raise_failure(procs, out_q, world_size, rank, payload, progress, follower)
+            _raise_failure(procs, out_q, world_size, rank, payload, follower)
 
     def gone() -> list[int]:
         # Exit code 0 counts too: a rank that exited cleanly without a result (os._exit(0) in
@@ -329,7 +302,7 @@ def _launch(fn, world_size, backend, timeout, args, kwargs, pg_timeout, cuda_vis
                     r = dead[0]
                     msg = describe_exit(r, world_size, procs[r].exitcode, follower.tail(r))
                     _stop(procs)
-                    raise RankFailure(f"launch of {getattr(fn, '__name__', fn)}: {msg}", r, {r: msg}, progress)
+                    raise RankFailure(f"launch of {getattr(fn, '__name__', fn)}: {msg}", r, {r: msg})
             if len(results) < world_size and time.monotonic() > deadline:
                 hung = [r for r in range(world_size) if r not in results]
                 stacks = _collect_stacks(procs, hung, tmp)
@@ -338,7 +311,7 @@ def _launch(fn, world_size, backend, timeout, args, kwargs, pg_timeout, cuda_vis
                 raise LaunchTimeout(
                     f"launch of {getattr(fn, '__name__', fn)} on {world_size} ranks timed out "
                     f"after {timeout:.0f}s; hung ranks: {hung}\n{text}",
-                    hung, stacks, progress,
+                    hung, stacks,
                 )
         for p in procs:
             p.join(10)
@@ -350,135 +323,5 @@ def _launch(fn, world_size, backend, timeout, args, kwargs, pg_timeout, cuda_vis
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-# ---------------------------------------------------------------------------------------------
-# A grid of cases in one launch
-
-
-@dataclass
-class CaseResult:
-    """The outcome of one case on every rank: return values, or failures with tracebacks."""
-
-    case_id: str
-    values: dict[int, Any] = field(default_factory=dict)
-    errors: dict[int, str] = field(default_factory=dict)
-    seconds: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return not self.errors
-
-    def check(self) -> "CaseResult":
-        """Raise AssertionError with each failing rank's traceback; return self when all passed."""
-        if self.errors:
-            parts = [f"case {self.case_id} failed on rank(s) {sorted(self.errors)}"]
-            parts += [f"--- rank {r} ---\n{tb}" for r, tb in sorted(self.errors.items())]
-            raise AssertionError("\n".join(parts))
-        return self
-
-
-def case_id_of(case: Any) -> str:
-    """A case's id: the "id" key of a dict case, else str(case)."""
-    if isinstance(case, dict) and "id" in case:
-        return str(case["id"])
-    return str(case)
-
-
-def _run_case_list(fn, cases):
-    import torch.distributed as dist
-
-    rank = dist.get_rank()
-    out = []
-    for i, case in enumerate(cases):
-        start = time.perf_counter()
-        try:
-            value, error = fn(case), None
-        except Exception:  # noqa: BLE001 - recorded per case
-            value, error = None, traceback.format_exc()
-        seconds = time.perf_counter() - start
-        out.append((error is None, value if error is None else error, seconds))
-        if _progress_queue is not None:
-            _progress_queue.put(("progress", rank, pickle.dumps((i, out[-1]))))
-        # Ranks must agree on the outcome: if only some failed, the rest may be stuck in a
-        # collective the failing ones never reached, so later cases would run out of step.
-        flags = [None] * dist.get_world_size()
-        try:
-            dist.all_gather_object(flags, error is None)
-        except Exception as exc:  # noqa: BLE001 - a collective timeout broke the group
-            # Typically a one-sided failure left another rank in a collective until the
-            # collective timeout; the process group is unusable afterwards. Blame no later case.
-            reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
-            for rest in cases[i + 1:]:
-                out.append((False, f"not run: after case {case_id_of(case)} the ranks could not agree "
-                                   f"on its outcome ({reason}); the process group is unusable", 0.0))
-            break
-        if any(flags) and not all(flags):
-            failed = [r for r, ok in enumerate(flags) if not ok]
-            for rest in cases[i + 1:]:
-                out.append((False, f"not run: case {case_id_of(case)} failed on rank(s) {failed} "
-                                   f"only, so the ranks were out of step", 0.0))
-            break
-    return out
-
-
-def run_cases(
-    fn: Callable[[Any], Any],
-    cases: Iterable[Any],
-    world_size: int,
-    *,
-    backend: str = "gloo",
-    timeout: float = DEFAULT_TIMEOUT_S,
-    pg_timeout: float | None = 120.0,
-) -> dict[str, CaseResult]:
-    """Run `fn(case)` for every case, in order, on one set of `world_size` ranks.
-
-    Spawning ranks and importing MCore costs seconds per rank, so a grid of cases shares one
-    launch. Exceptions are caught per case and per rank; a case that hangs ends the launch at
-    `timeout`, and then the finished cases keep their results, the hung one carries the stack
-    dumps and the rest are marked not run. Returns {case_id: CaseResult}.
-    """
-    cases = list(cases)
-    ids = [case_id_of(c) for c in cases]
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"case ids must be unique, got {ids}")
-    results = {cid: CaseResult(cid) for cid in ids}
-    started = time.monotonic()
-
-    def record(rank, i, entry):
-        ok, payload, seconds = entry
-        res = results[ids[i]]
-        if ok:
-            res.values[rank] = payload
-        else:
-            res.errors[rank] = payload
-        res.seconds = max(res.seconds, seconds)
-
-    try:
-        per_rank = launch(_run_case_list, world_size, backend=backend, timeout=timeout,
-                          args=(fn, cases), pg_timeout=pg_timeout)
-    except RankFailure as exc:
-        record_grid_times(fn, backend, world_size, results, started)
-        # Finished cases keep their results; the first unfinished one carries the failure
-        # (the hung ranks' stacks, or the crash), and the rest were not run.
-        done: dict[int, set[int]] = {}
-        for rank, payload in exc.progress:
-            i, entry = pickle.loads(payload)
-            record(rank, i, entry)
-            done.setdefault(i, set()).add(rank)
-        what = "timed out" if isinstance(exc, LaunchTimeout) else "the launch failed"
-        for r in range(world_size):
-            # Cases run in order: a rank's first unfinished case is the one it was running.
-            running = next((i for i in range(len(ids)) if r not in done.get(i, ())), None)
-            if running is None:
-                continue
-            detail = exc.details.get(r) or "; ".join(f"rank {k}: {v.strip().splitlines()[-1]}"
-                                                   for k, v in exc.details.items())
-            results[ids[running]].errors[r] = f"{what} while rank {r} ran case {ids[running]}:\n{detail}"
-            for i in range(running + 1, len(ids)):
-                results[ids[i]].errors[r] = f"not run: case {ids[running]} {what} on rank {r}"
-        return results
-    for rank, entries in enumerate(per_rank):
-        for i, entry in enumerate(entries):
-            record(rank, i, entry)
-    record_grid_times(fn, backend, world_size, results, started)
-    return results
-
+# Grids of cases run on persistent rank pools (cpkit.grid); re-exported for existing imports.
+from cpkit.grid import CaseFailed, CaseResult, case_id_of, run_cases  # noqa: E402

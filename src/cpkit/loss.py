@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from cpkit.compat import get_pg
 from cpkit.errors import CPConfigError
-from cpkit.group_info import group_size
+from cpkit.group_info import group_device, group_size
 
 __all__ = [
     "reduce_group",
@@ -197,14 +197,15 @@ def reduce_reported_losses(stored: list, pg_collection) -> dict[str, float]:
     if group_size(pp_group) > 1:  # stages other than the last learn the names from it
         dist.broadcast_object_list(names_list, src=dist.get_process_group_ranks(pp_group)[-1], group=pp_group)
     names = names_list[0]
-    device = next((t.device for e in stored for t in e.values()), torch.device("cpu"))
+    group = reduce_group(pg_collection)
+    # the device of the groups, not of `stored`: it is empty on every stage but the last
+    device = group_device(pp_group if pp_group is not None else group)
     sums = torch.zeros(len(names), 2, dtype=torch.float64, device=device)
     for entry in stored:
         for i, name in enumerate(names):
-            sums[i] += entry[name].detach().double().reshape(2)
+            sums[i] += entry[name].detach().double().reshape(2).to(device)
     if group_size(pp_group) > 1:
         dist.all_reduce(sums, group=pp_group)
-    group = reduce_group(pg_collection)
     if group_size(group) > 1:
         dist.all_reduce(sums, group=group)
     return {name: (sums[i, 0] / sums[i, 1]).item() for i, name in enumerate(names)}

@@ -1,31 +1,28 @@
 """Let an MCore GPTModel build and run forward/backward on CPU (gloo), for tests only.
 
-megatron-core calls CUDA unconditionally in a few places. Each patch below replaces exactly one
-such call with its device-neutral equivalent and changes nothing else:
+megatron-core calls CUDA unconditionally in a few places. Each patch below (`PATCHES`, by name)
+replaces exactly one such call with its device-neutral equivalent and changes nothing else; each
+is a CPU-only necessity (tests/test_cpu_shim.py runs the MCore call each one replaces without it
+and sees it fail on CPU):
 
-- `RotaryEmbedding.get_emb` moves `inv_freq` to `torch.cuda.current_device()`: keep it on CPU.
-- `RotaryEmbedding.__init__` builds `inv_freq` on the CUDA device unless told
-  `use_cpu_initialization` (MCore's MLA attention does not pass it): pass True.
-- `multi_latent_attention.TELinear` is a mock, not a class, where MCore's TE extension imports
-  without Transformer Engine (HAVE_TE is still True), so MLA's `isinstance(..., TELinear)`
-  raises: give it a class that nothing is an instance of.
-- `rope_utils.get_pos_emb_on_this_cp_rank` builds its index with `pin_memory=True` and `.cuda()`:
-  build it on the embedding's device (patched where it is imported by name too).
-- `CudaRNGStatesTracker.fork` saves and restores the CUDA RNG state: a no-op context on CPU
-  (equivalence tests run with dropout off, so no random numbers are drawn inside it).
-- `transformer.utils.get_default_causal_mask` and `get_sliding_window_causal_mask` build their
-  masks on "cuda" (MCore's local attention at cp=1 uses them through fused_softmax, the second
-  with `window_size`): build them on CPU.
-- `GlobalMemoryBuffer.get_tensor` allocates on the current CUDA device: allocate on CPU; and
-  `parallel_state.get_global_memory_buffer` creates the buffer on first use (the decentralized
-  process-group path never calls initialize_model_parallel, which would create it).
-- The pipeline schedules (`pipeline_parallel.schedules`, `.p2p_communication`), the MoE router
-  (`transformer.moe.router`, which moves its weight to the current CUDA device) and MTP's
-  `roll_tensor` (`transformer.multi_token_prediction`) allocate their
-  receive buffers and token counters on `torch.cuda.current_device()` / `device="cuda"` and call
-  `torch.cuda.synchronize()` after batched transfers: those two modules see a `torch` whose
-  `cuda.current_device()` is "cpu", whose `cuda.synchronize()` does nothing, and whose `zeros` /
-  `empty` put a "cuda" device on CPU (`_CpuTorch`); everything else is the real torch.
+| name | MCore symbol | on CUDA | under the shim |
+|---|---|---|---|
+| rope-emb | `RotaryEmbedding.get_emb` | moves `inv_freq` to `torch.cuda.current_device()` | keeps it on CPU |
+| rope-init | `RotaryEmbedding.__init__` | builds `inv_freq` on CUDA unless `use_cpu_initialization` (MLA does not pass it) | passes True |
+| rope-cp-index | `rope_utils.get_pos_emb_on_this_cp_rank` (and where imported by name) | index with `pin_memory=True`, `.cuda()` | index on the embedding's device |
+| rng-fork | `CudaRNGStatesTracker.fork` | saves and restores the CUDA RNG state | a no-op context (equivalence tests run with dropout off) |
+| causal-masks | `transformer.utils.get_default_causal_mask`, `get_sliding_window_causal_mask` (and in `fused_softmax`) | build on "cuda" | build on CPU |
+| memory-buffer | `GlobalMemoryBuffer.get_tensor` | allocates on the current CUDA device | allocates on CPU |
+| cuda-placement | `torch` as seen by `pipeline_parallel.schedules`, `.p2p_communication`, `transformer.moe.router`, `transformer.multi_token_prediction` | receive buffers and counters on `torch.cuda.current_device()` / "cuda", `torch.cuda.synchronize()` | `_CpuTorch`: `cuda.current_device()` is "cpu", `synchronize` does nothing, `zeros` / `empty` put "cuda" on CPU |
+| te-linear | `multi_latent_attention.TELinear` | TE's class | where TE is missing but MCore's TE extension imports (a mock, not a class: MLA's isinstance raises), a class nothing is an instance of |
+| te-gemm | `moe_utils.te_general_gemm` | TE's GEMM | 0.16 without TE: None (the router otherwise raises NameError) |
+
+What the shim does NOT change: MCore's global memory buffer exists only where something created
+it (initialize_model_parallel, `cpkit.compat.ensure_global_memory_buffer`, which cpkit.devices.
+init_rank and the test models' local attention call on every device), and
+`parallel_state.get_global_memory_buffer` raises after destroy_model_parallel on CPU as on CUDA
+("global memory buffer is not initialized"). An earlier shim created it on demand, which hid a
+Megatron-Bridge example that failed on CUDA (its cp=1 reference ran after destroy_model_parallel).
 
 The shim is for processes that run MCore on CPU: the unit tier and gloo ranks, also on a host
 that has GPUs (`device_in_use` says which device a process runs on). A process that runs MCore on
@@ -157,23 +154,22 @@ def shim_installed() -> bool:
     return bool(_saved)
 
 
-def install_mcore_cpu_shim(device: torch.device | str | None = None) -> bool:
-    """Install the CPU patches (idempotent) when MCore runs on CPU in this process.
-
-    `device` is the device this process runs MCore on; None means the launcher's device for this
-    process (cuda under an NCCL rank, else cpu). Returns False, doing nothing, for a CUDA device.
-    """
-    if torch.device(device if device is not None else device_in_use()).type != "cpu":
-        return False
-    if _saved:
-        return True
-    from megatron.core import parallel_state, utils
-    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
-    from megatron.core.tensor_parallel import random as mcore_random
+def _rope_emb():
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
 
     _patch(rotary_pos_embedding.RotaryEmbedding, "get_emb", _get_emb_cpu)
+
+
+def _rope_init():
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
+
     _patch(rotary_pos_embedding.RotaryEmbedding, "__init__",
            _rotary_init_on_cpu(rotary_pos_embedding.RotaryEmbedding.__init__))
+
+
+def _rope_cp_index():
+    from megatron.core.models.common.embeddings import rope_utils
+
     _patch(rope_utils, "get_pos_emb_on_this_cp_rank", _get_pos_emb_on_this_cp_rank_cpu)
     for mod_name in ("rotary_pos_embedding", "yarn_rotary_pos_embedding"):
         try:
@@ -182,40 +178,84 @@ def install_mcore_cpu_shim(device: torch.device | str | None = None) -> bool:
             continue
         if hasattr(mod, "get_pos_emb_on_this_cp_rank"):
             _patch(mod, "get_pos_emb_on_this_cp_rank", _get_pos_emb_on_this_cp_rank_cpu)
+
+
+def _rng_fork():
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    _patch(mcore_random.CudaRNGStatesTracker, "fork", _fork_noop)
+
+
+def _causal_masks():
     from megatron.core.fusions import fused_softmax
     from megatron.core.transformer import utils as transformer_utils
 
-    _patch(transformer_utils, "get_default_causal_mask", _default_causal_mask_cpu)
-    _patch(fused_softmax, "get_default_causal_mask", _default_causal_mask_cpu)
-    _patch(transformer_utils, "get_sliding_window_causal_mask", _sliding_window_causal_mask_cpu)
-    _patch(fused_softmax, "get_sliding_window_causal_mask", _sliding_window_causal_mask_cpu)
-    _patch(mcore_random.CudaRNGStatesTracker, "fork", _fork_noop)
-    from megatron.core.transformer import multi_latent_attention
+    for module in (transformer_utils, fused_softmax):
+        _patch(module, "get_default_causal_mask", _default_causal_mask_cpu)
+        _patch(module, "get_sliding_window_causal_mask", _sliding_window_causal_mask_cpu)
 
-    if not isinstance(getattr(multi_latent_attention, "TELinear", _NoTELinear), type):
-        _patch(multi_latent_attention, "TELinear", _NoTELinear)
+
+def _memory_buffer():
+    from megatron.core import utils
+
     _patch(utils.GlobalMemoryBuffer, "get_tensor", _get_tensor_cpu)
 
-    original_get_buffer = parallel_state.get_global_memory_buffer
 
-    def get_global_memory_buffer():
-        if parallel_state._GLOBAL_MEMORY_BUFFER is None:
-            parallel_state._GLOBAL_MEMORY_BUFFER = utils.GlobalMemoryBuffer()
-        return original_get_buffer()
-
-    _patch(parallel_state, "get_global_memory_buffer", get_global_memory_buffer)
-
+def _cuda_placement():
     from megatron.core.pipeline_parallel import p2p_communication, schedules
     from megatron.core.transformer import multi_token_prediction
     from megatron.core.transformer.moe import router
 
     for module in (p2p_communication, schedules, router, multi_token_prediction):
         _patch(module, "torch", _CpuTorch(torch))
+
+
+def _te_linear():
+    from megatron.core.transformer import multi_latent_attention
+
+    if not isinstance(getattr(multi_latent_attention, "TELinear", _NoTELinear), type):
+        _patch(multi_latent_attention, "TELinear", _NoTELinear)
+
+
+def _te_gemm():
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):  # 0.16 without TE: a NameError in the router's gemm
         _saved.append((moe_utils, "te_general_gemm", None))
         moe_utils.te_general_gemm = None
+
+
+PATCHES = {
+    "rope-emb": _rope_emb,
+    "rope-init": _rope_init,
+    "rope-cp-index": _rope_cp_index,
+    "rng-fork": _rng_fork,
+    "causal-masks": _causal_masks,
+    "memory-buffer": _memory_buffer,
+    "cuda-placement": _cuda_placement,
+    "te-linear": _te_linear,
+    "te-gemm": _te_gemm,
+}
+"""The shim's patches by name (the module docstring's table says what each changes and why)."""
+
+
+def install_mcore_cpu_shim(device: torch.device | str | None = None, *, leave_out: tuple[str, ...] = ()) -> bool:
+    """Install the CPU patches (idempotent) when MCore runs on CPU in this process.
+
+    `device` is the device this process runs MCore on; None means the launcher's device for this
+    process (cuda under an NCCL rank, else cpu). Returns False, doing nothing, for a CUDA device.
+    `leave_out`: names of PATCHES not to install (tests/test_cpu_shim.py shows each is needed).
+    """
+    unknown = sorted(set(leave_out) - set(PATCHES))
+    if unknown:
+        raise ValueError(f"leave_out={unknown}: not patches of the shim; choose from {sorted(PATCHES)}")
+    if torch.device(device if device is not None else device_in_use()).type != "cpu":
+        return False
+    if _saved:
+        return True
+    for name, apply in PATCHES.items():
+        if name not in leave_out:
+            apply()
     return True
 
 

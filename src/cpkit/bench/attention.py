@@ -14,7 +14,8 @@ for each total sequence length, causal attention forward + backward with b=1:
 TFLOP/s per GPU = 3.5 * (2 * b * heads * s^2 * head_dim) / cp / time (causal forward FLOPs,
 x3.5 for forward + backward). Time is the median over `--iters` iterations after `--warmup`
 (CUDA events, barrier before each), the slowest rank's median. Every cell runs in its own
-try/except: a failure prints "error: ..." in its cell. Prints a table, writes JSON.
+try/except: a failure prints "error: ..." in its cell. Prints a table with the cpkit/TE and
+/sdpa ratios (`cpkit.bench.attention_table`), writes JSON.
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ from typing import Optional
 
 import torch
 
+from cpkit.bench.attention_table import render, row_label
 from cpkit.bench.common import (
     DEFAULT_RESULTS_DIR,
     add_common_args,
     append_profile,
-    format_table,
     machine_info,
     median,
     parse_int_list,
@@ -63,7 +64,7 @@ class Case:
 
     @property
     def row(self) -> str:
-        return f"{self.backend} {self.comm} kv{self.kv_heads} cp{self.cp}"
+        return row_label(asdict(self))
 
 
 @dataclass
@@ -315,7 +316,7 @@ def run_cells(cases: list, settings: Settings) -> Optional[list]:
     rank 0). Returns one result dict per cell on rank 0 (errors in its "error"), None elsewhere."""
     import torch.distributed as dist
 
-    from cpkit.testing import device
+    from cpkit.launch import device
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = device()
@@ -361,32 +362,8 @@ def _summarize(case: Case, s: Settings, per_rank: list) -> dict:
 # ------------------------------------------------------------------------------------- driver
 
 
-def _seq_label(seq: int) -> str:
-    return f"{seq // 1024}K" if seq % 1024 == 0 else str(seq)
-
-
-def render(results: list[dict], seqs: list[int]) -> str:
-    """The result table: rows backend/comm/kv-heads/cp, columns total sequence, TFLOP/s per GPU."""
-    rows, cells = [], {}
-    for r in results:
-        label = Case(r["backend"], r["comm"], r["kv_heads"], r["cp"], r["seq"]).row
-        if label not in rows:
-            rows.append(label)
-        if r["error"]:
-            text = r["error"].splitlines()[0]
-        else:
-            text = f"{r['tflops_per_gpu']:.1f}" if r["tflops_per_gpu"] >= 1 else f"{r['tflops_per_gpu']:.3g}"
-            if r.get("notes"):
-                text += "*"
-        cells[(label, _seq_label(r["seq"]))] = text
-    table = format_table(rows, [_seq_label(s) for s in seqs], cells, corner="TFLOP/s per GPU")
-    if any(r.get("notes") for r in results):
-        table += "\n* kv heads expanded to the query heads (the kernel refused native GQA)"
-    return table
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m cpkit.bench attention", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m cpkit.bench attention", description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--seq", default=None, help="total sequence lengths, e.g. 32768,65536 or 32K,64K")
     p.add_argument("--cp", default=None, help="CP sizes, e.g. 2,4")
     p.add_argument("--comm", default=",".join(COMM_TYPES), help="comm types (p2p,all_gather,a2a,a2a+p2p)")
@@ -443,7 +420,7 @@ def _check_args(args) -> Optional[str]:
 def main(argv=None) -> int:
     """Run the benchmark; print the table; write JSON. Returns the process exit code."""
     from cpkit.attention.te import te_available
-    from cpkit.testing import RankFailure, launch
+    from cpkit.launch import RankFailure, launch
 
     args = _parser().parse_args(argv)
     _defaults(args)
@@ -477,7 +454,7 @@ def main(argv=None) -> int:
         failure = str(exc)
         results = [json.loads(line) for line in partial.read_text().splitlines()] if partial.exists() else []
     partial.unlink(missing_ok=True)
-    print(render(results, args.seq))
+    print(render(results, args.seq, args.device))
     payload = {
         "bench": NAME,
         "machine": machine_info(),

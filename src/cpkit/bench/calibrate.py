@@ -114,7 +114,7 @@ def measure_gemm(tokens, hidden, heads, kv_heads, head_dim, device, warmup, iter
 
 
 def measure_ring(nbytes, cps, warmup, iters) -> dict:
-    """Per rank (run under cpkit.testing.launch): {"cp<k>_<mode>": [[bytes, seconds]]} of one
+    """Per rank (run under cpkit.launch.launch): {"cp<k>_<mode>": [[bytes, seconds]]} of one
     ring exchange (send to the next rank of the group, receive from the previous)."""
     from cpkit.launch import device as rank_device
 
@@ -155,9 +155,9 @@ def measure_ring(nbytes, cps, warmup, iters) -> dict:
 def main(argv=None) -> int:
     """Measure, write the calibration JSON, print a summary. Returns the exit code."""
     from cpkit.dynamic.cost import load_calibration
-    from cpkit.testing import launch
+    from cpkit.launch import launch
 
-    p = argparse.ArgumentParser(prog="python -m cpkit.bench calibrate",
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m cpkit.bench calibrate",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--quick", action="store_true", help="a few small sizes (smoke test)")

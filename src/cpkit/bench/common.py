@@ -242,12 +242,12 @@ def machine_info() -> dict:
     return info
 
 
-PLOT_SKIPPED = "plot skipped: matplotlib is not installed (pip install cpkit[plot])"
+PLOT_SKIPPED = "plot skipped: matplotlib is not installed (pip install matplotlib, or pip install -e '.[plot]' in a checkout)"
 
 
 def pyplot():
     """matplotlib.pyplot on the file-only Agg backend, or None where matplotlib is not installed
-    (plots are optional: `cpkit[plot]`)."""
+    (plots are optional: `pip install matplotlib`)."""
     try:
         import matplotlib
 

@@ -47,7 +47,7 @@ CALIBRATION_DIR = f"{DEFAULT_RESULTS_DIR}/dynamic_step-calibration"
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m cpkit.bench dynamic_step",
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m cpkit.bench dynamic_step",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--quick", action="store_true",
@@ -158,7 +158,7 @@ def _partial(spec) -> None:
 
 
 def _print_calibration(res: dict) -> None:
-    cal, step = res["calibration"], res["calibration"]["step"]
+    step = res["calibration"]["step"]
     how = "measured in this run" if res["calibrated_here"] else "read from the cache"
     print(f"calibration ({how}): {res['calibration_path']}")
     ops = step["ops"]["per_cp"]

@@ -6,7 +6,7 @@
    measured here from micro-benchmarks only (cpkit.bench.dynamic_step_calibrate: the link table
    of the ring on these ranks, the kernels spread over the ranks, op counts and micro-batches of
    this model on real CP groups) and written there.
-3. An MCore GPTModel (cpkit.testing.models.build_gpt, cpkit's attention, bf16 on CUDA) of the
+3. An MCore GPTModel (cpkit.models.build_gpt, cpkit's attention, bf16 on CUDA) of the
    given ModelDims with a small vocabulary, one DPxCP group of all ranks (dp = N, cp = 1
    statically), the registry of every aligned CP group (cpkit.dynamic.registry), AdamW at lr 0
    (the optimizer does all its work, the weights stay put: every plan of a batch gives the same
@@ -195,7 +195,7 @@ def _build(spec: StepSpec, device):
     from cpkit.dynamic.registry import build_group_registry
     from cpkit.groups import build_pg_collection
     from cpkit.layout import CPLayout
-    from cpkit.testing.models import GPTConfig, build_gpt
+    from cpkit.models import GPTConfig, build_gpt
 
     d, world = spec.dims, dist.get_world_size()
     longest = max(max(b.seq_lens) for b in spec.batches)
@@ -256,7 +256,7 @@ def run_rank(spec: StepSpec) -> Optional[dict]:
 
     device = launcher_device()
     if device.type == "cpu":
-        from cpkit.testing.models import prepare_cpu
+        from cpkit.models import prepare_cpu
 
         prepare_cpu()
     start = time.perf_counter()

@@ -2,7 +2,7 @@
 
 One launch over `--world-size` ranks (NCCL, one GPU per rank; or gloo with `--device cpu`).
 For each layout (`--layouts`, e.g. tp1pp2 and tp2pp1: tp and pp fixed, cp_train -> cp_eval, dp
-follows) and each sequence length (`--seq`), a GPT (cpkit.testing.models, cpkit attention, `--hidden`,
+follows) and each sequence length (`--seq`), a GPT (cpkit.models, cpkit attention, `--hidden`,
 `--layers`, `--heads`, bf16) evaluates one fixed validation set (`--eval-samples`; default
 dp_eval * pp * micro-batch, the eval layout's pipeline filled once, the regime of the planner's
 calibration) with `cpkit.eval_cp.evaluate`:
@@ -77,7 +77,7 @@ def parse_layout(text: str) -> tuple[int, int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m cpkit.bench eval_cp",
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m cpkit.bench eval_cp",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--layouts", default=None,
                    help="comma-separated tp<N>pp<M> (default tp1pp2,tp2pp1; cpu: tp1pp1)")
@@ -149,7 +149,7 @@ def _cell(tp, pp, seq, s: Settings, groups, dev) -> dict:
 
     from cpkit.eval_cp import eval_cp_context, evaluate
     from cpkit.eval_plan import plan_eval_cp
-    from cpkit.testing.models import GPTConfig, build_gpt, make_batch
+    from cpkit.models import GPTConfig, build_gpt, make_batch
 
     dtype = torch.bfloat16 if s.dtype == "bf16" else torch.float32
     layout, train_pgs, eval_pgs = groups
@@ -208,10 +208,10 @@ def _cell(tp, pp, seq, s: Settings, groups, dev) -> dict:
 def _worker(s: Settings):
     import torch.distributed as dist
 
-    from cpkit.testing import device
+    from cpkit.launch import device
 
     if s.device == "cpu":
-        from cpkit.testing.models import prepare_cpu
+        from cpkit.models import prepare_cpu
 
         prepare_cpu()
     dev = device()
@@ -257,7 +257,7 @@ def render(results: list[dict], s: Settings) -> str:
 
 def main(argv=None) -> int:
     """Run the benchmark; print the table; write JSON. Returns the process exit code."""
-    from cpkit.testing import RankFailure, launch
+    from cpkit.launch import RankFailure, launch
 
     args = _parser().parse_args(argv)
     try:

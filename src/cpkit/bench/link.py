@@ -121,7 +121,7 @@ def _rank(nbytes, cps, warmup, iters):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m cpkit.bench link", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m cpkit.bench link", description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--ranks", type=int, default=4, help="ranks (GPUs); cp 2 and 4 as far as they go")
     p.add_argument("--quick", action="store_true", help="two small sizes (smoke run)")

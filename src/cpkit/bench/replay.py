@@ -190,7 +190,7 @@ def _plot(path: Path, results: list[dict]) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m cpkit.bench replay",
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m cpkit.bench replay",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke runs)")

@@ -28,7 +28,7 @@ Mixes (lengths capped at min(N, 64) * M tokens: 512K for M = 8192):
 Targets: cpkit >= 1.15x static CP (median over rows) and >= 0.95x on every row; >= 1.05x MCore
 (median over rows); <= 50 ms for 4096 sequences over 1024 ranks on one CPU core. Prints a table,
 writes JSON (bench-results/scheduler.json, or --out) and a PNG of step time per row for the three
-(matplotlib: `pip install cpkit[plot]`).
+(matplotlib: `pip install matplotlib, or pip install -e '.[plot]' in a checkout`).
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def _plot(path: Path, rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     """Run the benchmark; returns 0 (1 if a target is missed and --strict is given)."""
-    parser = argparse.ArgumentParser(prog="python -m cpkit.bench scheduler",
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="python -m cpkit.bench scheduler",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one batch per row, N <= 64")
     parser.add_argument("--batches", type=int, default=None, help="batches per row (default 3, quick 1)")

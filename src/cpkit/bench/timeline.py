@@ -60,12 +60,18 @@ def summarize(trace: dict) -> Timeline:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cpkit.bench.timeline", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m cpkit.bench.timeline", description=__doc__.splitlines()[0])
     p.add_argument("traces", nargs="+", help="Chrome trace JSON files (from --profile)")
     args = p.parse_args(argv)
     for path in args.traces:
-        with open(path) as fh:
-            print(f"{path}: {summarize(json.load(fh)).line()}")
+        try:
+            with open(path, encoding="utf-8") as fh:
+                trace = json.load(fh)
+        except OSError as err:
+            p.error(f"{path}: {err.strerror} (a Chrome trace written by --profile)")
+        except json.JSONDecodeError as err:
+            p.error(f"{path}: not a JSON trace ({err.msg} at line {err.lineno})")
+        print(f"{path}: {summarize(trace).line()}")
     return 0
 
 

@@ -232,7 +232,7 @@ TE_RECORDED_SOURCE = "evidence/2026-11-23-1xH200-e310f65 (1x H200, TE 2.20.2, me
 
 def main(argv=None) -> int:
     """Run the benchmark; returns 0."""
-    parser = argparse.ArgumentParser(prog="python -m cpkit.bench window", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="python -m cpkit.bench window", description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=131072, help="total tokens (default 131072)")
     parser.add_argument("--cp", type=int, default=4, help="CP size (default 4)")
     parser.add_argument("--window", type=int, default=4096, help="causal window in tokens (default 4096)")

@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     from cpkit.cluster.checks import CHECKS
     from cpkit.topology import ALLOW_FLAG
 
-    p = argparse.ArgumentParser(prog="python -m cpkit.cluster", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m cpkit.cluster", description=__doc__.splitlines()[0])
     p.add_argument("check", choices=CHECKS + ("all",), help="what to run")
     p.add_argument("--backend", choices=("nccl", "gloo"), default=None,
                    help="default: nccl where CUDA is present, else gloo")

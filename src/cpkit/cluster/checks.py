@@ -122,10 +122,10 @@ def _bench_attention(job: JobShape) -> Check:
             return None
         bad = [r for r in results if r["error"]]
         assert not bad, "cells failed: " + "; ".join(f"{r['backend']} {r['comm']}: {r['error']}" for r in bad)
-        return render(results, [seq])
+        return render(results, [seq], "cuda" if gpu else "cpu")
 
     return Check("bench-attention", bench, [dict(id=f"{len(cells)}-cells-seq{seq}")],
-                 summarize=lambda values: f"TFLOP/s per GPU (heads {settings.heads}, head dim "
+                 summarize=lambda values: f"TFLOP/s per {'GPU' if gpu else 'rank'} (heads {settings.heads}, head dim "
                                           f"{settings.head_dim}, {settings.dtype}):\n{values[0]}")
 
 

@@ -29,14 +29,14 @@ DEFAULT_UPSTREAM_OUT = "bench-results/cards-upstream-status.json"
 
 def add_parser(sub) -> None:
     """Register `cpkit cards` and its subcommands."""
-    p = sub.add_parser("cards", help="check feature cards and show their follow-up validation status")
+    p = sub.add_parser("cards", allow_abbrev=False, help="check feature cards and show their follow-up validation status")
     cards_sub = p.add_subparsers(dest="cards_command", required=True)
 
-    check = cards_sub.add_parser("check", help="schema, evidence anchors and covering pytest node ids")
+    check = cards_sub.add_parser("check", allow_abbrev=False, help="schema, evidence anchors and covering pytest node ids")
     check.add_argument("--root", type=Path, default=None, help="repository root (default: found from cwd)")
     check.set_defaults(func=run_check)
 
-    status = cards_sub.add_parser("status", help="per card, follow-ups and the tests that cover them")
+    status = cards_sub.add_parser("status", allow_abbrev=False, help="per card, follow-ups and the tests that cover them")
     status.add_argument("--root", type=Path, default=None, help="repository root (default: found from cwd)")
     status.add_argument("--feature", help="only this card (its folder name)")
     status.add_argument("--run", action="store_true",
@@ -51,7 +51,7 @@ def add_parser(sub) -> None:
     status.set_defaults(func=run_status)
 
     record = cards_sub.add_parser(
-        "record", help="write a junit file's outcomes into the last_result of the follow-ups its tests cover",
+        "record", allow_abbrev=False, help="write a junit file's outcomes into the last_result of the follow-ups its tests cover",
         description="Write the outcomes of pytest junit files (pytest --junitxml PATH, e.g. a GPU run) into "
                     "the last_result of every card follow-up whose covering tests they ran: per covering test "
                     "passed, failed, skipped or not run, with the machine, the commit and the date.")
@@ -104,7 +104,11 @@ def run_status(args) -> int:
 
 def _run_upstream_status(root, args) -> int:
     """`cpkit cards status --upstream PATH`: 0 when every upstream item is answered (and, with
-    --run, no answering test failed), 1 otherwise."""
+    --run, no answering test failed), 1 otherwise; 2 when PATH does not exist."""
+    if not Path(args.upstream).exists():
+        print(f"cpkit cards status: --upstream {args.upstream}: no such file or folder "
+              "(give an upstream checkout, e.g. Megatron-Bridge's, or one of its cards)", file=sys.stderr)
+        return 2
     try:
         report = upstream_status(root, args.upstream, args.run,
                                  last_report=args.out or Path(root) / DEFAULT_UPSTREAM_OUT)

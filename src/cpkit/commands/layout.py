@@ -13,6 +13,7 @@ import sys
 
 from cpkit.errors import CPConfigError, Violation
 from cpkit.layout import CPLayout, P2P
+from cpkit.layout_fixes import describe_change, layout_flags, nearest_layouts
 from cpkit.rank_grid import rank_groups
 from cpkit.topology import ALLOW_FLAG, NodeTopology, format_node_report, node_report, topology_violations
 
@@ -43,11 +44,11 @@ def _comm_type(text: str):
 
 def add_parser(sub) -> None:
     """Register `cpkit layout` and its `check` subcommand."""
-    p = sub.add_parser("layout", help="check a CP layout and show its rank groups",
+    p = sub.add_parser("layout", allow_abbrev=False, help="check a CP layout and show its rank groups",
                        description=__doc__.splitlines()[0])
     layout_sub = p.add_subparsers(dest="layout_command", required=True)
     c = layout_sub.add_parser(
-        "check", help="validate sizes, comm type, sequence and heads; print the rank groups",
+        "check", allow_abbrev=False, help="validate sizes, comm type, sequence and heads; print the rank groups",
         description="Validate a CP layout (every violation listed) and print the rank groups "
                     "MCore's default order tp-cp-dp-pp gives it.")
     c.add_argument("--world-size", type=int, required=True, help="number of ranks")
@@ -113,11 +114,18 @@ def check(args: argparse.Namespace) -> int:
     if topo is not None:
         violations += topology_violations(layout, topo, allow_cross_node_a2a=args.allow_cross_node_a2a)
     if violations:
+        fixes = nearest_layouts(layout, check=lambda cand: _placement_violations(cand, args))
         if args.json:
             print(json.dumps({"valid": False, "errors": [v.to_dict() for v in violations],
-                              "dp": layout.dp, "groups": {}}, indent=2))
+                              "dp": layout.dp, "groups": {},
+                              "fixes": [{"changed": describe_change(layout, f), "command": _command(f, args),
+                                         "layout": f.to_dict()} for f in fixes]}, indent=2))
         for v in violations:
             print(f"error: {v.message}", file=sys.stderr)
+        if fixes:
+            print("nearest layouts that pass this check (nearest first):", file=sys.stderr)
+            for f in fixes:
+                print(f"  {_command(f, args)}\n      ({describe_change(layout, f)})", file=sys.stderr)
         return 2
     groups = rank_groups(layout)
     evaluation = _eval_report(layout)
@@ -135,6 +143,22 @@ def check(args: argparse.Namespace) -> int:
     if topology is not None:
         print("\n".join(format_node_report(topology)))
     return 0
+
+
+def _placement_violations(layout: CPLayout, args: argparse.Namespace) -> list[Violation]:
+    """The node-placement violations of `layout` under the --nproc-per-node flags (none without them)."""
+    topo, violations = _node_topology(layout, args)
+    if topo is not None:
+        violations += topology_violations(layout, topo, allow_cross_node_a2a=args.allow_cross_node_a2a)
+    return violations
+
+
+def _command(layout: CPLayout, args: argparse.Namespace) -> str:
+    """The `cpkit layout check` command line for `layout`, with this call's placement flags."""
+    extra = ""
+    if args.nproc_per_node is not None:
+        extra = f" --nproc-per-node {args.nproc_per_node}" + (f" {ALLOW_FLAG}" if args.allow_cross_node_a2a else "")
+    return f"cpkit layout check {layout_flags(layout)}{extra}"
 
 
 def _node_topology(layout: CPLayout, args: argparse.Namespace) -> tuple[NodeTopology | None, list[Violation]]:

@@ -25,17 +25,17 @@ _COLUMNS = (
     ("sample-steps", "sample_steps"),
     ("redundancy", "redundancy"),
     ("activation memory", "activation_memory_ratio"),
-    ("est. time", "time_units"),
+    ("est. time (model units)", "time_units"),
 )
 
 
 def add_parser(sub) -> None:
     """Register `cpkit plan` and its `eval-cp` subcommand."""
-    p = sub.add_parser("plan", help="plan CP features before running them (eval-cp)",
+    p = sub.add_parser("plan", allow_abbrev=False, help="plan CP features before running them (eval-cp)",
                        description="Plan CP features before running them.")
     plan_sub = p.add_subparsers(dest="plan_command", required=True)
     e = plan_sub.add_parser(
-        "eval-cp", help="evaluation work and estimated speedup at another CP degree",
+        "eval-cp", allow_abbrev=False, help="evaluation work and estimated speedup at another CP degree",
         description=("For the training layout and the eval layout (same world, tp and pp, CP "
                      "changed, dp follows): dp, micro-batches per rank to fill the pipeline, "
                      "sample-steps, redundancy, activation memory and the estimated speedup of "

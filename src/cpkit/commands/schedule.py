@@ -5,8 +5,11 @@ BalancedCPScheduler through cpkit.dynamic.mcore; `--impl mlm` runs Megatron-LM's
 DefaultDynamicCPScheduler from the checkout named by CPKIT_MLM_SRC (cpkit.dynamic.mlm; a call
 that does not return within 5 s is reported as the violation `no-crash`). The plan is checked
 against the invariants of cpkit.dynamic.invariants (and run twice for determinism) and timed by
-the step-time model (cpkit.dynamic.cost) next to static CP and the other implementations
-(Megatron-LM's beside cpkit's, MCore's and static CP's with --impl mlm).
+the step-time model (cpkit.dynamic.cost) next to static CP and, with `--vs-mcore`, MCore's
+plan (Megatron-LM's beside cpkit's and static CP's with --impl mlm). Planning imports no torch:
+MCore's scheduler does (it is torch code), so it runs only for `--impl mcore` or `--vs-mcore`.
+The model flags (`--hidden-size` ... `--swiglu`) describe the model the step time is modeled for,
+field by field as cpkit.dynamic.cost.ModelDims (`model_dims_from_args`).
 
 Text: a rank x micro-batch grid (cell "s3/cp4": rank runs sample 3 in a CP group of 4;
 "s1,s5/cp2": samples 1 and 5 packed together; "-": idle; a cell with many samples wraps onto
@@ -46,7 +49,7 @@ _MLM_TIMEOUT_S = 5.0  # a call takes milliseconds; with the worker's start, well
 
 def add_parser(sub) -> None:
     """Register `cpkit schedule`."""
-    p = sub.add_parser("schedule", help="plan a global batch with dynamic CP; print the grid",
+    p = sub.add_parser("schedule", allow_abbrev=False, help="plan a global batch with dynamic CP; print the grid",
                        description=__doc__.splitlines()[0])
     p.add_argument("--dp-cp", type=int, required=True, help="size of the DPxCP group (ranks)")
     p.add_argument("--max-seq-len-per-rank", type=int, required=True,
@@ -63,12 +66,16 @@ def add_parser(sub) -> None:
     p.add_argument("--balance-tolerance", type=float, default=DEFAULT_BALANCE_TOLERANCE,
                    help=argparse.SUPPRESS)  # knob of the compute-only candidate, kept for old scripts
     model = p.add_argument_group("step-time model (cpkit.dynamic.cost)")
-    model.add_argument("--hidden-size", type=int, default=4096)
-    model.add_argument("--num-heads", type=int, default=32)
-    model.add_argument("--num-kv-heads", type=int, default=8)
-    model.add_argument("--head-dim", type=int, default=128)
-    model.add_argument("--num-layers", type=int, default=32)
-    model.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden")
+    model.add_argument("--hidden-size", type=int, default=4096, help="model width (default 4096)")
+    model.add_argument("--num-heads", type=int, default=32, help="query heads (default 32)")
+    model.add_argument("--num-kv-heads", type=int, default=8, help="KV heads / query groups (default 8)")
+    model.add_argument("--head-dim", type=int, default=128, help="per-head dimension (default 128)")
+    model.add_argument("--num-layers", type=int, default=32, help="transformer layers (default 32)")
+    model.add_argument("--ffn-hidden-size", type=int, default=None, help="MLP width (default 4 x hidden)")
+    model.add_argument("--swiglu", action="store_true",
+                       help="gated MLP (SwiGLU: two input projections of --ffn-hidden-size), as MCore's "
+                            "gated_linear_unit; the H100 replay calibration's model uses it")
+    model.add_argument("--bytes-per-element", type=int, default=2, help="activation bytes (default 2: bf16)")
     model.add_argument("--cp-comm-type", choices=COMM_TYPES, default="p2p")
     model.add_argument("--calibration", default=None,
                        help="calibration JSON (python -m cpkit.bench calibrate); default "
@@ -78,8 +85,18 @@ def add_parser(sub) -> None:
     src.add_argument("--seq-lens-file",
                      help="file of sample lengths: a JSON list, or integers separated by commas, "
                           "spaces or newlines")
+    p.add_argument("--vs-mcore", action="store_true",
+                   help="also plan with MCore's BalancedCPScheduler and compare (imports megatron-core "
+                        "and torch: seconds)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
+
+
+def model_dims_from_args(args: argparse.Namespace) -> ModelDims:
+    """The ModelDims the model flags describe (raises CPConfigError for a bad size)."""
+    return ModelDims(hidden_size=args.hidden_size, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
+                     head_dim=args.head_dim, num_layers=args.num_layers, ffn_hidden_size=args.ffn_hidden_size,
+                     bytes_per_element=args.bytes_per_element, gated_linear_unit=args.swiglu)
 
 
 def parse_seq_lens(text: str, source: str) -> list[int]:
@@ -157,7 +174,9 @@ def _step_time_line(stats: dict, impl: str) -> str:
             line += f" ({candidate} candidate)"
         line += (f"; static CP {_seconds(stats.get('static_step_time_s'))}"
                  + _versus(this, "static CP", stats.get("speedup_vs_static")))
-    if impl != "mcore":
+    if impl != "mcore" and stats.get("mcore_compared") is False:
+        line += "; MCore not compared (--vs-mcore)"
+    elif impl != "mcore":
         line += f"; MCore {_seconds(stats.get('mcore_step_time_s'))}"
         if stats.get("speedup_vs_mcore"):
             line += _versus(this, "MCore", stats["speedup_vs_mcore"])
@@ -286,7 +305,8 @@ def plan_report(impl: str, lens, args, model: CostModel) -> tuple[Plan | None, d
                             min_cp_size=args.min_cp, microbatch_group_size=args.microbatch_group_size)
     static_time = model.step_time(static)
     other = "cpkit" if impl == "mcore" else "mcore"
-    other_plan, other_violations = _run_impl(other, lens, args, model)
+    compared = impl == "mcore" or getattr(args, "vs_mcore", False)
+    other_plan, other_violations = _run_impl(other, lens, args, model) if compared else (None, [])
     stats = dict(plan.stats.to_dict()) if plan is not None else {}
     step = model.step_time(plan) if plan is not None else None
     mcore_plan = plan if impl == "mcore" else other_plan
@@ -309,9 +329,11 @@ def plan_report(impl: str, lens, args, model: CostModel) -> tuple[Plan | None, d
         "speedup_vs_mcore": mcore_time / step if step and mcore_time else None,
         "mcore_error": next((v.detail for v in (violations if impl == "mcore" else other_violations)
                              if v.property == "no-crash"), None),
+        "mcore_compared": compared,
         "replay_check": replay_check_line(model.calibration),
         "model": (f"{'real-step' if 'step' in model.calibration.source else 'kernels-only'} model, "
                   f"hidden {d.hidden_size}, heads {d.num_heads}/{d.num_kv_heads} x {d.head_dim}, "
+                  f"{'SwiGLU ' if d.gated_linear_unit else ''}MLP {d.ffn_hidden_size or 4 * d.hidden_size}, "
                   f"{d.num_layers} layers, {model.comm_type}, calibration "
                   f"{calibration_origin(model.calibration)}"),
     })
@@ -327,9 +349,7 @@ def run(args) -> int:
         if args.impl == "mcore" and (args.min_cp != 1 or args.microbatch_group_size):
             raise ValueError("--impl mcore: MCore's BalancedCPScheduler has no min_cp_size or "
                              "microbatch_group_size; drop --min-cp and --microbatch-group-size")
-        dims = ModelDims(hidden_size=args.hidden_size, num_heads=args.num_heads,
-                         num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
-                         num_layers=args.num_layers, ffn_hidden_size=args.ffn_hidden_size)
+        dims = model_dims_from_args(args)
         calibration = load_calibration(args.calibration)
         if "step" in calibration.source:  # the real-step model's host costs (dynamic_step's file)
             from cpkit.dynamic.step_model import StepModel

@@ -12,9 +12,9 @@ __all__ = ["add_parser"]
 
 def add_parser(sub) -> None:
     """Register `cpkit skills` and its subcommands."""
-    p = sub.add_parser("skills", help="check the skill guides under skills/")
+    p = sub.add_parser("skills", allow_abbrev=False, help="check the skill guides under skills/")
     skills_sub = p.add_subparsers(dest="skills_command", required=True)
-    check = skills_sub.add_parser("check", help="frontmatter, anchors, commands and evals.json of every skill")
+    check = skills_sub.add_parser("check", allow_abbrev=False, help="frontmatter, anchors, commands and evals.json of every skill")
     check.add_argument("--root", type=Path, default=None, help="repository root (default: found from cwd)")
     check.set_defaults(func=run_check)
 

@@ -245,7 +245,8 @@ def run(args) -> int:
     rows: list[dict] = []
     owed: dict = {}
     if paths:
-        run_ = run_pytest(root, [*paths, *extra], output="stderr" if to_stdout else "inherit")
+        # "-v" cancels BASE_FLAGS' "-q": pytest's default verbosity names each test file as it runs.
+        run_ = run_pytest(root, ["-v", *paths, *extra], output="stderr" if to_stdout else "inherit")
         rows = _summarise(run_.records, run_.levels)
         owed = gpu_owed(run_.records, run_.levels)
         rc = run_.exit_code
@@ -278,7 +279,7 @@ def run(args) -> int:
 
 def add_parser(sub):
     """Register `cpkit validate`."""
-    p = sub.add_parser("validate", help="run the tests and checks that fit this machine (or cover a change)",
+    p = sub.add_parser("validate", allow_abbrev=False, help="run the tests and checks that fit this machine (or cover a change)",
                        description=__doc__)
     p.add_argument("--changed", nargs="?", const="", default=None, metavar="BASE",
                    help="only the tests that cover paths changed since BASE (default: merge base with main; on "

@@ -25,18 +25,13 @@ import torch
 import torch.distributed as dist
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
+from cpkit.group_info import group_device
+
 __all__ = ["PairSafeP2PCommunicator", "pipeline_communicator"]
 
 
 def _shape_buffer(device) -> torch.Tensor:
     return torch.empty((3,), dtype=torch.int64, device=device)
-
-
-def _device(group: Any) -> Any:
-    # gloo moves CPU tensors (also on a host with GPUs); NCCL the current CUDA device's.
-    if dist.get_backend(group) == "gloo":
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
 
 
 class PairSafeP2PCommunicator(P2PCommunicator):
@@ -46,7 +41,7 @@ class PairSafeP2PCommunicator(P2PCommunicator):
     def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
         if self.pp_group.size() != 2 or getattr(self.config, "use_ring_exchange_p2p", False):
             return super()._communicate_shapes(tensor_send_next, tensor_send_prev, recv_prev, recv_next)
-        device = _device(self.pp_group)
+        device = group_device(self.pp_group)
         recv_prev_shape = _shape_buffer(device) if recv_prev else None
         recv_next_shape = _shape_buffer(device) if recv_next else None
         forward, backward = [], []

@@ -186,7 +186,7 @@ def _cell(verdict: dict) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Print Bridge's and cpkit's verdicts on CONFIGS side by side (`--json` for the records)."""
-    parser = argparse.ArgumentParser(prog="python -m cpkit.testing.bridge_hcp", description=main.__doc__)
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="python -m cpkit.testing.bridge_hcp", description=main.__doc__)
     parser.add_argument("--json", action="store_true", help="print the verdicts as JSON")
     args = parser.parse_args(argv)
     try:

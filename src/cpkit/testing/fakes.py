@@ -6,6 +6,10 @@ ranks answer as a real group's do (`dist.get_process_group_ranks` included), so 
 it through the same calls as a real group and never branches on a stand-in. It suits code that
 only reads a group's shape (registries, rebinding, the hierarchical-group checks), never results
 of a collective.
+
+`fake_group(ranks, device_type="cuda")` stands in for an NCCL group on a CPU-only host: its one
+backend serves CUDA tensors, so a collective on a CPU tensor raises what NCCL raises ("No backend
+type associated with device type cpu"), which gloo never does.
 """
 
 from __future__ import annotations
@@ -20,11 +24,12 @@ from torch.distributed import distributed_c10d as c10d
 __all__ = ["fake_group"]
 
 
-def fake_group(ranks: Sequence[int], rank: Optional[int] = None) -> dist.ProcessGroup:
+def fake_group(ranks: Sequence[int], rank: Optional[int] = None, device_type: str = "cpu") -> dist.ProcessGroup:
     """A fake-backend ProcessGroup over global `ranks`, in which this process is at position `rank`.
 
     `rank` defaults to this process's global rank's position in `ranks` (0 when it is not in
-    them, or torch.distributed is not initialized). The membership is registered where
+    them, or torch.distributed is not initialized). `device_type` is the one device type its
+    backend serves ("cuda": NCCL's, refusing CPU tensors). The membership is registered where
     torch.distributed looks it up, so `dist.get_process_group_ranks(group)` returns `ranks`.
     """
     ranks = list(ranks)
@@ -35,6 +40,6 @@ def fake_group(ranks: Sequence[int], rank: Optional[int] = None) -> dist.Process
     create = getattr(FakeProcessGroup, "_create_internal", FakeProcessGroup)  # its name before torch 2.12
     backend = create(rank, len(ranks))
     group._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
-    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, backend)
+    group._register_backend(torch.device(device_type), dist.ProcessGroup.BackendType.CUSTOM, backend)
     c10d._world.pg_group_ranks[group] = {g: i for i, g in enumerate(ranks)}
     return group

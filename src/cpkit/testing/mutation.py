@@ -212,7 +212,7 @@ def run(module: str, tests: list[str], *, root: Path, sample: int | None = None,
 
 def main(argv: list[str] | None = None) -> int:
     """Command line; 0 when every non-equivalent mutant was killed, else 1."""
-    parser = argparse.ArgumentParser(prog="python -m cpkit.testing.mutation", description=__doc__,
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="python -m cpkit.testing.mutation", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("module", help="the module to mutate, e.g. src/cpkit/sharding.py")
     parser.add_argument("tests", nargs="+", help="pytest paths or node ids that exercise it; after `--`, "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from cpkit.dynamic import CPGroupAssignment, Microbatch, Plan, cp_size_for
 
-__all__ = ["hand_plan", "largest_pow2_le"]
+__all__ = ["MIXED_CP_LENS", "MIXED_CP_MAX_PER_RANK", "hand_plan", "largest_pow2_le", "mixed_cp_plan"]
 
 
 def hand_plan(groups_per_mb, lens, dp_cp_size: int, max_seq_len_per_rank: int = 64) -> Plan:
@@ -24,3 +24,22 @@ def largest_pow2_le(n: int) -> int:
     while k * 2 <= n:
         k *= 2
     return k
+
+
+MIXED_CP_LENS = tuple(n * 16 - 3 for n in (13, 54, 11, 29, 8, 26, 12, 10, 11))
+"""functional/test_dynamic_cp.py's mixed lengths at GPU scale (x16), minus 3 so THD pads them."""
+MIXED_CP_MAX_PER_RANK = 24 * 16
+
+
+def mixed_cp_plan() -> Plan:
+    """MIXED_CP_LENS on 4 ranks at CP sizes 4, 2 and 1, written out rather than searched (the
+    scheduler is free to prefer another plan, e.g. everything at CP 4, and a test of mixed CP
+    sizes must not depend on its preference): the longest sample (861) on all four ranks, 461
+    and 413 on a pair each, the rest one or two per rank; every rank holds at most
+    MIXED_CP_MAX_PER_RANK tokens per micro-batch."""
+    groups = [
+        [((0, 1, 2, 3), (1,))],
+        [((0, 1), (3,)), ((2, 3), (5,))],
+        [((0,), (0,)), ((1,), (2,)), ((2,), (4, 6)), ((3,), (7, 8))],
+    ]
+    return hand_plan(groups, MIXED_CP_LENS, 4, MIXED_CP_MAX_PER_RANK)

@@ -25,6 +25,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu1: device test that needs 1 CUDA device (kernels, merge, sharding)")
     config.addinivalue_line("markers", "gpu2: NCCL test that needs at least 2 CUDA devices")
     config.addinivalue_line("markers", "gpu4: NCCL test that needs at least 4 CUDA devices")
+    config.addinivalue_line("markers", "cpkit_grid(scenario, cases_for, timeout): the rank-pool grid of a case")
 
 
 RANKS_PER_TEST = 4
@@ -82,6 +83,7 @@ def _gpu_count_of(nodeid: str) -> list[str]:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    order_for_pools(items)
     for item in items:
         for name, needed in GPU_MARKERS.items():
             if item.get_closest_marker(name) is None:
@@ -93,15 +95,79 @@ def pytest_collection_modifyitems(config, items):
 
 
 def xdist_group_of(nodeid: str, gpu_markers: list[str]) -> str:
-    """The xdist group of a test: its file; for gpu2/gpu4 tests its file and GPU count (a grid's
-    cases are one launch, run by one worker: grids are cached per process, keyed by world size,
-    so the 2- and 4-GPU grids of a file may run on two workers); every gpu1 test in one group
-    (they run in the worker's own process, on its first GPU)."""
+    """The xdist group of a test: its file; every gpu1 test in one group (they run in the
+    worker's own process, on its first GPU); every gpu2/gpu4 test in one group too, so that one
+    worker owns the host's rank pools and spreads the grids over the GPUs itself
+    (cpkit.grid.PoolSet: disjoint GPU slices, no claims between workers)."""
     path = nodeid.split("::")[0]
     if "gpu1" in gpu_markers:
         return "gpu1"
-    multi = [m for m in gpu_markers if m != "gpu1"]
-    return f"{path}::{multi[-1]}" if multi else path
+    return "nccl" if any(m != "gpu1" for m in gpu_markers) else path
+
+
+def nccl_world_size(item) -> int | None:
+    """The NCCL world size a collected test runs at (its backend/world_size params), or None."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return params.get("world_size") if params.get("backend") == "nccl" else None
+
+
+def order_for_pools(items: list) -> None:
+    """NCCL tests after the rest, smallest world size first (stable otherwise): every 2-GPU grid
+    runs while the 2-GPU pools are up, side by side, then the 3- and 4-GPU grids."""
+    items.sort(key=lambda item: (nccl_world_size(item) or 0))
+
+
+def _will_skip(item) -> bool:
+    from _pytest.skipping import evaluate_skip_marks  # pytest's own reading of skip/skipif
+
+    return evaluate_skip_marks(item) is not None
+
+
+def prefetch_grids(items) -> int:
+    """Start the NCCL grids of `items` that will run (not skipped) in the background; how many."""
+    from cpkit.grid import default_pools
+    from cpkit.testing.params import grid_spec_of
+
+    specs = {}
+    for item in items:
+        if nccl_world_size(item) is None or _will_skip(item):
+            continue
+        spec = grid_spec_of(item)
+        if spec is not None:
+            specs.setdefault(spec.key, spec)
+    default_pools().prefetch(specs.values())
+    return len(specs)
+
+
+_prefetched = False
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Start every NCCL grid of the session in the background, once per process (under xdist
+    only one worker runs NCCL tests: xdist_group_of puts them in one group)."""
+    global _prefetched
+    if _prefetched:
+        return
+    # An xdist worker waits for its first NCCL test (one worker gets them all); a single process
+    # starts them with its first test, so the GPUs work while the CPU tiers run.
+    if os.environ.get("PYTEST_XDIST_WORKER") and (nccl_world_size(item) is None or _will_skip(item)):
+        return
+    _prefetched = True
+    prefetch_grids(item.session.items)
+
+
+def pytest_sessionfinish(session):
+    """Close this process's rank pools (bounded) and log their start-ups into the timing table."""
+    import sys
+
+    grid = sys.modules.get("cpkit.grid")
+    if grid is None or grid._default is None:
+        return
+    from cpkit.launch_times import record_times
+
+    record_times([dict(pool=True, **s) for s in grid._default.stats()])
+    grid._default.close()
 
 
 @pytest.fixture(scope="session")

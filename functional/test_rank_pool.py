@@ -1,0 +1,239 @@
+"""The persistent rank pools themselves (cpkit.rank_pool, cpkit.grid) on gloo: what a failing,
+dying, hanging, skipping, noisy or leaking case does to its own result and to the cases after it.
+Each test fails on a pool that lacks the property it names."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cpkit.grid import CaseFailed, GridSpec, PoolSet, run_cases
+from cpkit.rank_pool import RankPool
+
+pytestmark = pytest.mark.dist
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _sum_case(case):
+    """Every case all-reduces; the named misbehaviour happens on rank 1 after that collective."""
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    me = dist.get_rank()
+    if case == "assert-rank1" and me == 1:
+        raise AssertionError("wrong result on rank 1")
+    if case == "config-error" and me == 1:
+        raise ValueError("seq_length=4096: must be divisible by 2*cp = 6")
+    if case == "exit-rank1" and me == 1:
+        os.write(2, b"rank 1 says goodbye on stderr\n")
+        os._exit(3)
+    if case == "sigkill-rank1" and me == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if case == "hang-rank1" and me == 1:
+        time.sleep(600)
+    if case == "early-rank1":  # rank 1 fails BEFORE a collective rank 0 then waits in
+        if me == 1:
+            raise AssertionError("early failure on rank 1")
+        dist.all_reduce(t)
+    if case == "skip-rank1" and me == 1:
+        pytest.skip("not on rank 1")
+    if case == "skip-all":
+        pytest.skip("nothing to run here")
+    if case == "noisy":
+        print("NCCL INFO a banner on stdout\n" * 50, flush=True)
+        os.write(1, b"\x80\x03garbage that looks like a pickle\n")
+    return (case, t.item(), os.getpid())
+
+
+@pytest.fixture(scope="module")
+def pools():
+    pools = PoolSet()
+    yield pools
+    pools.close()
+
+
+def _pool(pools) -> RankPool:
+    return pools.pool("gloo", 2)[0]
+
+
+def _grid(pools, cases, timeout=120.0):
+    return pools.run_grid(GridSpec(_sum_case, tuple(cases), "gloo", 2, timeout))
+
+
+def test_an_assertion_on_one_rank_fails_its_case_only_and_keeps_the_pool(pools):
+    res = _grid(pools, ["ok-a", "assert-rank1", "ok-b"])
+    assert res["ok-a"].check().values[0][:2] == ("ok-a", 2.0)
+    with pytest.raises(AssertionError, match="wrong result on rank 1"):
+        res["assert-rank1"].check()
+    assert res["assert-rank1"].values[0][:2] == ("assert-rank1", 2.0)  # rank 0 finished it
+    assert res["ok-b"].check().values[1][:2] == ("ok-b", 2.0)
+    pids = {v[2] for r in ("ok-a", "ok-b") for v in res[r].values.values()}
+    assert len(pids) == 2, "the one-sided assertion must not cost a respawn"
+
+
+def test_a_config_error_is_never_an_assertion(pools):
+    """A strict xfail expects AssertionError: a rank's ValueError must raise CaseFailed."""
+    res = _grid(pools, ["config-error"])
+    with pytest.raises(CaseFailed, match="divisible by 2\\*cp"):
+        res["config-error"].check()
+
+
+@pytest.mark.parametrize("death", ["exit-rank1", "sigkill-rank1"])
+def test_a_dying_rank_is_named_and_the_next_case_gets_a_fresh_pool(pools, death):
+    starts = _pool(pools).starts
+    res = _grid(pools, ["ok-a", death, "ok-b"])
+    err = res[death].errors[1]
+    assert "rank 1 of 2 died with exit code" in err, err
+    assert ("exit code 3" in err and "goodbye on stderr" in err) if death == "exit-rank1" else "SIGKILL" in err
+    res["ok-b"].check()
+    assert res["ok-b"].values[0][2] != res["ok-a"].values[0][2]  # rank 0 was replaced too
+    assert _pool(pools).starts == starts + 1
+
+
+def test_a_hanging_rank_hits_the_deadline_with_its_stack_and_later_cases_run(pools):
+    started = time.monotonic()
+    pool = _pool(pools)
+    res = pool.run(_sum_case, "hang-rank1", timeout=8.0)
+    assert time.monotonic() - started < 40
+    assert "the case's deadline" in res.errors[1] and "_sum_case" in res.errors[1], res.errors
+    assert res.values[0][:2] == ("hang-rank1", 2.0)
+    assert pool.run(_sum_case, "ok", timeout=120).values[1][:2] == ("ok", 2.0)
+
+
+def test_ranks_stuck_after_a_one_sided_failure_fail_fast_not_at_the_collective_timeout(pools):
+    started = time.monotonic()
+    res = _grid(pools, ["early-rank1", "after"])
+    assert time.monotonic() - started < 60  # the fail grace, not the 120 s collective timeout
+    assert "early failure on rank 1" in res["early-rank1"].errors[1]
+    assert "waiting in a collective" in res["early-rank1"].errors[0], res["early-rank1"].errors[0]
+    res["after"].check()
+
+
+def test_skips_on_every_rank_skip_and_a_partial_skip_fails_without_blinding_later_cases(pools):
+    res = _grid(pools, ["skip-all", "skip-rank1", "ok"])
+    with pytest.raises(pytest.skip.Exception, match="nothing to run here"):
+        res["skip-all"].check()
+    with pytest.raises(CaseFailed, match=r"skipped on rank\(s\) \[1\] only"):
+        res["skip-rank1"].check()
+    res["ok"].check()
+
+
+def test_noisy_stdout_does_not_corrupt_the_channel(pools):
+    res = _grid(pools, ["noisy", "ok"])
+    assert res["noisy"].check().values[0][:2] == ("noisy", 2.0)
+    res["ok"].check()
+
+
+def _state_case(case):
+    """'dirty' leaves state behind; 'look' reports what it finds."""
+    import megatron.core.parallel_state as ps  # noqa: F401 - imported so the reset sees MCore
+
+    if case == "dirty":
+        os.environ["CPKIT_LEFT_BEHIND"] = "1"
+        torch.set_default_dtype(torch.float64)
+        ps.initialize_model_parallel(context_parallel_size=2)
+        dist.new_group([0, 1])
+        return None
+    return dict(env=os.environ.get("CPKIT_LEFT_BEHIND"), dtype=str(torch.get_default_dtype()),
+                mcore=ps.model_parallel_is_initialized(), draw=torch.rand(3).tolist(), py=random.random())
+
+
+def test_each_case_starts_from_a_clean_slate(pools):
+    res = pools.run_grid(GridSpec(_state_case, ("look-before", "dirty", "look"), "gloo", 2, 180.0))
+    before, after = res["look-before"].check().values[0], res["look"].check().values[0]
+    res["dirty"].check()
+    assert after == before  # env, dtype, MCore, RNG draws: as before the dirty case
+    assert after["env"] is None and after["mcore"] is False and after["dtype"] == "torch.float32"
+
+
+def test_random_order_gives_the_same_results(pools):
+    order = ["look-a", "dirty", "look-b", "look-c"]
+    first = pools.run_grid(GridSpec(_state_case, tuple(order), "gloo", 2, 180.0))
+    shuffled = pools.run_grid(GridSpec(_state_case, tuple(reversed(order)), "gloo", 2, 180.0))
+    for cid in order:
+        assert first[cid].check().values == shuffled[cid].check().values, cid
+
+
+def _leaky_case(case):
+    """'leak' makes the clean-up find 1 GiB more held than before the case (what a module-level
+    list of CUDA tensors looks like to it; CPU ranks hold no GPU memory to leak for real)."""
+    import cpkit.rank_worker as worker
+
+    if case == "leak":
+        worker._held_bytes = lambda device: 1 << 30
+    return os.getpid()
+
+
+def test_a_leak_fails_the_case_that_leaked_and_retires_the_pool(pools):
+    res = pools.run_grid(GridSpec(_leaky_case, ("fine", "leak", "after"), "gloo", 2, 180.0))
+    res["fine"].check()
+    with pytest.raises(CaseFailed, match=r"leak: the case left behind 1024 MiB more GPU memory"):
+        res["leak"].check()
+    assert res["after"].check().values[0] != res["fine"].values[0]  # a fresh pool, no leak left
+
+
+_STALE_OWNER = """
+import sys, time
+sys.path.insert(0, {root!r})
+from cpkit.grid import GridSpec, PoolSet
+from functional.test_rank_pool import _sum_case
+pools = PoolSet()
+pools.run_grid(GridSpec(_sum_case, ("ok",), "gloo", 2, 120.0))
+print("UP", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_pool_starts_cleanly_after_another_owner_was_killed(tmp_path):
+    """A killed owner leaves its rendezvous files behind (no clean-up ran); the next pool must not
+    read them (each pool rendezvouses in a fresh directory)."""
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    owner = subprocess.Popen([sys.executable, "-c", _STALE_OWNER.format(root=ROOT)], stdout=subprocess.PIPE,
+                             text=True, env=env, cwd=ROOT)
+    try:
+        assert owner.stdout.readline().strip() == "UP"
+        owner.kill()
+        owner.wait()
+        assert any(p.name.startswith("cpkit-pool-") for p in tmp_path.iterdir()), "no stale rendezvous left"
+        proc = subprocess.run([sys.executable, "-c", _STALE_OWNER.format(root=ROOT).replace("time.sleep(600)", "")],
+                              capture_output=True, text=True, env=env, cwd=ROOT, timeout=180)
+        assert proc.returncode == 0 and "UP" in proc.stdout, proc.stderr[-3000:]
+    finally:
+        owner.kill()
+
+
+_HUNG_SESSION = """
+import time
+from cpkit.grid import GridSpec, default_pools
+from functional.test_rank_pool import _sum_case
+
+def test_leaves_a_hung_grid_behind():
+    default_pools().prefetch([GridSpec(_sum_case, ("hang-rank1",), "gloo", 2, 600.0)])
+    time.sleep(8)  # rank 1 is now asleep in its case
+"""
+
+
+def test_pytest_exits_promptly_with_a_hung_rank(tmp_path):
+    (tmp_path / "test_hung.py").write_text(textwrap.dedent(_HUNG_SESSION))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
+                           str(tmp_path / "test_hung.py")], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert time.monotonic() - started < 60, "pytest waited for the hung rank"
+
+
+def test_run_cases_runs_on_the_process_pool():
+    """Two grids of one size share one pool: start-up is paid once."""
+    a = run_cases(_sum_case, ["x"], 2, timeout=120)["x"].check().values
+    b = run_cases(_sum_case, ["y"], 2, timeout=120)["y"].check().values
+    assert {v[2] for v in a.values()} == {v[2] for v in b.values()}

@@ -1,0 +1,234 @@
+"""The rank side of a persistent rank pool (cpkit.rank_pool): one process per rank that joins the
+pool's process group once, then runs case after case sent to it by importable name.
+
+Each case runs from the same state: RNG seeded, the environment and torch's global switches as
+the pool found them. After a case the rank syncs through the store (never through a
+communicator a half-done case may still hold), then removes what the case left behind: MCore's
+model-parallel state, RNG tracker and microbatch calculator, compiled-graph caches, the
+environment and torch's global switches.
+A case after which more GPU memory is held than before it is reported as a leak, which fails
+that case and retires the pool; a pool whose cases made many process groups is retired too.
+
+Messages to the parent go over this rank's own pipe, never stdout: NCCL_DEBUG=INFO, print() or a C
+library writing to fd 1 cannot corrupt the channel (fd 1 goes to the rank's stderr file).
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import gc
+import importlib
+import os
+import random
+import signal
+import sys
+import time
+import traceback
+
+from cpkit.rank_stderr import capture_stderr
+
+__all__ = ["BACKEND_ENV", "GPU_LEAK_SLACK_BYTES", "die_with_parent", "rank_main", "resolve"]
+
+BACKEND_ENV = "CPKIT_LAUNCH_BACKEND"
+"""The backend of a rank's process group, read by cpkit.launch.device()."""
+GPU_LEAK_SLACK_BYTES = 512 << 20
+"""GPU memory a rank may hold above its start-up level after a case's clean-up (cuBLAS and cuDNN
+workspaces, allocator rounding); more than this is a leak of the case that left it."""
+SEED = 1234
+MAX_CASE_GROUPS = 256
+"""Process groups cases may accumulate on a pool before it is retired (respawned, not failed)."""
+
+
+def resolve(ref: str):
+    """The callable named by 'module:qualname'."""
+    module, _, qualname = ref.partition(":")
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Have the kernel kill this rank when the process that started it dies (Linux), so that an
+    owner killed outright (SIGKILL, pytest-timeout's thread method) leaves no orphan ranks."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _seed_everything() -> None:
+    import torch
+
+    random.seed(SEED)
+    torch.manual_seed(SEED)  # every CUDA device too
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(SEED)
+
+
+def _torch_switches() -> dict:
+    import torch
+
+    return {
+        "default_dtype": torch.get_default_dtype(),
+        "grad": torch.is_grad_enabled(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+        "tf32_cudnn": torch.backends.cudnn.allow_tf32,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _restore_switches(saved: dict) -> None:
+    import torch
+
+    torch.set_default_dtype(saved["default_dtype"])
+    torch.set_grad_enabled(saved["grad"])
+    torch.use_deterministic_algorithms(saved["deterministic"])
+    torch.backends.cuda.matmul.allow_tf32 = saved["tf32_matmul"]
+    torch.backends.cudnn.allow_tf32 = saved["tf32_cudnn"]
+    torch.set_num_threads(saved["threads"])
+
+
+def _live_groups() -> list:
+    from torch.distributed import distributed_c10d as c10d
+
+    return list(c10d._world.pg_map)
+
+
+def _reset_upstream_state() -> None:
+    """MCore's globals a case may have set up (only where MCore was imported)."""
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is not None:
+        ps.destroy_model_parallel()
+    rnd = sys.modules.get("megatron.core.tensor_parallel.random")
+    if rnd is not None:
+        rnd.get_cuda_rng_tracker().reset()
+    calc = sys.modules.get("megatron.core.num_microbatches_calculator")
+    if calc is not None and hasattr(calc, "destroy_num_microbatches_calculator"):
+        calc.destroy_num_microbatches_calculator()
+    if "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].reset()
+
+
+def _store_sync(store, tag: str, rank: int, world_size: int, timeout_s: float) -> None:
+    """Wait until every rank reached `tag`, through the store alone."""
+    import datetime as dt
+
+    store.set(f"{tag}/{rank}", "1")
+    store.wait([f"{tag}/{r}" for r in range(world_size)], dt.timedelta(seconds=timeout_s))
+
+
+def _held_bytes(device) -> int:
+    """GPU memory held by live tensors after garbage collection (0 on CPU)."""
+    import torch
+
+    gc.collect()
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated(device)
+
+
+def _clean_up(before_bytes: int, baseline_groups: int, device) -> tuple[str | None, bool, int]:
+    """Reset what a case may leave behind; return (leak or None, retire the pool?, bytes held).
+
+    Process groups a case made stay alive: scenarios and MCore cache groups across cases (as
+    they did within one launch), and closing a group a cache still holds breaks the next case.
+    Their number only decides when the pool is retired, to bound NCCL communicator memory."""
+    _reset_upstream_state()
+    held = _held_bytes(device)
+    leak = None
+    if held > before_bytes + GPU_LEAK_SLACK_BYTES:
+        leak = (f"{(held - before_bytes) / 2**20:.0f} MiB more GPU memory held after the case than before it on "
+                f"{device} (module-level state holding tensors?)")
+    return leak, leak is not None or len(_live_groups()) - baseline_groups > MAX_CASE_GROUPS, held
+
+
+def _outcome(fn, case, device):
+    """('ok', value) | ('failed', traceback) for an AssertionError (a wrong result) |
+    ('error', traceback) for any other exception | ('skipped', reason) of fn(case)."""
+    import torch
+
+    try:
+        value = fn(case)
+        if device.type == "cuda":
+            # Work still queued (a collective a peer never joined) shows here, not later.
+            torch.cuda.synchronize(device)
+        return "ok", value
+    except BaseException as exc:  # noqa: BLE001 - every outcome goes to the parent
+        if type(exc).__name__ == "Skipped":  # pytest.skip() inside the case
+            return "skipped", str(getattr(exc, "msg", exc))
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        return ("failed" if isinstance(exc, AssertionError) else "error"), traceback.format_exc()
+
+
+def rank_main(rank, world_size, backend, pool_dir, conn, parent_pid, gpu_ids, threads, pg_timeout_s, sync_timeout_s):
+    """Entry point of one pool rank (multiprocessing spawn target)."""
+    os.setpgid(0, 0)  # the pool kills a rank with its children by process group
+    capture_stderr(os.path.join(pool_dir, f"rank{rank}.stderr"))
+    os.dup2(2, 1)  # the rank's stdout joins its stderr file: nothing can reach the parent's channel
+    die_with_parent(parent_pid)
+    os.environ["CUDA_VISIBLE_DEVICES"] = gpu_ids if backend == "nccl" else ""
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "LOCAL_WORLD_SIZE": str(world_size), BACKEND_ENV: backend})
+    with open(os.path.join(pool_dir, f"rank{rank}.stacks"), "w") as stacks:
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+        try:
+            _serve(rank, world_size, backend, pool_dir, conn, threads, pg_timeout_s, sync_timeout_s)
+        except BaseException:  # noqa: BLE001 - start-up failure or a broken channel
+            try:
+                conn.send(("fatal", traceback.format_exc()))
+            except (OSError, EOFError):
+                pass
+            os._exit(1)
+    os._exit(0)
+
+
+def _serve(rank, world_size, backend, pool_dir, conn, threads, pg_timeout_s, sync_timeout_s):
+    import torch
+    import torch.distributed as dist
+
+    from cpkit.notices import quiet_known_notices
+
+    quiet_known_notices()
+    torch.set_num_threads(threads)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    store = dist.FileStore(os.path.join(pool_dir, "store"), world_size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=pg_timeout_s))
+    baseline_groups = len(_live_groups())
+    held = _held_bytes(device)
+    env, switches = dict(os.environ), _torch_switches()
+    conn.send(("ready", os.getpid()))
+    while True:
+        message = conn.recv()
+        if message[0] == "exit":
+            dist.destroy_process_group()
+            conn.send(("bye",))
+            return
+        _, seq, ref, case = message
+        _seed_everything()
+        start = time.perf_counter()
+        kind, payload = _outcome(resolve(ref), case, device)
+        try:
+            conn.send((kind, seq, payload, time.perf_counter() - start))
+        except Exception:  # noqa: BLE001 - an unpicklable return value is the case's error
+            conn.send(("error", seq, f"the case's return value cannot be sent: {traceback.format_exc()}",
+                       time.perf_counter() - start))
+        _store_sync(store, f"case{seq}", rank, world_size, sync_timeout_s)
+        os.environ.clear()
+        os.environ.update(env)
+        _restore_switches(switches)
+        leak, retire, held = _clean_up(held, baseline_groups, device)
+        conn.send(("clean", seq, leak, retire))
