@@ -309,3 +309,30 @@ def test_schedule_plans_with_torch_blocked():
                           env={"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr
     assert "MCore not compared (--vs-mcore)" in proc.stdout
+
+
+def test_a_step_calibration_plans_with_the_real_step_model_and_without_torch(tmp_path):
+    """A calibration with a "step" section (python -m cpkit.bench dynamic_step writes one) times
+    plans with cpkit.dynamic.step_model.StepModel, still without importing torch."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from cpkit.dynamic.cost import shipped_calibration_path
+    from cpkit.dynamic.step_model import OpCounts, StepCosts
+
+    data = json.loads(shipped_calibration_path().read_text())
+    data["step"] = StepCosts(ops=OpCounts({1: (600.0, 300.0, 16.0, 0.0), 4: (1400.0, 300.0, 17.0, 0.0)}),
+                             host_op_s=20e-6, sync_s=30e-6, mem_s_per_token=2e-9, reduce_opt_s=22e-3).to_dict()
+    cal = tmp_path / "step_calibration.json"
+    cal.write_text(json.dumps(data))
+    src = Path(__file__).resolve().parents[1] / "src"
+    argv = ["schedule"] + LONG_TAIL + ["--num-layers", "4", "--calibration", str(cal)]
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from cpkit.cli import main\n"
+            f"sys.exit(main({argv!r}))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    assert "model: real-step model, hidden 4096" in proc.stdout
+    assert _step_line(proc.stdout).count(BAND) == 1  # static CP's ratio; MCore not compared
