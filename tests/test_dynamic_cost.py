@@ -436,3 +436,38 @@ def test_schedule_takes_a_reference_plan_the_model_cannot_tell_apart():
     assert ref.candidate in ("mlm", "fill")
     assert ref.step_time_s == pytest.approx(own.step_time_s) and ref.step_time_s <= ref.static_step_time_s
     _check_reference(ref, lens, needed_cp_sizes(lens, dp_cp_size=4, max_seq_len_per_rank=M), M)
+
+
+def test_a_reference_plan_that_breaks_an_invariant_is_never_taken():
+    import dataclasses
+
+    from cpkit.dynamic import schedule
+    from cpkit.dynamic.scheduler import needed_cp_sizes
+
+    lens = [7000, 5000, 3000, 2000, 1500, 900, 800, 700, 600, 500, 400, 300, 200, 100]
+    at = dict(dp_cp_size=4, max_seq_len_per_rank=4096)
+    own = schedule(lens, **at, model_error_band=0.0)
+
+    def relabel(plan, rank):  # the same plan on other ranks: the same modeled time
+        return dataclasses.replace(plan, candidate=None, microbatches=tuple(
+            Microbatch(tuple(CPGroupAssignment(tuple(rank(r) for r in g.ranks), g.samples, g.cp_size)
+                             for g in mb.groups)) for mb in plan.microbatches))
+
+    swapped, shifted = relabel(own, lambda r: r ^ 2), relabel(own, lambda r: (r + 1) % 4)  # shifted: unaligned
+    assert CostModel().step_time(swapped) == CostModel().step_time(shifted) == pytest.approx(own.step_time_s)
+    assert schedule(lens, **at, reference_plans={"mcore": swapped}).candidate == "mcore"
+    taken = schedule(lens, **at, reference_plans={"mcore": shifted})
+    assert taken.candidate != "mcore"
+    _check_reference(taken, lens, needed_cp_sizes(lens, **at), 4096)
+    # groups as large as their samples' needs but below min_cp_size break the plan too
+    assert any(g.cp_size == 1 for mb in own.microbatches for g in mb.groups)
+    at_min = schedule(lens, **at, min_cp_size=2, reference_plans={"mlm": own})
+    assert at_min.candidate != "mlm" and all(g.cp_size >= 2 for mb in at_min.microbatches for g in mb.groups)
+
+
+def test_a_reference_plan_of_another_batch_is_a_config_error():
+    from cpkit.dynamic import schedule
+
+    other = schedule([3000, 100], dp_cp_size=2, max_seq_len_per_rank=4096)
+    with pytest.raises(CPConfigError, match=r"reference_plans\['mlm'\].*same seq_lens"):
+        schedule([3000, 200], dp_cp_size=2, max_seq_len_per_rank=4096, reference_plans={"mlm": other})

@@ -15,7 +15,10 @@ References:
   fullest rank; a new micro-batch when none has room.
 - the caller's plans (`reference_plans` of cpkit.dynamic.scheduler.schedule): MCore's
   BalancedCPScheduler, Megatron-LM's DefaultDynamicCPScheduler (cpkit.dynamic.mcore,
-  cpkit.dynamic.mlm), which need MCore or a checkout and so are not made here.
+  cpkit.dynamic.mlm), which need MCore or a checkout and so are not made here. They must plan
+  the same batch (`usable_references`); one that breaks an invariant of
+  cpkit.dynamic.invariants (MCore's and Megatron-LM's plans do at some DPxCP sizes) or puts a
+  sample below its needed CP size is never taken.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ from __future__ import annotations
 from typing import Mapping, Optional, Sequence
 
 from cpkit.dynamic.plan import CPGroupAssignment, Microbatch, Plan
+from cpkit.errors import CPConfigError
 
 __all__ = ["MODEL_ERROR_BAND", "MODEL_ERROR_SOURCE", "VALIDATED_ERROR", "VALIDATED_ON", "choose_plan",
-           "error_band_text", "fill_to_capacity_plan"]
+           "error_band_text", "fill_to_capacity_plan", "usable_references"]
 
 MODEL_ERROR_BAND = 0.10
 """How much faster the model must say cpkit's own plan is before it beats a reference plan."""
@@ -95,6 +99,33 @@ def fill_to_capacity_plan(seq_lens: Sequence[int], needs: Sequence[int], *, dp_c
                 max_seq_len_per_rank=M,
                 workloads=tuple(workloads) if workloads is not None else tuple(float(L) for L in lens),
                 needed_cp_sizes=tuple(needs), candidate="fill", packed=True)
+
+
+def usable_references(references: Optional[Mapping[str, Plan]], seq_lens: Sequence[int],
+                      needs: Sequence[int], *, dp_cp_size: int, max_seq_len_per_rank: int,
+                      microbatch_group_size: Optional[int] = None) -> dict[str, Plan]:
+    """The caller's reference plans that may be taken (name -> Plan). Each must plan this batch:
+    CPConfigError names one with other seq_lens, dp_cp_size or max_seq_len_per_rank. A plan that
+    breaks an invariant (cpkit.dynamic.invariants.plan_violations) or puts a sample on fewer
+    ranks than its need (min_cp_size included) is left out: cpkit never runs a plan it would
+    reject from its own scheduler."""
+    from cpkit.dynamic.invariants import plan_violations
+
+    usable = {}
+    for name, plan in (references or {}).items():
+        if plan is None:
+            continue
+        batch = (tuple(plan.seq_lens), plan.dp_cp_size, plan.max_seq_len_per_rank)
+        if batch != (tuple(seq_lens), dp_cp_size, max_seq_len_per_rank):
+            raise CPConfigError.single(
+                f"reference_plans[{name!r}]", f"seq_lens of {len(plan.seq_lens)} samples, dp_cp_size "
+                f"{plan.dp_cp_size}, max_seq_len_per_rank {plan.max_seq_len_per_rank}",
+                "must plan the same seq_lens, dp_cp_size and max_seq_len_per_rank as schedule()",
+                "plan the batch handed to schedule() with the other scheduler, or leave it out")
+        below_need = any(g.cp_size < needs[s] for mb in plan.microbatches for g in mb.groups for s in g.samples)
+        if not below_need and not plan_violations(plan, microbatch_group_size):
+            usable[name] = plan
+    return usable
 
 
 def choose_plan(own: tuple[float, str, Plan], references: Mapping[str, Plan], step_time,

@@ -47,7 +47,7 @@ import math
 import operator
 from typing import Callable, Iterable, Mapping, Sequence
 
-from cpkit.dynamic.candidates import MODEL_ERROR_BAND, choose_plan, fill_to_capacity_plan
+from cpkit.dynamic.candidates import MODEL_ERROR_BAND, choose_plan, fill_to_capacity_plan, usable_references
 from cpkit.dynamic.cost import CostModel, default_cost_model
 from cpkit.dynamic.earliest_finish import earliest_finish_plan, placing_order
 from cpkit.dynamic.packing import Overflow, pack_microbatch
@@ -421,7 +421,8 @@ def schedule(
         (cpkit.dynamic.step_rules: "free", cpkit's runtime at PP = 1; "lockstep", micro-batches
         end together, which pp_size > 1 implies).
     reference_plans, model_error_band: other schedulers' plans of the batch (name -> Plan), taken
-        over cpkit's unless it wins by more than the band (cpkit.dynamic.candidates.choose_plan).
+        over cpkit's unless it wins by more than the band (cpkit.dynamic.candidates.choose_plan);
+        one that breaks an invariant is never taken (cpkit.dynamic.candidates.usable_references).
 
     The plan is the faster, by the model, of the balancing candidate and static CP
     (cpkit.dynamic.static.static_cp_plan), static winning ties, so it is never modeled slower
@@ -485,7 +486,7 @@ def schedule(
         offer(rank + 1, "balanced", balanced_plan(
             lens, needs, works, min_cp_size=min_cp_size, balance_tolerance=balance_tolerance,
             **args))
-    refs = dict(reference_plans or {})
+    refs = usable_references(reference_plans, lens, needs, **args)
     if pp_size == 1 and (microbatch_group_size or 1) == 1:  # fill ignores VPP's multiple
         refs.setdefault("fill", fill_to_capacity_plan(lens, needs, workloads=works or at_need, **args))
     step_time, name, chosen = choose_plan((best[0], best[2], best[3]), refs, lambda p: model.step_time(
