@@ -1,11 +1,14 @@
 """A model of the real training step of a dynamic-CP plan: kernels plus what the host pays.
 
 cpkit.dynamic.cost.CostModel times the kernels (GEMM, attention, exposed ring communication).
-The real step (cpkit.dynamic.runtime through MCore) pays more, measured at 0f7f3d4 on 4x H200:
-host-launched operations (hundreds per micro-batch, ~300 more per packed sample at 4 layers:
-MCore's per-sequence THD RoPE loop), host syncs, the CP group switch, memory-bound layers
-(norms, residual adds, RoPE, casts), an idle slot's zero-loss backward, the batch preparation
-and the gradient all-reduce with the optimizer. `StepModel` adds them:
+The real step (cpkit.dynamic.runtime through MCore) was measured 1.4-1.7x longer than that
+model at 0f7f3d4 on 4x H200. A reading of the code (op and sync counts checked on CPU with
+MCore 0.19.2; their times inferred, not measured) names what it adds: host-launched operations
+(hundreds per micro-batch, ~300 more per packed sample at 4 layers: MCore's per-sequence THD
+RoPE loop), host syncs, the CP group switch, memory-bound layers (norms, residual adds, RoPE,
+casts), an idle slot's zero-loss backward, the batch preparation and the gradient all-reduce
+with the optimizer. `StepModel` adds them (modeled; not validated on GPUs yet:
+cpkit.dynamic.candidates.VALIDATED_ERROR):
 
     one group's micro-batch  = join(gpu, host) + sync_s * syncs(c, n) + residual_s[c]
       gpu                    = CostModel.group_time (GEMM + attention + exposed ring)
