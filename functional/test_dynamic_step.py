@@ -1,8 +1,9 @@
 """`python -m cpkit.bench dynamic_step --device cpu --quick` end to end on 4 gloo ranks (a smoke
-run of the real-step bench, about 20 s on 2 cores): every plan family that can run here trains
-the same batch through cpkit's runtime, with the same loss (the weights stay put: AdamW at lr
-0), and gets a replayed and a modeled prediction; the link table is written where the replay
-reads it. Its GPU numbers come from the 4-GPU run, not from this test."""
+run of the real-step bench, about 20 s on 2 cores): the calibration is measured on the ranks
+from micro-benchmarks and written where it was asked; every plan family that can run here
+trains the same batch through cpkit's runtime, with the same loss (the weights stay put: AdamW
+at lr 0), and gets the step model's prediction, per rank too; the JSON keeps full plans, per-rank
+times and cpkit's own commit. Its GPU numbers come from the 4-GPU run, not from this test."""
 
 from __future__ import annotations
 
@@ -16,28 +17,38 @@ import pytest
 def test_dynamic_step_smoke_run(tmp_path, capsys):
     pytest.importorskip("megatron.core")
     from cpkit.bench import dynamic_step
-    from cpkit.bench.replay_timing import link_table
+    from cpkit.bench.dynamic_step_report import cpkit_source
+    from cpkit.dynamic.cost import Calibration, ModelDims
+    from cpkit.dynamic.step_model import StepModel
 
-    out, link = tmp_path / "ds.json", tmp_path / "link.json"
+    out, link, cal = tmp_path / "ds.json", tmp_path / "link.json", tmp_path / "cal.json"
     assert dynamic_step.main(["--device", "cpu", "--quick", "--families", "cpkit,static,mcore,mlm",
-                              "--out", str(out), "--link-out", str(link)]) == 0
+                              "--out", str(out), "--link-out", str(link), "--calibration", str(cal)]) == 0
     data = json.loads(out.read_text())
+    assert data["cpkit"]["fingerprint"] == cpkit_source()["fingerprint"]
+    assert data["calibrated_here"] and data["calibration_path"] == str(cal)
+    saved = json.loads(cal.read_text())
+    costs = StepModel(ModelDims(**data["dims"]), Calibration.from_dict(saved)).costs
+    assert set(costs.ops.per_cp) == {1, 2, 4} and costs.ops.ops(4, 2) > costs.ops.ops(1, 2) > 0
+    assert costs.host_op_s > 0 and costs.reduce_opt_s > 0
     (batch,) = data["results"]
     ran = {k: v for k, v in batch["impl"].items() if "step_median_s" in v}
     assert set(ran) >= {"cpkit", "static", "mcore"}, batch["impl"]
     for fam, i in ran.items():
         assert len(i["step_s"]) == data["iters"] == 2
         assert 0 < i["fwd_bwd_median_s"] <= i["step_median_s"]
-        assert i["replayed_s"] > 0 and i["modeled_s"] > 0 and i["tokens_per_s"] > 0
+        assert i["predicted_step_s"] > i["predicted_fwd_bwd_s"] > 0 and i["tokens_per_s"] > 0
+        assert len(i["per_rank"]["fwd_bwd_s"]) == len(i["predicted_per_rank_fwd_bwd_s"]) == 4
+        assert sorted(s for mb in i["plan"]["microbatches"] for g in mb for s in g["samples"]) \
+            == list(range(batch["sequences"]))
     assert ran["mcore"]["lockstep"] and not ran["cpkit"]["lockstep"]
     # fp32 on CPU: every plan computes the loss of the same batch with the same weights
     assert batch["loss_spread"] < 1e-5, {k: v["loss"] for k, v in ran.items()}
     assert "mlm" in batch["impl"] and ("error" in batch["impl"]["mlm"] or "mlm" in ran)
     assert set(data["link_table"]["measurements"]) == {"cp2_batched", "cp2_unbatched", "cp4_batched",
                                                        "cp4_unbatched"}
-    assert link_table(str(link)).name == str(link)
     text = capsys.readouterr().out
-    assert "replay/real" in text and "target cpkit: replay within 10%" in text
+    assert "pred step" in text and "counted per micro-batch" in text and "predicted within 10%" in text
 
 
 @pytest.mark.gpu4

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from cpkit.cli import main
+from cpkit.dynamic.candidates import error_band_text
 
 README_EXAMPLE = ["schedule", "--dp-cp", "8", "--max-seq-len-per-rank", "1024",
          "--seq-lens", "4000,100,200,3000,800,50,1024,1025"]
@@ -201,6 +202,7 @@ def test_lengths_are_required(capsys):
 
 # -- the verdict in the text: which plan won, ratios that read right -----------------------------
 
+BAND = error_band_text()  # beside every ratio
 LONG_TAIL = ["--dp-cp", "8", "--max-seq-len-per-rank", "4096", "--seq-lens", "30000,9000,500,500,2000,16000,3000,1200"]
 
 
@@ -217,8 +219,8 @@ def test_a_dynamic_win_names_its_candidate_and_how_much_faster(capsys):
     assert out.startswith("dynamic CP plan (cpkit): ")
     line = _step_line(out)
     assert f"cpkit {stats['modeled_step_time_s'] * 1e3:.1f} ms ({stats['candidate']} candidate)" in line
-    assert f"static CP {stats['static_step_time_s'] * 1e3:.1f} ms (cpkit {stats['speedup_vs_static']:.2f}x faster)" in line
-    assert f"MCore {stats['mcore_step_time_s'] * 1e3:.1f} ms (cpkit {stats['speedup_vs_mcore']:.2f}x faster)" in line
+    assert f"static CP {stats['static_step_time_s'] * 1e3:.1f} ms (cpkit {stats['speedup_vs_static']:.2f}x faster; {BAND})" in line
+    assert f"MCore {stats['mcore_step_time_s'] * 1e3:.1f} ms (cpkit {stats['speedup_vs_mcore']:.2f}x faster; {BAND})" in line
     assert "(x" not in line
 
 
@@ -236,12 +238,13 @@ def test_a_static_win_is_said_in_the_header_and_the_step_times(capsys):
 def test_mcore_slower_than_static_reads_as_static_faster_and_not_against_itself(capsys):
     assert main(["schedule", "--impl", "mcore"] + LONG_TAIL) == 0
     line = _step_line(capsys.readouterr().out)
-    assert re.search(r"modeled step time: MCore [\d.]+ ms; static CP [\d.]+ ms \(0\.\d\dx: static CP faster\)$", line), line
+    assert re.search(r"modeled step time: MCore [\d.]+ ms; static CP [\d.]+ ms \(0\.\d\dx: static CP faster; "
+                     + re.escape(BAND) + r"\)$", line), line
     assert "1.00" not in line
 
 
-@pytest.mark.parametrize("ratio, worded", [(1.06, "(cpkit 1.06x faster)"), (0.95, "(0.95x: MCore faster)"),
-                                           (1.001, "(1.00x: the same modeled time as cpkit)")])
+@pytest.mark.parametrize("ratio, worded", [(1.06, "(cpkit 1.06x faster; "), (0.95, "(0.95x: MCore faster; "),
+                                           (1.001, "(1.00x: the same modeled time as cpkit; ")])
 def test_each_ratio_says_which_plan_is_faster(ratio, worded):
     from cpkit.commands.schedule import format_plan
     from cpkit.dynamic.scheduler import schedule
@@ -250,7 +253,15 @@ def test_each_ratio_says_which_plan_is_faster(ratio, worded):
     stats = {"modeled_step_time_s": 0.8, "static_step_time_s": 0.9, "speedup_vs_static": 0.9 / 0.8,
              "mcore_step_time_s": 0.8 * ratio, "speedup_vs_mcore": ratio, "candidate": "earliest-finish",
              "model": "m"}
-    assert f"MCore {0.8 * ratio * 1e3:.1f} ms {worded}" in format_plan(plan, stats, [], "cpkit")
+    assert f"MCore {0.8 * ratio * 1e3:.1f} ms {worded}{BAND})" in format_plan(plan, stats, [], "cpkit")
+
+
+def test_the_model_line_names_the_calibrations_host_and_versions_and_every_ratio_its_band(capsys):
+    assert main(["schedule"] + LONG_TAIL + ["--vs-mcore"]) == 0
+    out = capsys.readouterr().out
+    assert "model: kernels-only model, hidden 4096" in out
+    assert "host vm, torch 2.11.0+cu130, megatron-core 0.19.2" in out  # the shipped H200 file's
+    assert BAND.startswith("error band") and _step_line(out).count(BAND) == 2  # static CP's and MCore's
 
 
 # -- the model flags and a planner without torch --------------------------------------------------
@@ -298,3 +309,30 @@ def test_schedule_plans_with_torch_blocked():
                           env={"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr
     assert "MCore not compared (--vs-mcore)" in proc.stdout
+
+
+def test_a_step_calibration_plans_with_the_real_step_model_and_without_torch(tmp_path):
+    """A calibration with a "step" section (python -m cpkit.bench dynamic_step writes one) times
+    plans with cpkit.dynamic.step_model.StepModel, still without importing torch."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from cpkit.dynamic.cost import shipped_calibration_path
+    from cpkit.dynamic.step_model import OpCounts, StepCosts
+
+    data = json.loads(shipped_calibration_path().read_text())
+    data["step"] = StepCosts(ops=OpCounts({1: (600.0, 300.0, 16.0, 0.0), 4: (1400.0, 300.0, 17.0, 0.0)}),
+                             host_op_s=20e-6, sync_s=30e-6, mem_s_per_token=2e-9, reduce_opt_s=22e-3).to_dict()
+    cal = tmp_path / "step_calibration.json"
+    cal.write_text(json.dumps(data))
+    src = Path(__file__).resolve().parents[1] / "src"
+    argv = ["schedule"] + LONG_TAIL + ["--num-layers", "4", "--calibration", str(cal)]
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from cpkit.cli import main\n"
+            f"sys.exit(main({argv!r}))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    assert "model: real-step model, hidden 4096" in proc.stdout
+    assert _step_line(proc.stdout).count(BAND) == 1  # static CP's ratio; MCore not compared

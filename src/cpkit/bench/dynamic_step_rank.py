@@ -1,29 +1,30 @@
 """What every rank of `python -m cpkit.bench dynamic_step` runs (cpkit.launch.launch starts them).
 
-1. The link table (`--link measured`, the default): cpkit.bench.link.measure_ring_exchange on
-   these ranks, at cp 2 and 4, batched and unbatched; the replay and the model read its fit.
-2. An MCore GPTModel (cpkit.models.build_gpt, cpkit's attention, bf16 on CUDA) of the
-   given ModelDims with a small vocabulary (the embedding and output layer are not replayed),
-   one DPxCP group of all ranks (dp = N, cp = 1 statically), the registry of every aligned CP
-   group (cpkit.dynamic.registry) and AdamW at lr 0: the optimizer does all its work, the
-   weights stay put, so every plan of a batch must give the same loss (checked by the report).
-3. Rank 0 only (the others wait): the cost model calibrated from the replay's kernels on this
-   GPU (cpkit.bench.replay_calibration; `--calibration FILE` instead), then per global batch the
-   plans of every family (cpkit.bench.replay_plans.plans) and their predictions: replayed
-   (cpkit.bench.replay.replay_plan, kernels measured here) and modeled (CostModel.step_time).
-   The plans are broadcast to every rank.
-4. Every rank: per plan, `warmup` + `iters` real training steps through cpkit's runtime
+1. Rank 0 starts Megatron-LM's scheduler worker in a thread (CPKIT_MLM_SRC), so no batch waits
+   for it to load.
+2. The calibration: read from its cache file when it exists (`StepSpec.calibration`), else
+   measured here from micro-benchmarks only (cpkit.bench.dynamic_step_calibrate: the link table
+   of the ring on these ranks, the kernels spread over the ranks, op counts and micro-batches of
+   this model on real CP groups) and written there.
+3. An MCore GPTModel (cpkit.models.build_gpt, cpkit's attention, bf16 on CUDA) of the
+   given ModelDims with a small vocabulary, one DPxCP group of all ranks (dp = N, cp = 1
+   statically), the registry of every aligned CP group (cpkit.dynamic.registry), AdamW at lr 0
+   (the optimizer does all its work, the weights stay put: every plan of a batch gives the same
+   loss); one tiny micro-batch per CP size sets up every communicator before anything is timed.
+4. Rank 0, per global batch: the plans of every family and their predictions
+   (cpkit.bench.dynamic_step_predict), broadcast to every rank.
+5. Every rank: per distinct plan, `warmup` + `iters` real training steps through cpkit's runtime
    (prepare_microbatch, agree_on_tokens, forward_backward_local with the per-micro-batch CP
-   switch, all_reduce_gradients, optimizer step). A plan with packed=False (MCore's
-   BalancedCPScheduler) runs as MCore runs it, and as the replay replays it: a group's samples
-   one after another (`run_order`), and every rank waits for the others after each micro-batch
-   (a DPxCP all-reduce on the stream). Times: the slowest rank's, per step (max over ranks).
+   switch, all_reduce_gradients, optimizer step); a plan with packed=False (MCore's) runs as
+   MCore runs it (`run_order`). Times per rank and per step; the columns are the slowest rank's.
+   A family whose plan equals one already run reuses its times (`same_plan_as`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,7 @@ import torch.distributed as dist
 
 from cpkit.bench.replay_plans import Batch
 from cpkit.dynamic.cost import ModelDims
-from cpkit.dynamic.plan import CPGroupAssignment, Microbatch, Plan
+from cpkit.dynamic.plan import Plan
 
 __all__ = ["FAMILIES", "StepSpec", "run_order", "run_rank", "unrunnable"]
 
@@ -57,33 +58,34 @@ class StepSpec:
     link: str
     """"measured" (ring exchange on these ranks) or a spec for replay_timing.link_table."""
     link_bytes: tuple[int, ...]
-    calibration: Optional[str]
-    """A calibration file for the cost model; None: measured from the replay's kernels."""
+    calibration: str
+    """The calibration file: read when it exists (unless `recalibrate`), else measured and written;
+    "": cpkit.bench.dynamic_step_calibrate.cache_path under `calibration_dir`."""
     quick: bool
     budget_s: Optional[float]
     partial_path: Optional[str]
     seed: int = 0
+    calibration_dir: str = "bench-results/dynamic_step-calibration"
+    recalibrate: bool = False
+    replay: bool = False
+    """Also the replay's prediction (rank 0 times every plan's kernels: slow)."""
 
 
 def run_order(plan: Plan) -> tuple[Plan, list[list[int]], bool]:
-    """(plan to run, micro-batch indices per lockstep segment, lockstep) for the runtime.
+    """(plan to run, micro-batch indices per lockstep segment, lockstep) for the runtime, from
+    cpkit.dynamic.step_model.runtime_segments (the step model runs the same order): a packed plan
+    as it is, one segment, free; packed=False: each group's samples one after another, every
+    rank waiting for the others after each of the plan's micro-batches (lockstep)."""
+    from cpkit.dynamic.step_model import runtime_segments
 
-    A packed plan runs as it is, one segment, free. A plan with packed=False runs each group's
-    samples one after another: micro-batch m becomes max(len(samples)) runtime micro-batches
-    (the j-th sample of every group in the j-th), and they form segment m, after which every
-    rank waits for the others (lockstep)."""
     if plan.packed:
         return plan, [list(range(len(plan.microbatches)))], False
-    mbs: list[Microbatch] = []
-    segments = []
-    for mb in plan.microbatches:
-        seg = []
-        for j in range(max((len(g.samples) for g in mb.groups), default=0)):
-            seg.append(len(mbs))
-            mbs.append(Microbatch(tuple(CPGroupAssignment(g.ranks, (g.samples[j],), g.cp_size)
-                                        for g in mb.groups if len(g.samples) > j)))
-        segments.append(seg)
-    return dataclasses.replace(plan, microbatches=tuple(mbs), packed=True), segments, True
+    segments, lockstep = runtime_segments(plan)
+    mbs, index = [], []
+    for seg in segments:
+        index.append(list(range(len(mbs), len(mbs) + len(seg))))
+        mbs += seg
+    return dataclasses.replace(plan, microbatches=tuple(mbs), packed=True), index, lockstep
 
 
 def unrunnable(plan: Plan, sizes: tuple[int, ...]) -> Optional[str]:
@@ -152,67 +154,28 @@ def _step(model, opt, order, registry, pgc, group, samples, device) -> tuple[lis
 
 def _time_plan(model, opt, plan, spec, registry, pgc, group, samples, device) -> dict:
     order = run_order(plan)
-    rows, losses = [], []
+    world = dist.get_world_size(group)
+    per_step = []  # [step][rank][column]
+    losses = []
     for i in range(spec.warmup + spec.iters):
         times, loss = _step(model, opt, order, registry, pgc, group, samples, device)
-        slowest = torch.tensor(times, dtype=torch.float64, device=device)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+        mine = torch.tensor(times, dtype=torch.float64, device=device)
+        every = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(every, mine, group=group)
         if i >= spec.warmup:
-            rows.append(slowest.tolist())
+            per_step.append([t.tolist() for t in every])
             losses.append(loss)
-    out = {k: [r[j] for r in rows] for j, k in enumerate(COLUMNS)}
+    out = {k: [max(r[j] for r in step) for step in per_step] for j, k in enumerate(COLUMNS)}
+    out["per_rank"] = {k: [statistics.median(step[r][j] for step in per_step) for r in range(world)]
+                       for j, k in enumerate(COLUMNS)}
     out["loss"] = losses[0]
     out["runtime_microbatches"] = len(order[0].microbatches)
     out["lockstep"] = order[2]
     return out
 
 
-class _Predictor:
-    """Rank 0's side: the cost model, the plans and the replay (module docstring, step 3)."""
-
-    def __init__(self, spec: StepSpec, link, device, dev_name: str):
-        from cpkit.bench.common import source_commit
-        from cpkit.bench.replay_calibration import calibration_from_timer
-        from cpkit.bench.replay_kernels import KernelTimer
-        from cpkit.dynamic.cost import Calibration, CostModel, load_calibration
-
-        self.spec, self.link = spec, link
-        self.timer = KernelTimer(spec.dims, device, warmup=spec.kernel_warmup, iters=spec.kernel_iters)
-        t0 = time.perf_counter()
-        if spec.calibration:  # its rates, with this run's link table (the replay's)
-            cal = dataclasses.replace(load_calibration(spec.calibration), link=tuple(
-                (b, link.time(b)) for b in (1 << 20, 1 << 26)))
-        else:
-            cal = Calibration.from_dict(calibration_from_timer(
-                self.timer, spec.dims, link, device=dev_name, quick=spec.quick,
-                origin=f"python -m cpkit.bench dynamic_step, commit {source_commit()}"))
-        self.calibration_s = time.perf_counter() - t0
-        self.calibration_source = cal.source
-        self.model = CostModel(dims=spec.dims, calibration=cal)
-
-    def plans(self, batch: Batch) -> dict[str, object]:
-        from cpkit.bench.replay_plans import plans
-        from cpkit.dynamic.mlm import skip_reason
-
-        made = plans(batch, self.model, "free", 1)
-        out = {}
-        for fam in self.spec.families:
-            plan = made.get(fam)
-            if plan is None:  # only mlm is ever absent: no checkout
-                plan = f"skipped: {skip_reason() or 'cpkit.dynamic.mlm is unavailable'}"
-            out[fam] = plan
-        return out
-
-    def predict(self, plan: Plan) -> dict:
-        from cpkit.bench.replay import replay_plan
-
-        r = replay_plan(plan, self.timer, self.link, self.spec.dims, "free", 1)
-        return {"replayed_s": r["step_s"], "replayed_comm_s": r["comm_s"], "busy_s": r["busy_s"],
-                "modeled_s": self.model.step_time(plan, "free", 1)}
-
-
 def _link(spec: StepSpec, device):
-    from cpkit.bench.common import source_commit
+    from cpkit.bench.dynamic_step_report import cpkit_commit
     from cpkit.bench.link import link_table_data, measure_ring_exchange
     from cpkit.bench.replay_timing import LinkTable, link_table
 
@@ -223,7 +186,7 @@ def _link(spec: StepSpec, device):
                                  3 if spec.quick else 10, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke run)"
     table = link_table_data(meas, device=f"{dist.get_world_size()} x {name}",
-                            origin=f"python -m cpkit.bench dynamic_step, commit {source_commit()}")
+                            origin=f"python -m cpkit.bench dynamic_step, cpkit {cpkit_commit()}")
     return LinkTable("measured", table["latency_s"], table["bandwidth_GBps"] * 1e9,
                      table["source"]), table
 
@@ -253,9 +216,42 @@ def _build(spec: StepSpec, device):
     return model, opt, pgc, registry
 
 
+def _calibrate(spec: StepSpec, device, dev_name, link, link_data, model, opt, pgc, registry, group) -> dict:
+    """Measure the calibration on every rank (module docstring, step 2); rank 0's dict."""
+    from cpkit.bench.common import machine_info
+    from cpkit.bench.dynamic_step_calibrate import measure_step_costs, share_kernel_timing
+    from cpkit.bench.dynamic_step_report import cpkit_commit
+    from cpkit.bench.replay_kernels import KernelTimer
+    from cpkit.dynamic.cost import Calibration, CostModel
+
+    t0 = time.perf_counter()
+    longest = max(max(b.seq_lens) for b in spec.batches)
+    per_rank = max(b.max_seq_len_per_rank for b in spec.batches)
+    timer = KernelTimer(spec.dims, device, warmup=spec.kernel_warmup, iters=spec.kernel_iters)
+    cal = share_kernel_timing(timer, spec.dims, link, group, device_name=dev_name, quick=spec.quick,
+                              origin=f"python -m cpkit.bench dynamic_step, cpkit {cpkit_commit()}",
+                              max_tokens=2 * per_rank)
+    kernels_s = time.perf_counter() - t0
+    kernel_model = CostModel(spec.dims, Calibration.from_dict(cal))
+    cal["step"] = measure_step_costs(model, opt, registry, pgc, group, spec.vocab_size, device,
+                                     longest=longest, quick=spec.quick, kernel_model=kernel_model)
+    cal["machine"] = machine_info()
+    cal["software"] = (f"torch {cal['machine']['torch']}, megatron-core {cal['machine'].get('megatron_core')}, "
+                       f"{dist.get_world_size()} ranks")
+    cal["link_table"] = link_data
+    cal["link_name"] = link.to_dict()
+    cal["measured_s"] = {"kernels": kernels_s, "total": time.perf_counter() - t0}
+    return cal
+
+
 def run_rank(spec: StepSpec) -> Optional[dict]:
     """The whole run on this rank (module docstring); rank 0 returns the results, others None."""
+    from cpkit.bench.dynamic_step_calibrate import warm_groups
+    from cpkit.bench.dynamic_step_predict import Predictor, plan_key, plan_record, start_mlm_worker
+    from cpkit.bench.replay_timing import LinkTable
     from cpkit.compat import get_pg
+    from cpkit.dynamic.cost import Calibration
+    from cpkit.dynamic.step_model import StepModel
     from cpkit.launch import device as launcher_device
 
     device = launcher_device()
@@ -265,43 +261,80 @@ def run_rank(spec: StepSpec) -> Optional[dict]:
         prepare_cpu()
     start = time.perf_counter()
     rank = dist.get_rank()
+    if rank == 0:
+        start_mlm_worker()
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke run)"
+    cached = [None, None]
+    if rank == 0:
+        from cpkit.bench.dynamic_step_calibrate import cache_path
+
+        where = Path(spec.calibration) if spec.calibration else cache_path(
+            spec.calibration_dir, dev_name.split(" (")[0], dist.get_world_size(), spec.dims, spec.vocab_size)
+        cached = [str(where), json.loads(where.read_text()) if where.is_file() and not spec.recalibrate
+                  else None]
+    dist.broadcast_object_list(cached, src=0)
+    cal_path, cal = Path(cached[0]), cached[1]
+    if cal is not None and cal.get("dims") != vars(spec.dims):
+        cal = None  # another model's calibration: measure this one's
     phases = {}
-    link, link_data = _link(spec, device)
+    if cal is None:
+        link, link_data = _link(spec, device)
+    else:
+        ln = cal["link_name"]
+        link, link_data = LinkTable(ln["name"], ln["latency_s"], ln["bandwidth_GBps"] * 1e9,
+                                    ln["source"]), cal.get("link_table")
     phases["link_s"] = time.perf_counter() - start
     model, opt, pgc, registry = _build(spec, device)
-    phases["build_s"] = time.perf_counter() - start - phases["link_s"]
     group = get_pg(pgc, "dp_cp")
-    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke run)"
-    predictor = _Predictor(spec, link, device, dev_name) if rank == 0 else None
+    warm_groups(model, registry, pgc, group, spec.vocab_size, device)
+    phases["build_s"] = time.perf_counter() - start - phases["link_s"]
+    calibrated_here = cal is None
+    if cal is None:
+        cal = _calibrate(spec, device, dev_name, link, link_data, model, opt, pgc, registry, group)
+        if rank == 0:
+            cal_path.parent.mkdir(parents=True, exist_ok=True)
+            cal_path.write_text(json.dumps(cal, indent=1) + "\n")
+    phases["calibration_s"] = time.perf_counter() - start - phases["link_s"] - phases["build_s"]
+    # what measuring it cost: the link table too (measured before the model was built)
+    phases["calibration_total_s"] = phases["calibration_s"] + (phases["link_s"] if calibrated_here else 0.0)
+    predictor = None
+    if rank == 0:
+        timer = None
+        if spec.replay:
+            from cpkit.bench.replay_kernels import KernelTimer
+
+            timer = KernelTimer(spec.dims, device, warmup=spec.kernel_warmup, iters=spec.kernel_iters)
+        predictor = Predictor(spec, StepModel(spec.dims, Calibration.from_dict(cal)),
+                              lambda p: unrunnable(p, registry.sizes), timer, link)
     results, skipped = [], []
     for bi, batch in enumerate(spec.batches):
         payload = [None]
-        if rank == 0:
-            if spec.budget_s is not None and time.perf_counter() - start > spec.budget_s:
-                payload = [None]
-            else:
-                t_pred = time.perf_counter()
-                made = predictor.plans(batch)
-                entry = {"set": batch.set, "label": batch.label, "dp_cp_size": batch.dp_cp_size,
-                         "max_seq_len_per_rank": batch.max_seq_len_per_rank,
-                         "sequences": len(batch.seq_lens), "tokens": sum(batch.seq_lens), "impl": {}}
-                runnable = {}
-                for fam, plan in made.items():
-                    if isinstance(plan, str):
-                        entry["impl"][fam] = {"error": plan}
-                        continue
-                    info = predictor.predict(plan)
-                    info["cp_sizes"] = sorted({g.cp_size for mb in plan.microbatches for g in mb.groups})
-                    info["microbatches"] = len(plan.microbatches)
-                    info["packed"] = plan.packed
-                    why = unrunnable(plan, registry.sizes)
-                    if why:
-                        info["error"] = f"not runnable: {why}"
-                    else:
-                        runnable[fam] = plan
-                    entry["impl"][fam] = info
-                entry["predict_wall_s"] = time.perf_counter() - t_pred
-                payload = [(entry, runnable)]
+        if rank == 0 and not (spec.budget_s is not None and time.perf_counter() - start > spec.budget_s):
+            t_pred = time.perf_counter()
+            entry = {"set": batch.set, "label": batch.label, "dp_cp_size": batch.dp_cp_size,
+                     "max_seq_len_per_rank": batch.max_seq_len_per_rank, "seq_lens": list(batch.seq_lens),
+                     "sequences": len(batch.seq_lens), "tokens": sum(batch.seq_lens), "impl": {}}
+            runnable, seen = {}, {}
+            for fam, plan in predictor.plans(batch).items():
+                if isinstance(plan, str):
+                    entry["impl"][fam] = {"error": plan}
+                    continue
+                info = predictor.predict(plan)
+                info["cp_sizes"] = sorted({g.cp_size for mb in plan.microbatches for g in mb.groups})
+                info["microbatches"] = len(plan.microbatches)
+                info["packed"] = plan.packed
+                info["plan"] = plan_record(plan)
+                why = unrunnable(plan, registry.sizes)
+                if why:
+                    info["error"] = f"not runnable: {why}"
+                elif plan_key(plan) in seen:
+                    info["same_plan_as"] = seen[plan_key(plan)]
+                else:
+                    seen[plan_key(plan)] = fam
+                    runnable[fam] = plan
+                entry["impl"][fam] = info
+            entry["predict_wall_s"] = time.perf_counter() - t_pred
+            payload = [(entry, runnable)]
         dist.broadcast_object_list(payload, src=0, group=group)
         if payload[0] is None:
             skipped = [b.label for b in spec.batches[bi:]]
@@ -312,19 +345,24 @@ def run_rank(spec: StepSpec) -> Optional[dict]:
         for fam, plan in runnable.items():
             entry["impl"][fam].update(_time_plan(model, opt, plan, spec, registry, pgc, group,
                                                  samples, device))
+        for fam, info in entry["impl"].items():
+            if "same_plan_as" in info:
+                src = entry["impl"][info["same_plan_as"]]
+                info.update({k: src[k] for k in (*COLUMNS, "per_rank", "loss", "runtime_microbatches",
+                                                  "lockstep") if k in src})
         if rank == 0:
             entry["steps_wall_s"] = time.perf_counter() - t_steps
             results.append(entry)
             print(f"  {entry['label']}: " + ", ".join(
-                f"{k} {sorted(v['step_s'])[len(v['step_s']) // 2] * 1e3:.0f} ms"
-                for k, v in entry["impl"].items() if "step_s" in v), flush=True)
+                f"{k} {statistics.median(v['step_s']) * 1e3:.0f} ms"
+                for k, v in entry["impl"].items() if "step_s" in v)
+                + f" ({time.perf_counter() - start:.0f} s)", flush=True)
             if spec.partial_path:
                 Path(spec.partial_path).parent.mkdir(parents=True, exist_ok=True)
                 Path(spec.partial_path).write_text(json.dumps({"results": results}, default=str))
     if rank != 0:
         return None
-    return {"results": results, "skipped": skipped, "device": dev_name,
-            "link": link.to_dict(), "link_table": link_data,
-            "calibration_s": predictor.calibration_s, "phases": phases,
-            "calibration": predictor.calibration_source,
-            "shapes_measured": predictor.timer.measured, "wall_s": time.perf_counter() - start}
+    return {"results": results, "skipped": skipped, "device": dev_name, "link": link.to_dict(),
+            "link_table": link_data, "phases": phases, "calibration": cal,
+            "calibration_path": str(cal_path), "calibrated_here": calibrated_here,
+            "wall_s": time.perf_counter() - start}

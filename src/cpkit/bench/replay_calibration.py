@@ -31,10 +31,12 @@ def _flops(L: int, dims: ModelDims) -> float:
 
 
 def calibration_from_timer(timer: Timer, dims: ModelDims, link: LinkTable, *, device: str,
-                           origin: str, quick: bool = False) -> dict:
-    """The calibration JSON (cpkit.dynamic.cost.Calibration.from_dict's format)."""
-    tokens = [t for t in TOKENS if t <= 1024] if quick else TOKENS
-    lengths = [L for L in LENGTHS if L <= 512] if quick else LENGTHS
+                           origin: str, quick: bool = False, max_tokens: int | None = None) -> dict:
+    """The calibration JSON (cpkit.dynamic.cost.Calibration.from_dict's format); `max_tokens`:
+    no GEMM or attention shape above it (a rank never holds more; the model extends the last)."""
+    cap = max_tokens or (1 << 30)
+    tokens = [t for t in TOKENS if t <= min(cap, 1024 if quick else cap)]
+    lengths = [L for L in LENGTHS if L <= min(cap, 512 if quick else cap)]
     per_call = 1024 if quick else PER_CALL
 
     def rate(call: AttnCall, L: int, count: int = 1) -> float:

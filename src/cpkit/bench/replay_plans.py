@@ -123,12 +123,14 @@ def _mlm():
 
 
 def plans(batch: Batch, model: CostModel, rule: str, pp_size: int,
-          timeout_s: float = 120.0) -> dict[str, object]:
-    """{implementation: Plan or an error string} for one batch."""
+          timeout_s: float = 120.0, with_cpkit: bool = True) -> dict[str, object]:
+    """{implementation: Plan or an error string} for one batch (`with_cpkit=False`: all but
+    cpkit's, for a caller that schedules with the others as references)."""
     lens, n, M = list(batch.seq_lens), batch.dp_cp_size, batch.max_seq_len_per_rank
     out: dict[str, object] = {}
-    out["cpkit"] = schedule(lens, dp_cp_size=n, max_seq_len_per_rank=M, cost_model=model,
-                            step_rule=rule, pp_size=pp_size)
+    if with_cpkit:
+        out["cpkit"] = schedule(lens, dp_cp_size=n, max_seq_len_per_rank=M, cost_model=model,
+                                step_rule=rule, pp_size=pp_size)
     needs = needed_cp_sizes(lens, dp_cp_size=n, max_seq_len_per_rank=M)
     out["static"] = static_cp_plan(lens, needs, dp_cp_size=n, max_seq_len_per_rank=M,
                                    cost_model=model)

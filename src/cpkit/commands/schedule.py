@@ -15,7 +15,11 @@ Text: a rank x micro-batch grid (cell "s3/cp4": rank runs sample 3 in a CP group
 "s1,s5/cp2": samples 1 and 5 packed together; "-": idle; a cell with many samples wraps onto
 more lines, none is left out), every sample with the CP size it needs
 and the one it got, the modeled step times (each ratio worded: "cpkit 1.06x faster", "0.95x:
-MCore faster"; a header "static CP plan" when cpkit chose static CP), and the violations. `--json` prints
+MCore faster", with the model's validated error band, cpkit.dynamic.candidates.error_band_text;
+a header "static CP plan" when cpkit chose static CP), the model and where its calibration was
+measured (host, torch, MCore), and the violations. A calibration with a "step" section
+(`python -m cpkit.bench dynamic_step` writes one) times plans with the real-step model
+(cpkit.dynamic.step_model.StepModel). `--json` prints
 {"impl", "microbatches", "stats", "violations": [{"property", "detail"}]}.
 Exit 0 for a valid plan, 1 when the implementation broke an invariant (a crash inside it is the
 violation `no-crash`), 2 with one "error: ..." line per problem on stderr for invalid input.
@@ -149,9 +153,12 @@ def _versus(this: str, other: str, ratio: float | None) -> str:
     that it reads right either way: "cpkit 1.06x faster", "0.95x: MCore faster"."""
     if not ratio:
         return ""
+    from cpkit.dynamic.candidates import error_band_text
+
+    band = error_band_text()
     if f"{ratio:.2f}" == "1.00":
-        return f" (1.00x: the same modeled time as {this})"
-    return f" ({this} {ratio:.2f}x faster)" if ratio > 1 else f" ({ratio:.2f}x: {other} faster)"
+        return f" (1.00x: the same modeled time as {this}; {band})"
+    return f" ({this} {ratio:.2f}x faster; {band})" if ratio > 1 else f" ({ratio:.2f}x: {other} faster; {band})"
 
 
 def _step_time_line(stats: dict, impl: str) -> str:
@@ -275,6 +282,16 @@ def _run_impl(impl: str, lens, args, model: CostModel):
     return plan, violations
 
 
+def calibration_origin(calibration) -> str:
+    """Where a calibration was measured: device, host, torch and MCore versions (what it has)."""
+    src = calibration.source
+    machine = src.get("machine") or {}
+    parts = [str(src.get("device", "?")).split(";")[0]]
+    parts += [f"{k} {machine[m]}" for k, m in (("host", "host"), ("torch", "torch"),
+                                               ("megatron-core", "megatron_core")) if machine.get(m)]
+    return ", ".join(parts)
+
+
 def plan_report(impl: str, lens, args, model: CostModel) -> tuple[Plan | None, dict, list]:
     """(plan, stats, violations) of `impl` on `lens`, stats with the modeled step times of the
     plan, static CP and the other implementation (cpkit.dynamic.cost)."""
@@ -314,10 +331,11 @@ def plan_report(impl: str, lens, args, model: CostModel) -> tuple[Plan | None, d
                              if v.property == "no-crash"), None),
         "mcore_compared": compared,
         "replay_check": replay_check_line(model.calibration),
-        "model": (f"hidden {d.hidden_size}, heads {d.num_heads}/{d.num_kv_heads} x {d.head_dim}, "
+        "model": (f"{'real-step' if 'step' in model.calibration.source else 'kernels-only'} model, "
+                  f"hidden {d.hidden_size}, heads {d.num_heads}/{d.num_kv_heads} x {d.head_dim}, "
                   f"{'SwiGLU ' if d.gated_linear_unit else ''}MLP {d.ffn_hidden_size or 4 * d.hidden_size}, "
                   f"{d.num_layers} layers, {model.comm_type}, calibration "
-                  f"{model.calibration.source.get('device', '?').split(';')[0]}"),
+                  f"{calibration_origin(model.calibration)}"),
     })
     if plan is not None and plan.candidate:
         stats["candidate"] = plan.candidate
@@ -332,7 +350,13 @@ def run(args) -> int:
             raise ValueError("--impl mcore: MCore's BalancedCPScheduler has no min_cp_size or "
                              "microbatch_group_size; drop --min-cp and --microbatch-group-size")
         dims = model_dims_from_args(args)
-        model = CostModel(dims, load_calibration(args.calibration), args.cp_comm_type)
+        calibration = load_calibration(args.calibration)
+        if "step" in calibration.source:  # the real-step model's host costs (dynamic_step's file)
+            from cpkit.dynamic.step_model import StepModel
+
+            model = StepModel(dims, calibration, args.cp_comm_type)
+        else:
+            model = CostModel(dims, calibration, args.cp_comm_type)
         plan, stats, violations = plan_report(args.impl, lens, args, model)
     except CPConfigError as err:
         return _fail([v.message for v in err.violations])

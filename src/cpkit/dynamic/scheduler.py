@@ -26,6 +26,8 @@ holds sum(ceil(L / k)) tokens.
      or pp_size > 1): the balancer (`balanced_plan`, below; without a workload it balances
      the model's rank-seconds of each sample at its need).
 3. The fastest wins, static CP on ties: no plan is modeled slower than static CP.
+4. Reference plans replace it unless it is modeled faster by more than the model's error
+   (cpkit.dynamic.candidates: fewer, fuller micro-batches; the caller's `reference_plans`).
 
 The compute-only balancer (`balanced_plan`; w = workload, W = a micro-batch's mean load per
 rank): the fewest micro-batches B for which a balanced plan fits in memory (`_initial_count`,
@@ -43,8 +45,9 @@ import gc
 import heapq
 import math
 import operator
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
+from cpkit.dynamic.candidates import MODEL_ERROR_BAND, choose_plan, fill_to_capacity_plan, usable_references
 from cpkit.dynamic.cost import CostModel, default_cost_model
 from cpkit.dynamic.earliest_finish import earliest_finish_plan, placing_order
 from cpkit.dynamic.packing import Overflow, pack_microbatch
@@ -55,18 +58,8 @@ from cpkit.dynamic.search import (
 from cpkit.dynamic.static import static_cp_plan
 from cpkit.errors import CPConfigError, Violation
 
-__all__ = [
-    "DEFAULT_BALANCE_TOLERANCE",
-    "aligned_roots",
-    "balanced_plan",
-    "cp_size_for",
-    "fastest_cp_size",
-    "largest_group_size",
-    "makespan_bound",
-    "needed_cp_sizes",
-    "schedule",
-    "step_time_floor",
-]
+__all__ = ["DEFAULT_BALANCE_TOLERANCE", "aligned_roots", "balanced_plan", "cp_size_for", "fastest_cp_size",
+           "largest_group_size", "makespan_bound", "needed_cp_sizes", "schedule", "step_time_floor"]
 
 DEFAULT_BALANCE_TOLERANCE = 0.03
 _FILL = 0.8  # token fill per micro-batch that B is planned for: headroom for packing
@@ -404,6 +397,8 @@ def schedule(
     cost_model: CostModel | None = None,
     step_rule: str = "free",
     pp_size: int = 1,
+    reference_plans: Mapping[str, Plan] | None = None,
+    model_error_band: float = MODEL_ERROR_BAND,
 ) -> Plan:
     """Plan one global batch of packed samples over the DPxCP ranks with the least modeled step
     time (algorithm: module docstring).
@@ -425,6 +420,9 @@ def schedule(
     step_rule, pp_size: the runtime's step semantics the candidates are timed under
         (cpkit.dynamic.step_rules: "free", cpkit's runtime at PP = 1; "lockstep", micro-batches
         end together, which pp_size > 1 implies).
+    reference_plans, model_error_band: other schedulers' plans of the batch (name -> Plan), taken
+        over cpkit's unless it wins by more than the band (cpkit.dynamic.candidates.choose_plan);
+        one that breaks an invariant is never taken (cpkit.dynamic.candidates.usable_references).
 
     The plan is the faster, by the model, of the balancing candidate and static CP
     (cpkit.dynamic.static.static_cp_plan), static winning ties, so it is never modeled slower
@@ -488,6 +486,10 @@ def schedule(
         offer(rank + 1, "balanced", balanced_plan(
             lens, needs, works, min_cp_size=min_cp_size, balance_tolerance=balance_tolerance,
             **args))
-    step_time, _, name, chosen = best
+    refs = usable_references(reference_plans, lens, needs, **args)
+    if pp_size == 1 and (microbatch_group_size or 1) == 1:  # fill ignores VPP's multiple
+        refs.setdefault("fill", fill_to_capacity_plan(lens, needs, workloads=works or at_need, **args))
+    step_time, name, chosen = choose_plan((best[0], best[2], best[3]), refs, lambda p: model.step_time(
+        p, step_rule, pp_size), static_time, model_error_band)
     return dataclasses.replace(chosen, step_time_s=step_time, static_step_time_s=static_time,
                                candidate=name)

@@ -1,0 +1,143 @@
+"""Reference plans the scheduler must beat by more than its model's error, and the choice.
+
+Pure Python. cpkit's own plans (cpkit.dynamic.scheduler: static CP, earliest finish, the target
+searches, the balancer) are only as good as the step-time model that ranks them. A plan from
+another scheduler that the model puts close to cpkit's may well be faster in a real step: the
+model's error is larger than the difference. So cpkit keeps its own plan only where the model
+says it wins by more than MODEL_ERROR_BAND; otherwise it takes the best reference plan.
+
+References:
+- `fill_to_capacity_plan`: fewer, fuller micro-batches, the trait of Megatron-LM dev's plans
+  that won real steps at 0f7f3d4 (token fill 0.86-0.87 against cpkit's 0.70-0.74). cpkit's own
+  first-fit packing, not a port: samples, widest need first, then longest, each into the first
+  micro-batch with an aligned block of its need that has room (a free block, or a group of the
+  same block with room for its tokens), taking the option that leaves the fewest tokens on the
+  fullest rank; a new micro-batch when none has room.
+- the caller's plans (`reference_plans` of cpkit.dynamic.scheduler.schedule): MCore's
+  BalancedCPScheduler, Megatron-LM's DefaultDynamicCPScheduler (cpkit.dynamic.mcore,
+  cpkit.dynamic.mlm), which need MCore or a checkout and so are not made here. They must plan
+  the same batch (`usable_references`); one that breaks an invariant of
+  cpkit.dynamic.invariants (MCore's and Megatron-LM's plans do at some DPxCP sizes) or puts a
+  sample below its needed CP size is never taken.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional, Sequence
+
+from cpkit.dynamic.plan import CPGroupAssignment, Microbatch, Plan
+from cpkit.errors import CPConfigError
+
+__all__ = ["MODEL_ERROR_BAND", "MODEL_ERROR_SOURCE", "VALIDATED_ERROR", "VALIDATED_ON", "choose_plan",
+           "error_band_text", "fill_to_capacity_plan", "usable_references"]
+
+MODEL_ERROR_BAND = 0.10
+"""How much faster the model must say cpkit's own plan is before it beats a reference plan."""
+MODEL_ERROR_SOURCE = ("the step model's target (|modeled / real - 1| <= 10% per plan "
+                      "and batch on 4 GPUs); not validated on GPUs yet: python -m cpkit.bench "
+                      "dynamic_step measures the error")
+VALIDATED_ERROR: float | None = None
+"""The largest |modeled / real - 1| of the step model over every plan and batch of the last
+4-GPU `python -m cpkit.bench dynamic_step` run (None: no such run yet)."""
+VALIDATED_ON = "not validated on GPUs yet"
+"""Where VALIDATED_ERROR was measured (the evidence folder), or why there is none."""
+
+
+def error_band_text() -> str:
+    """The validated error band of modeled step times, for every printed ratio."""
+    if VALIDATED_ERROR is None:
+        return f"error band: {VALIDATED_ON}"
+    return f"error band +-{VALIDATED_ERROR:.0%}, {VALIDATED_ON}"
+
+
+def _blocks(dp_cp_size: int, size: int) -> list[int]:
+    """First ranks of the aligned blocks of `size` inside [0, dp_cp_size)."""
+    return [f for f in range(0, dp_cp_size, size) if f + size <= dp_cp_size]
+
+
+def fill_to_capacity_plan(seq_lens: Sequence[int], needs: Sequence[int], *, dp_cp_size: int,
+                          max_seq_len_per_rank: int,
+                          workloads: Optional[Sequence[float]] = None,
+                          microbatch_group_size: Optional[int] = None) -> Plan:
+    """Fewer, fuller micro-batches (module docstring); every sample at its needed CP size.
+
+    seq_lens / needs: per sample (needs from cpkit.dynamic.scheduler.needed_cp_sizes, which
+    validates them). No rank holds more than max_seq_len_per_rank tokens (ceil(L / c) per sample).
+    microbatch_group_size (VPP's multiple) is not honored: the caller offers this plan without VPP.
+    """
+    del microbatch_group_size
+    lens, M = [int(L) for L in seq_lens], int(max_seq_len_per_rank)
+    order = sorted(range(len(lens)), key=lambda i: (-needs[i], -lens[i], i))
+    mbs: list[dict[int, list]] = []  # per micro-batch: first rank -> [cp, samples, tokens per rank]
+    owners: list[list[Optional[int]]] = []
+    for s in order:
+        c, need_tokens = needs[s], -(-lens[s] // needs[s])
+        placed = False
+        for groups, owner in zip(mbs, owners):
+            options = [(g[2] + need_tokens, f) for f, g in groups.items()
+                       if g[0] == c and g[2] + need_tokens <= M]
+            options += [(need_tokens, f) for f in _blocks(dp_cp_size, c)
+                        if all(owner[r] is None for r in range(f, f + c))]
+            if options:
+                _, f = min(options)
+                if f not in groups:
+                    groups[f] = [c, [], 0]
+                    for r in range(f, f + c):
+                        owner[r] = f
+                groups[f][1].append(s)
+                groups[f][2] += need_tokens
+                placed = True
+                break
+        if not placed:
+            f = _blocks(dp_cp_size, c)[0]
+            mbs.append({f: [c, [s], need_tokens]})
+            owners.append([f if f <= r < f + c else None for r in range(dp_cp_size)])
+    microbatches = tuple(Microbatch(tuple(CPGroupAssignment(tuple(range(f, f + g[0])), tuple(g[1]), g[0])
+                                          for f, g in sorted(groups.items())))
+                         for groups in mbs)
+    return Plan(microbatches=microbatches, seq_lens=tuple(lens), dp_cp_size=dp_cp_size,
+                max_seq_len_per_rank=M,
+                workloads=tuple(workloads) if workloads is not None else tuple(float(L) for L in lens),
+                needed_cp_sizes=tuple(needs), candidate="fill", packed=True)
+
+
+def usable_references(references: Optional[Mapping[str, Plan]], seq_lens: Sequence[int],
+                      needs: Sequence[int], *, dp_cp_size: int, max_seq_len_per_rank: int,
+                      microbatch_group_size: Optional[int] = None) -> dict[str, Plan]:
+    """The caller's reference plans that may be taken (name -> Plan). Each must plan this batch:
+    CPConfigError names one with other seq_lens, dp_cp_size or max_seq_len_per_rank. A plan that
+    breaks an invariant (cpkit.dynamic.invariants.plan_violations) or puts a sample on fewer
+    ranks than its need (min_cp_size included) is left out: cpkit never runs a plan it would
+    reject from its own scheduler."""
+    from cpkit.dynamic.invariants import plan_violations
+
+    usable = {}
+    for name, plan in (references or {}).items():
+        if plan is None:
+            continue
+        batch = (tuple(plan.seq_lens), plan.dp_cp_size, plan.max_seq_len_per_rank)
+        if batch != (tuple(seq_lens), dp_cp_size, max_seq_len_per_rank):
+            raise CPConfigError.single(
+                f"reference_plans[{name!r}]", f"seq_lens of {len(plan.seq_lens)} samples, dp_cp_size "
+                f"{plan.dp_cp_size}, max_seq_len_per_rank {plan.max_seq_len_per_rank}",
+                "must plan the same seq_lens, dp_cp_size and max_seq_len_per_rank as schedule()",
+                "plan the batch handed to schedule() with the other scheduler, or leave it out")
+        below_need = any(g.cp_size < needs[s] for mb in plan.microbatches for g in mb.groups for s in g.samples)
+        if not below_need and not plan_violations(plan, microbatch_group_size):
+            usable[name] = plan
+    return usable
+
+
+def choose_plan(own: tuple[float, str, Plan], references: Mapping[str, Plan], step_time,
+                static_time: float, band: float = MODEL_ERROR_BAND) -> tuple[float, str, Plan]:
+    """(modeled time, name, plan) to run: cpkit's `own` (time, name, plan) unless a reference
+    plan, timed by `step_time(plan)`, is within `band` of it, i.e. own does not win by more than
+    the model's error; then the fastest such reference. A reference modeled slower than
+    `static_time` (static CP) is never taken, so the choice is never modeled slower than static."""
+    timed = sorted(((step_time(p), name, p) for name, p in references.items() if p is not None),
+                   key=lambda t: (t[0], t[1]))
+    eligible = [t for t in timed if t[0] <= static_time]
+    if not eligible:
+        return own
+    best = eligible[0]
+    return own if best[0] > own[0] * (1.0 + band) else best
