@@ -55,7 +55,7 @@ from cpkit.dynamic.plan import Microbatch, Plan
 from cpkit.dynamic.search import (
     TARGET_FACTORS, fastest_cp_size, makespan_bound, sample_figures, step_time_floor, target_plans,
 )
-from cpkit.dynamic.static import static_cp_plan
+from cpkit.dynamic.static import static_cp_plan, static_cp_size
 from cpkit.errors import CPConfigError, Violation
 
 __all__ = ["DEFAULT_BALANCE_TOLERANCE", "aligned_roots", "balanced_plan", "cp_size_for", "fastest_cp_size",
@@ -468,6 +468,13 @@ def schedule(
                             workloads=works or at_need, **args)
     offer(0, "static", static)
     static_time = best[0]
+    # Static CP at each wider size: every sample over more ranks in fewer, fuller micro-batches
+    # (Megatron-LM dev's plans at 2 ranks with a micro-batch multiple beat a cp 1 plan so).
+    wider = 2 * static_cp_size(needs, min_cp_size)
+    while wider <= largest and best[0] > floor:
+        offer(0.5, "wider-static", static_cp_plan(lens, needs, cost_model=model, min_cp_size=wider,
+                                                  workloads=works or at_need, **args))
+        wider *= 2
     if best[0] > floor:
         offer(1, "earliest-finish", earliest_finish_plan(lens, needs, widest,
                                                         give_up_at=give_up_at(), **finish_args))
