@@ -20,7 +20,7 @@ from cpkit.cards.record import keep_snapshots
 from cpkit.cards.snapshot import SNAPSHOT_DIR, blob_id, changed_on_disk, find_snapshot
 from cpkit.cli import main
 
-from test_cards_results import CARD, FIXTURES, ROOT, commit_all, git, needs_git, rows_by_id
+from tests.test_cards_results import CARD, FIXTURES, ROOT, commit_all, git, needs_git, rows_by_id
 
 CLUSTER_LOG = """cpkit.cluster: smoke, attention on 4 rank(s), 1 node(s), nccl
 smoke: pass (8.7 s)
