@@ -294,19 +294,22 @@ def test_swiglu_changes_the_modeled_step_time_and_is_named(capsys):
     assert "SwiGLU MLP 14336" in gated["model"] and "MLP 14336" in plain["model"]
 
 
-def test_schedule_plans_with_torch_blocked():
-    """Planning is pure Python: `cpkit schedule` runs in a process where importing torch fails;
-    MCore's plan (torch code) is compared only on request."""
+def _cli_with_torch_blocked(argv: list[str]):
+    """`cpkit argv` in a fresh process in which importing torch fails (planning must not need it)."""
     import subprocess
     import sys
     from pathlib import Path
 
     src = Path(__file__).resolve().parents[1] / "src"
-    code = ("import sys; sys.modules['torch'] = None\n"
-            "from cpkit.cli import main\n"
-            f"sys.exit(main(['schedule'] + {LONG_TAIL!r}))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+    code = f"import sys; sys.modules['torch'] = None\nfrom cpkit.cli import main\nsys.exit(main({argv!r}))"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin"})
+
+
+def test_schedule_plans_with_torch_blocked():
+    """Planning is pure Python: `cpkit schedule` runs in a process where importing torch fails;
+    MCore's plan (torch code) is compared only on request."""
+    proc = _cli_with_torch_blocked(["schedule"] + LONG_TAIL)
     assert proc.returncode == 0, proc.stderr
     assert "MCore not compared (--vs-mcore)" in proc.stdout
 
@@ -314,10 +317,6 @@ def test_schedule_plans_with_torch_blocked():
 def test_a_step_calibration_plans_with_the_real_step_model_and_without_torch(tmp_path):
     """A calibration with a "step" section (python -m cpkit.bench dynamic_step writes one) times
     plans with cpkit.dynamic.step_model.StepModel, still without importing torch."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from cpkit.dynamic.cost import shipped_calibration_path
     from cpkit.dynamic.step_model import OpCounts, StepCosts
 
@@ -326,13 +325,7 @@ def test_a_step_calibration_plans_with_the_real_step_model_and_without_torch(tmp
                              host_op_s=20e-6, sync_s=30e-6, mem_s_per_token=2e-9, reduce_opt_s=22e-3).to_dict()
     cal = tmp_path / "step_calibration.json"
     cal.write_text(json.dumps(data))
-    src = Path(__file__).resolve().parents[1] / "src"
-    argv = ["schedule"] + LONG_TAIL + ["--num-layers", "4", "--calibration", str(cal)]
-    code = ("import sys; sys.modules['torch'] = None\n"
-            "from cpkit.cli import main\n"
-            f"sys.exit(main({argv!r}))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin"})
+    proc = _cli_with_torch_blocked(["schedule"] + LONG_TAIL + ["--num-layers", "4", "--calibration", str(cal)])
     assert proc.returncode == 0, proc.stderr
     assert "model: real-step model, hidden 4096" in proc.stdout
     assert _step_line(proc.stdout).count(BAND) == 1  # static CP's ratio; MCore not compared

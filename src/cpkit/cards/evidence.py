@@ -9,7 +9,6 @@ src/cpkit/cluster/checks.py::CHECKS); its outcome is the check's `pass`/`FAIL` l
 from __future__ import annotations
 
 import datetime as _dt
-import gzip
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,17 +87,6 @@ def _junit_files(folder: Path, commit: str) -> list[Path]:
                   and all(commit.startswith(h) or h.startswith(commit) for h in _HEX.findall(p.name)))
 
 
-def _read_junit_any(path: Path, root: Path) -> tuple[dict[str, str], str | None]:
-    if path.name.endswith(".gz"):
-        import tempfile
-
-        with tempfile.NamedTemporaryFile(suffix=".xml") as tmp:
-            tmp.write(gzip.decompress(path.read_bytes()))
-            tmp.flush()
-            return read_junit(tmp.name, root)
-    return read_junit(path, root)
-
-
 def read_evidence(folder: str | Path, root: str | Path) -> EvidenceRun:
     """The run an evidence folder holds. Raises ValueError for a folder that is missing, badly
     named, or holds neither a junit file nor a cluster log."""
@@ -111,7 +99,7 @@ def read_evidence(folder: str | Path, root: str | Path) -> EvidenceRun:
     outcomes: dict[str, str] = {}
     files, stamps = [], []
     for file in _junit_files(path, commit):
-        found, stamp = _read_junit_any(file, root)
+        found, stamp = read_junit(file, root)
         for node, outcome in found.items():
             outcomes[node] = worst([outcomes[node], outcome]) if node in outcomes else outcome
         files.append(file.name)

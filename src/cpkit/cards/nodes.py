@@ -4,6 +4,7 @@ contains it), and the reading of node ids and outcomes from a pytest junit XML f
 
 from __future__ import annotations
 
+import gzip
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -63,14 +64,14 @@ def _module_path(classname: str, root: Path | None) -> tuple[str, list[str]]:
 
 def read_junit(path: str | Path, root: str | Path | None = None) -> tuple[dict[str, str], str | None]:
     """Node ids and outcomes of a pytest junit XML file (`pytest --junitxml PATH`, any junit
-    family), and the run's timestamp when the file has one. A node id is rebuilt from the
-    case's `file` attribute or its dotted `classname` (resolved against the repository at `root`)
+    family; gzipped when its name ends in .gz), and the run's timestamp when the file has one.
+    A node id is rebuilt from the case's `file` attribute or its dotted `classname` (resolved against the repository at `root`)
     and its `name` (parameters included): `functional/test_x.py::TestY::test_z[nccl2-a2a]`.
     A case listed twice (a rerun) keeps its worst outcome. Raises ValueError naming the file
     when it is not such a file."""
     path = Path(path)
     try:
-        tree = ET.parse(path)
+        tree = ET.parse(gzip.open(path) if path.name.endswith(".gz") else path)
     except (OSError, ET.ParseError) as exc:
         raise ValueError(f"{path}: not a readable junit XML file ({exc})") from None
     top = tree.getroot()
