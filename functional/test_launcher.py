@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import cpkit.launch as launch_mod
 from cpkit.testing import LaunchTimeout, RankFailure, device, dist_params, launch, run_cases
 
 
@@ -315,3 +316,16 @@ def test_ranks_print_no_mcore_notices_and_keep_other_warnings(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "not installed" not in proc.stderr, proc.stderr
     assert proc.stderr.count("UserWarning: a warning of the user's own") == 2, proc.stderr
+
+
+@pytest.mark.dist
+def test_a_rank_failing_to_join_is_marked_joining_and_not_retried(monkeypatch):
+    """A joining failure that is not gloo's mesh flake (cpkit.rendezvous) is reported at once."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "cpkit-no-such-interface")
+    attempts = []
+    real_once = launch_mod._launch_once
+    monkeypatch.setattr(launch_mod, "_launch_once", lambda *a: attempts.append(1) or real_once(*a))
+    with pytest.raises(RankFailure) as info:
+        launch(_rank_and_sum, 2, timeout=120)
+    assert info.value.joining and "cpkit-no-such-interface" in str(info.value)
+    assert len(attempts) == 1

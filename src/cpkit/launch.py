@@ -26,6 +26,7 @@ from cpkit.launch_times import record_times
 from cpkit.notices import child_warnoptions
 from cpkit.rank_stderr import StderrFollower, capture_stderr, describe_exit
 from cpkit.rank_worker import BACKEND_ENV, die_with_parent
+from cpkit.rendezvous import START_ATTEMPTS, is_transient_rendezvous, note_retry
 
 __all__ = [
     "LaunchTimeout",
@@ -44,12 +45,14 @@ _BIND_ENV = "CPKIT_NCCL_BIND_DEVICE"  # "1": init_process_group(device_id=...): 
 
 
 class RankFailure(RuntimeError):
-    """A rank raised (or died). `.rank` is the first failing rank, `.details` maps rank -> text."""
+    """A rank raised (or died). `.rank` is the first failing rank, `.details` maps rank -> text;
+    `.joining` is True when that rank failed while joining the process group, before `fn` ran."""
 
-    def __init__(self, message: str, rank: int | None, details: dict[int, str]):
+    def __init__(self, message: str, rank: int | None, details: dict[int, str], joining: bool = False):
         super().__init__(message)
         self.rank = rank
         self.details = details
+        self.joining = joining
 
 
 class LaunchTimeout(RankFailure):
@@ -92,6 +95,7 @@ def _worker(rank, world_size, backend, store_path, dump_dir, pg_timeout_s, fn, a
             _BACKEND_ENV: backend,
         }
     )
+    joined = False
     try:
         import torch
         import torch.distributed as dist
@@ -116,13 +120,14 @@ def _worker(rank, world_size, backend, store_path, dump_dir, pg_timeout_s, fn, a
             timeout=datetime.timedelta(seconds=pg_timeout_s),
             **bind,
         )
+        joined = True
         # On error, report before tearing the group down: tearing down first would wake the
         # healthy ranks with connection errors that could arrive ahead of the real cause.
         result = fn(*args, **(kwargs or {}))
         out_q.put(("ok", rank, pickle.dumps(result)))
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - everything is reported to the parent
-        out_q.put(("error", rank, traceback.format_exc()))
+        out_q.put(("error" if joined else "joining", rank, traceback.format_exc()))
         out_q.close()
         out_q.join_thread()
         os._exit(1)
@@ -181,7 +186,7 @@ def _collect_stacks(procs, ranks, dump_dir) -> dict[int, str]:
     return stacks
 
 
-def _raise_failure(procs, out_q, world_size, rank, payload, follower):
+def _raise_failure(procs, out_q, world_size, rank, payload, follower, joining=False):
     """Stop every rank and raise RankFailure for `rank`, listing other ranks' errors after it."""
     details = {rank: payload}
     deadline = time.monotonic() + 0.5  # errors the first failure caused elsewhere, if any
@@ -190,7 +195,7 @@ def _raise_failure(procs, out_q, world_size, rank, payload, follower):
             kind, other, text = out_q.get(timeout=0.1)
         except queue_mod.Empty:
             continue
-        if kind == "error":
+        if kind in ("error", "joining"):
             details.setdefault(other, text)
     # A rank that died without a word (a crash, a kill) is often the root cause: name it.
     for r, p in enumerate(procs):
@@ -198,7 +203,7 @@ def _raise_failure(procs, out_q, world_size, rank, payload, follower):
             details[r] = describe_exit(r, world_size, p.exitcode, follower.tail(r))
     _stop(procs)
     text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in details.items())
-    raise RankFailure(f"rank {rank} of {world_size} failed first:\n{text}", rank, details)
+    raise RankFailure(f"rank {rank} of {world_size} failed first:\n{text}", rank, details, joining)
 
 
 def launch(
@@ -247,8 +252,19 @@ def launch(
                        ",".join(mine), threads)
 
 
-def _launch(fn, world_size, backend, timeout, args, kwargs, pg_timeout, cuda_visible,
-            gpu_ids, threads):
+def _launch(fn, world_size, backend, *rest):
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            return _launch_once(fn, world_size, backend, *rest)
+        except RankFailure as failure:
+            first = failure.details.get(failure.rank, "")
+            if not (failure.joining and is_transient_rendezvous(backend, first)) or attempt == START_ATTEMPTS:
+                raise
+            note_retry(f"launch of {getattr(fn, '__name__', fn)} on {world_size} ranks", first)
+
+
+def _launch_once(fn, world_size, backend, timeout, args, kwargs, pg_timeout, cuda_visible,
+                 gpu_ids, threads):
     ctx = mp.get_context("spawn")
     tmp = tempfile.mkdtemp(prefix="cpkit-launch-")
     out_q = ctx.Queue()
@@ -270,8 +286,8 @@ def _launch(fn, world_size, backend, timeout, args, kwargs, pg_timeout, cuda_vis
         kind, rank, payload = message
         if kind == "ok":
             results[rank] = pickle.loads(payload)
-        elif kind == "error":
-            _raise_failure(procs, out_q, world_size, rank, payload, follower)
+        elif kind in ("error", "joining"):
+            _raise_failure(procs, out_q, world_size, rank, payload, follower, kind == "joining")
 
     def gone() -> list[int]:
         # Exit code 0 counts too: a rank that exited cleanly without a result (os._exit(0) in

@@ -32,6 +32,7 @@ from cpkit.coverage_map import current_test_id
 from cpkit.notices import child_warnoptions
 from cpkit.rank_stderr import StderrFollower, describe_exit
 from cpkit.rank_worker import rank_main
+from cpkit.rendezvous import START_ATTEMPTS, is_transient_rendezvous, note_retry
 
 __all__ = ["PoolStartError", "RankPool", "CaseRun", "function_ref"]
 
@@ -41,7 +42,12 @@ DEFAULT_START_TIMEOUT_S = 180.0
 
 
 class PoolStartError(RuntimeError):
-    """The pool's ranks did not all come up; the message holds each rank's account."""
+    """The pool's ranks did not all come up; the message holds each rank's account, `.problems`
+    maps rank -> that account."""
+
+    def __init__(self, message: str, problems: dict[int, str] | None = None):
+        super().__init__(message)
+        self.problems = problems or {}
 
 
 def function_ref(fn: Callable) -> str:
@@ -104,7 +110,18 @@ class RankPool:
 
     # -- life cycle ------------------------------------------------------------------------
     def start(self) -> None:
-        """Spawn the ranks and wait until every one has joined the process group."""
+        """Spawn the ranks and wait until every one has joined the process group (once more
+        after a gloo mesh failure while joining: cpkit.rendezvous)."""
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                return self._start_once()
+            except PoolStartError as error:
+                flaky = [t for t in error.problems.values() if is_transient_rendezvous(self.backend, t)]
+                if not flaky or attempt == START_ATTEMPTS:
+                    raise
+                note_retry(repr(self), flaky[0])
+
+    def _start_once(self) -> None:
         self.close()
         began = time.monotonic()
         ctx = mp.get_context("spawn")
@@ -147,7 +164,7 @@ class RankPool:
         if problems:
             self.kill()
             text = "\n".join(f"--- rank {r} ---\n{t}" for r, t in sorted(problems.items()))
-            raise PoolStartError(f"{self!r} failed to start:\n{text}")
+            raise PoolStartError(f"{self!r} failed to start:\n{text}", problems)
         self.start_seconds += time.monotonic() - began
 
     def close(self, grace_s: float = 5.0) -> None:

@@ -1,0 +1,32 @@
+"""Which start-up failures of a rank group are worth one more try.
+
+gloo's TCP transport occasionally fails to wire its full mesh while the ranks join
+(`Gloo connectFullMesh failed ... Connection closed by peer`, also seen in PyTorch's own
+ProcessGroupGloo tests, pytorch/pytorch#53270), more often on a loaded 2-core machine. No user
+code has run yet, so starting the ranks again with a fresh store hides nothing under test.
+Anything else that fails while the ranks join (NCCL, a bad device, an import error in the rank)
+is reported as it is.
+"""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["START_ATTEMPTS", "is_transient_rendezvous", "note_retry"]
+
+START_ATTEMPTS = 2
+"""A gloo mesh failure while joining is retried once; a second one is reported."""
+
+_GLOO_MESH_FAILURE = "Gloo connectFullMesh failed"
+
+
+def is_transient_rendezvous(backend: str, error_text: str) -> bool:
+    """True for gloo's own mesh failure while the process group is created."""
+    return backend == "gloo" and _GLOO_MESH_FAILURE in error_text
+
+
+def note_retry(what: str, error_text: str) -> None:
+    """Say on stderr that `what` is started again, quoting the failure's last line."""
+    last = next((line for line in reversed(error_text.strip().splitlines()) if line.strip()), "")
+    print(f"cpkit: {what}: gloo failed to connect its ranks ({last.strip()[:200]}); "
+          "starting the ranks again once", file=sys.stderr, flush=True)
