@@ -72,3 +72,41 @@ def test_explicit_choice_or_small_host_is_left_alone(config, cpus, monkeypatch):
     monkeypatch.setattr(pytest_plugin.os, "cpu_count", lambda: cpus)
     pytest_plugin.pytest_cmdline_main(config)
     assert config.option.dist == "no" and config.option.tx == []
+
+
+def _grid_scenario(case):
+    return case
+
+
+def test_a_prefetched_grid_credits_its_cases_to_the_first_test_that_reads_it(monkeypatch):
+    """The coverage map must credit a background grid's cases to the test that reads them,
+    not to whichever test happens to be current while the grid runs."""
+    import threading
+
+    from cpkit.grid import GridSpec, PoolSet
+    from cpkit.rank_pool import CaseRun
+    from cpkit.testing import params
+
+    sent = []
+
+    class FakePool:
+        def run(self, fn, case, timeout, *, test_id=None):
+            sent.append((case, test_id))
+            return CaseRun()
+
+    spec = GridSpec(_grid_scenario, ("a", "b"), "nccl", 2, 60.0)
+    items = [SimpleNamespace(nodeid=f"functional/test_x.py::test_case[nccl-2-{c}]",
+                             callspec=SimpleNamespace(params={"backend": "nccl", "world_size": 2}))
+             for c in ("a", "b")]
+    prefetched = []
+    monkeypatch.setattr(pytest_plugin, "_will_skip", lambda item: False)
+    monkeypatch.setattr(params, "grid_spec_of", lambda item: spec)
+    monkeypatch.setattr("cpkit.grid.default_pools", lambda: SimpleNamespace(prefetch=prefetched.extend))
+    assert pytest_plugin.prefetch_grids(items) == 1
+    assert [s.test_id for s in prefetched] == [items[0].nodeid] and prefetched[0].key == spec.key
+
+    pools = PoolSet(gpu_ids=["0", "1"])
+    monkeypatch.setattr(pools, "pool", lambda *a: (FakePool(), threading.Lock()))
+    monkeypatch.setenv("CPKIT_COVERAGE_CONTEXT", "tests/test_some_other.py::test_current")
+    pools.run_grid(prefetched[0])
+    assert sent == [("a", items[0].nodeid), ("b", items[0].nodeid)]

@@ -71,13 +71,16 @@ def case_id_of(case: Any) -> str:
 
 @dataclass(frozen=True)
 class GridSpec:
-    """A grid to run: scenario, its cases, backend, world size and deadline."""
+    """A grid to run: scenario, its cases, backend, world size and deadline. `test_id`: the test
+    a recorded coverage map credits the cases to (a prefetched grid runs in a background thread
+    while some other test is current); None: the test current when the grid runs."""
 
     fn: Callable[[Any], Any]
     cases: tuple
     backend: str
     world_size: int
     timeout: float = 600.0
+    test_id: str | None = field(default=None, compare=False)
 
     @property
     def key(self) -> tuple:
@@ -139,7 +142,7 @@ class PoolSet:
                                               f"case {cid}" for r in range(spec.world_size)}
                     continue
                 try:
-                    run = pool.run(spec.fn, case, left)
+                    run = pool.run(spec.fn, case, left, test_id=spec.test_id)
                 except PoolStartError as exc:  # this case fails; the next one tries a fresh start
                     results[cid].errors = {r: str(exc) for r in range(spec.world_size)}
                     continue
