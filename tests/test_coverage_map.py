@@ -6,6 +6,7 @@ drift, the format-1 fallback, and rank-side attribution."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -261,7 +262,7 @@ def test_rank_case_context_attributes_a_case_to_its_test(tmp_path):
     coverage = pytest.importorskip("coverage")
     if coverage.Coverage.current() is not None:
         pytest.skip("coverage is measuring this process already (a map being recorded): one tracer at a time")
-    with rank_case_context("tests/test_x.py::t"):  # nothing measuring: a no-op
+    with rank_case_context("tests/test_x.py::t"):  # nothing measuring: no coverage context to switch
         pass
     module = tmp_path / "probe_mod.py"
     module.write_text("def f():\n    return 1\n")
@@ -279,6 +280,29 @@ def test_rank_case_context_attributes_a_case_to_its_test(tmp_path):
         cov.stop()
     contexts = cov.get_data().contexts_by_lineno(str(module))
     assert "tests/test_x.py::t" in contexts[2]
+
+
+def test_a_pooled_case_runs_under_the_id_of_the_test_that_sent_it(monkeypatch):
+    """A pool's rank inherited PYTEST_CURRENT_TEST from the test that started it; each case must
+    see the test that sent it (the changed_recall bench's probes read it), and the rank's own
+    value comes back after the case."""
+    from cpkit.coverage_map import CONTEXT_ENV, current_test_id
+
+    monkeypatch.delenv(CONTEXT_ENV, raising=False)
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/test_second.py::t (call)")
+    assert current_test_id() == "tests/test_second.py::t"
+    monkeypatch.setenv(CONTEXT_ENV, "tests/test_recorded.py::t")  # a map being recorded names it
+    assert current_test_id() == "tests/test_recorded.py::t"
+    monkeypatch.delenv("PYTEST_CURRENT_TEST")
+    monkeypatch.delenv(CONTEXT_ENV)
+    assert current_test_id() is None
+
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/test_first.py::t (call)")  # started the pool
+    with rank_case_context("tests/test_second.py::t"):
+        assert os.environ["PYTEST_CURRENT_TEST"] == "tests/test_second.py::t (call)"
+    assert os.environ["PYTEST_CURRENT_TEST"] == "tests/test_first.py::t (call)"
+    with rank_case_context(None):
+        assert os.environ["PYTEST_CURRENT_TEST"] == "tests/test_first.py::t (call)"
 
 
 POOL_SCRIPT = textwrap.dedent('''\

@@ -122,7 +122,7 @@ CHANGE_MAP: tuple[Row, ...] = (
     Row(("src/cpkit/bench/",), ("tests/test_attention_module.py", "tests/test_eval_plan.py", "tests/test_dynamic_cost.py",
                                 "tests/test_bench_window.py", "tests/test_replay.py", "tests/test_dynamic_step.py",
                                 "tests/test_command_lines.py", "tests/test_readme.py",
-                                "tests/test_bench_attention_table.py"),
+                                "tests/test_bench_attention_table.py", "tests/test_changed_recall.py"),
         ("functional/test_bench.py", "functional/test_replay_gpu.py", "functional/test_dynamic_step.py"),
         "unit, dist, gpu1; 4 GPUs: `python -m cpkit.bench dynamic_step`"),
     Row(("src/cpkit/commands/layout.py",), ("tests/test_layout_cli.py",), (), "unit"),

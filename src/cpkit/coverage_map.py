@@ -45,35 +45,42 @@ MAP_VERSION = 2
 CONTEXT_ENV = "CPKIT_COVERAGE_CONTEXT"
 #: The folders whose test files and modules the map depends on.
 TEST_FOLDERS = ("tests", "functional")
+_PYTEST_CURRENT = "PYTEST_CURRENT_TEST"  # pytest's "<node id> (<phase>)" of the running test
 
 
 def current_test_id() -> str | None:
-    """The test being measured in this (pytest) process, or None when no map is being recorded.
-    A rank pool sends it with each case, for `rank_case_context` on the rank side."""
-    return os.environ.get(CONTEXT_ENV) or None
+    """The test being measured in this (pytest) process while a map is recorded, else the test
+    pytest is running, else None. A rank pool sends it with each case, for `rank_case_context`."""
+    return os.environ.get(CONTEXT_ENV) or os.environ.get(_PYTEST_CURRENT, "").split(" ")[0] or None
 
 
 @contextlib.contextmanager
 def rank_case_context(test_id: str | None) -> Iterator[None]:
-    """In a rank process: attribute what runs inside the block to `test_id` (a pytest node id)
-    in the coverage map being recorded; restores the previous attribution after. A no-op when
-    `test_id` is None or nothing is being measured (coverage.py missing or not started)."""
-    cov = None
-    if test_id:
-        try:
-            import coverage
-
-            cov = coverage.Coverage.current()
-        except ImportError:  # coverage is a test extra: nothing can be measuring
-            cov = None
-    if cov is None:
+    """In a rank process: attribute what runs inside the block to `test_id` (a pytest node id):
+    in the coverage map being recorded, and in PYTEST_CURRENT_TEST (a pooled rank inherited the
+    id of the test that started the pool; tools that read it, such as the changed_recall bench's
+    probes, must see the test that sent the case). Restores both after. `test_id` None: a no-op."""
+    if not test_id:
         yield
         return
-    previous = cov.switch_context(test_id)
+    try:
+        import coverage
+
+        cov = coverage.Coverage.current()
+    except ImportError:  # coverage is a test extra: nothing can be measuring
+        cov = None
+    before = os.environ.get(_PYTEST_CURRENT)
+    os.environ[_PYTEST_CURRENT] = f"{test_id} (call)"
+    previous = cov.switch_context(test_id) if cov is not None else None
     try:
         yield
     finally:
-        cov.switch_context(previous or "")
+        if cov is not None:
+            cov.switch_context(previous or "")
+        if before is None:
+            os.environ.pop(_PYTEST_CURRENT, None)
+        else:
+            os.environ[_PYTEST_CURRENT] = before
 
 
 def function_spans(source: str) -> list[tuple[int, int, str]]:

@@ -2,7 +2,10 @@
 full validation catches? Measured over seeded mutants of src/cpkit (src/cpkit/mutants.py).
 
 For each mutant (a minimal text edit, `mutation.mutant_source`) in a scratch worktree of HEAD:
-1. `cpkit validate --changed HEAD` with the mutant as the only change: its verdict and time.
+1. `cpkit validate --changed HEAD --pytest-args=-x` with the mutant as the only change: its
+   verdict and time. pytest stops at the first failure, so a caught mutant's time is the time to
+   its verdict (a mutant that hangs a ring costs one case's deadline, not every selected case's)
+   and a survivor's time is its whole selection's, as a correct change would cost.
 2. The full validation's verdict, computed soundly but cheaper than one full run per mutant:
    - --changed caught it: the full run, a superset of the same tests and checks, does too;
    - otherwise a test outside the --changed run can only catch it by executing the mutated
@@ -169,7 +172,7 @@ def _changed_stage(scratch: Path, item: dict, timeout: float) -> dict:
                 "reasons": json.loads(selection.stdout.splitlines()[-1])["reasons"]}
     try:
         proc = _sh([sys.executable, "-m", "cpkit.cli", "validate", "--changed", "HEAD", "--root", str(scratch),
-                    "--json", str(report)], scratch, _env(scratch), timeout)
+                    "--json", str(report), "--pytest-args=-x"], scratch, _env(scratch), timeout)
         code = proc.returncode
     except subprocess.TimeoutExpired:
         code = "timeout"
@@ -267,6 +270,9 @@ def _summarise(items: list[dict], log: dict, full_seconds: float | None) -> tupl
                "misses": [r["id"] for r in caught_full if not r["changed"]],
                "full_s": full_seconds,
                "median_changed_s": statistics.median([r["changed_s"] for r in rows if r["changed_s"]] or [0]),
+               # a survivor ran its whole selection: what --changed costs a change that breaks nothing
+               "median_survivor_changed_s": statistics.median(
+                   [r["changed_s"] for r in rows if r["changed_s"] and r["changed"] is False] or [0]),
                "median_time_ratio": statistics.median(ratios) if ratios else None,
                "median_time_ratio_excluding_everything": statistics.median(
                    [r["time_ratio"] for r in rows if r["time_ratio"] is not None and r["changed_s"] is not None] or [0])}

@@ -1,0 +1,66 @@
+"""The changed_recall bench's own logic (cpkit.bench.changed_recall): probes that change no
+behaviour, and the verdicts that recall is computed from."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+from cpkit.bench.changed_recall import _segment, _summarise, probe_source
+from cpkit.mutants import find_mutants
+
+SOURCE = '''\
+def f(a, b):
+    total = a + b
+    if total > 3:
+        return total * 2
+    return -total
+'''
+
+
+def test_probes_record_each_site_and_change_no_result(monkeypatch):
+    mutants, spans = [], []  # sites that do not overlap, as the bench samples them
+    for m in find_mutants(SOURCE):
+        start, end, _ = _segment(SOURCE, m)
+        if not any(start < b and a < end for a, b in spans):
+            mutants.append(m)
+            spans.append((start, end))
+    assert len(mutants) >= 3
+    probed = probe_source(SOURCE, list(enumerate(mutants)))
+    assert probed is not None and probed != SOURCE
+    hits = []
+    monkeypatch.setitem(sys.modules, "cpkit_recall_probe", types.SimpleNamespace(hit=hits.append))
+    plain, with_probes = {}, {}
+    exec(SOURCE, plain)
+    exec(probed, with_probes)
+    for a, b in [(1, 1), (3, 4), (-5, 2)]:
+        assert with_probes["f"](a, b) == plain["f"](a, b)
+    assert set(hits) <= set(range(len(mutants))) and hits
+
+
+def _item(i):
+    return {"id": f"src/cpkit/m.py:{i}", "focus": False}
+
+
+def test_verdicts_from_the_log():
+    items = [_item(i) for i in range(5)]
+    ids = [it["id"] for it in items]
+    log = {
+        ("changed", ids[0]): {"caught": True, "seconds": 30.0, "run": ["tests/a.py"]},
+        ("changed", ids[1]): {"caught": None, "everything": True, "seconds": None, "run": ["tests"]},
+        # survivors: one reached only by its own selection, one reached outside it and caught there
+        ("changed", ids[2]): {"caught": False, "seconds": 50.0, "run": ["tests/a.py"]},
+        ("changed", ids[3]): {"caught": False, "seconds": 70.0, "run": ["tests/a.py"]},
+        ("complement", ids[3]): {"caught": True},
+        # a survivor reached outside its selection with no complement run yet: undecided
+        ("changed", ids[4]): {"caught": False, "seconds": 90.0, "run": ["tests/a.py"]},
+        ("probe", None): {"ids": ids[2:], "unprobed": [],
+                          "reach": {ids[2]: ["tests/a.py"], ids[3]: ["tests/b.py"], ids[4]: ["tests/c.py"]}},
+    }
+    rows, summary = _summarise(items, log, full_seconds=800.0)
+    assert [r["full"] for r in rows] == [True, "same run", False, True, None]
+    assert summary["caught_by_full"] == 2 and summary["caught_by_changed"] == 1
+    assert summary["recall"] == 0.5 and summary["misses"] == [ids[3]]
+    assert summary["undecided"] == [ids[4]] and summary["selected_everything"] == 1
+    assert summary["median_survivor_changed_s"] == 70.0  # survivors ran their whole selection
+    assert rows[1]["time_ratio"] == 1.0 and rows[0]["time_ratio"] == round(30 / 800, 3)
