@@ -15,7 +15,7 @@ import pytest
 
 from cpkit.cards import LastResult, load_card, status_report, write_last_result
 from cpkit.cards.check import check_cards
-from cpkit.cards.evidence import parse_folder_name, read_cluster_log, read_evidence, unrecorded_evidence
+from cpkit.cards.evidence import EvidenceRun, parse_folder_name, read_cluster_log, read_evidence, unrecorded_evidence
 from cpkit.cards.record import keep_snapshots
 from cpkit.cards.snapshot import SNAPSHOT_DIR, blob_id, changed_on_disk, find_snapshot
 from cpkit.cli import main
@@ -129,6 +129,15 @@ def test_cluster_log_and_evidence_folder_are_read(tmp_path):
     (root / "evidence" / "2026-11-27-cpu-abc1234").mkdir()
     with pytest.raises(ValueError, match="holds no junit file"):
         read_evidence(root / "evidence" / "2026-11-27-cpu-abc1234", root)
+
+
+@pytest.mark.parametrize("machine,gpus,fits_one", [("cpu", 0, False), ("CPU", 0, False), ("1xH100", 1, True),
+                                                   ("4xH200", 4, True), ("laptop", None, True)])
+def test_a_folders_machine_says_how_many_gpus_ran(machine, gpus, fits_one):
+    """A CPU folder ran no GPU: it never records a GPU follow-up (a machine the name does not
+    count is not held against the follow-up)."""
+    run = EvidenceRun(f"evidence/2026-11-27-{machine}-abc1234", dt.date(2026, 11, 27), machine, "abc1234")
+    assert run.gpus == gpus and run.fits(1) is fits_one and run.fits(0)
 
 
 def _evidence(repo: Path, name: str, stamp: str, log: str | None = None) -> Path:

@@ -42,6 +42,20 @@ def test_timeline_of_a_missing_file_is_a_usage_error(tmp_path, capsys):
     assert "missing.trace.json: No such file or directory" in err and "Traceback" not in err
 
 
+def test_timeline_reads_a_trace_file_and_prints_its_split(tmp_path, capsys):
+    import json
+
+    from cpkit.bench.timeline import main as timeline_main
+
+    trace = tmp_path / "attn.p2p.rank0.trace.json"  # compute 0-100 us, NCCL 50-130 us: 30 us exposed
+    trace.write_text(json.dumps({"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "flash_fwd", "ts": 0, "dur": 100},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_SendRecv", "ts": 50, "dur": 80}]}))
+    assert timeline_main([str(trace)]) == 0
+    assert capsys.readouterr().out == (f"{trace}: span 0.13 ms: compute 0.10, exposed comm 0.03, idle 0.00 "
+                                       "(comm kernels 0.08 in all, 2 kernels)\n")
+
+
 def test_the_attention_table_says_per_rank_on_cpu_and_per_gpu_on_cuda():
     from cpkit.bench.attention import render
 
