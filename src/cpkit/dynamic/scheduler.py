@@ -1,6 +1,5 @@
-"""Dynamic-CP scheduler: the plan of a global batch with the least modeled step time.
-
-Pure Python (no torch): every rank runs it on the same global batch and gets the same plan.
+"""Dynamic-CP scheduler: the plan of a global batch with the least modeled step time. Pure
+Python (no torch): every rank runs it on the same global batch and gets the same plan.
 
 Terms. N = dp_cp_size ranks, M = max_seq_len_per_rank tokens. A CP group of size k is a block
 of ranks [f, f + k) with k a power of two and f % k == 0 (so it matches a group the registry
@@ -21,7 +20,8 @@ holds sum(ceil(L / k)) tokens.
      first, takes the narrowest size whose earliest finish meets the target (else the earliest
      finish), and every sample longer than a quarter of the target may widen. So a long sample
      spreads wide while short ones stay narrow and pack: CP sizes mix inside a micro-batch;
-   - static CP (cpkit.dynamic.static): every sample at the batch's largest need;
+   - static CP (cpkit.dynamic.static): every sample at the batch's largest need, and at each
+     wider power of two ("wider-static": fewer, fuller micro-batches);
    - with a caller's `workload`, or when micro-batches end together (`step_rule="lockstep"`
      or pp_size > 1): the balancer (`balanced_plan`, below; without a workload it balances
      the model's rank-seconds of each sample at its need).
