@@ -27,6 +27,6 @@ def is_transient_rendezvous(backend: str, error_text: str) -> bool:
 
 def note_retry(what: str, error_text: str) -> None:
     """Say on stderr that `what` is started again, quoting the failure's last line."""
-    last = next((line for line in reversed(error_text.strip().splitlines()) if line.strip()), "")
+    last = (error_text.strip().splitlines() or [""])[-1]
     print(f"cpkit: {what}: gloo failed to connect its ranks ({last.strip()[:200]}); "
           "starting the ranks again once", file=sys.stderr, flush=True)
