@@ -107,7 +107,6 @@ THD_LENS = [13, 5, 21, 9]
 # p2p skips the blocks of ranks 0 and 3 against each other, and shorter ones (chunks of 4 and 3)
 # that alone keep ranks 0-2 and 1-3 live under both grid windows (tests/test_band.py).
 THD_WINDOW_LENS = [45, 27, 61, 0, 21]
-_GROUPS: dict = {}
 
 
 def _comms(world_size: int):
@@ -150,9 +149,9 @@ def _cp_group(case):
     if case["comm"] != "a2a+p2p":
         return dist.group.WORLD
     a2a = case["a2a"]
-    if a2a not in _GROUPS:
-        _GROUPS[a2a] = new_hierarchical_groups(list(range(dist.get_world_size())), a2a)
-    return list(_GROUPS[a2a])  # built over WORLD in order: CP position = global rank
+    # Built over WORLD in order (CP position = global rank); a rank pool hands the groups of an
+    # earlier case out again (cpkit.pool_groups), so asking each case costs no new groups.
+    return list(new_hierarchical_groups(list(range(dist.get_world_size())), a2a))
 
 
 def _inputs(case, cp: int, dev):

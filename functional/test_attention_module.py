@@ -31,20 +31,14 @@ TOLERANCES = {
     ("cuda", torch.bfloat16): dict(rtol=3e-2, atol=3e-2),
 }
 
-_PG_CACHE: dict = {}  # per rank process: one collection per (world, comm type), built once
-
-
 def _pg_collection(world: int, comm: str):
     from cpkit.groups import build_pg_collection
     from cpkit.layout import CPLayout
 
-    key = (world, comm)
-    if key not in _PG_CACHE:
-        hier = [2, world // 2] if comm == "a2a+p2p" else None
-        layout = CPLayout(world_size=world, cp=world, cp_comm_type=comm,
-                          hierarchical_context_parallel_sizes=hier)
-        _PG_CACHE[key] = build_pg_collection(layout)
-    return _PG_CACHE[key]
+    # A rank pool hands the groups of an earlier case out again (cpkit.pool_groups).
+    hier = [2, world // 2] if comm == "a2a+p2p" else None
+    layout = CPLayout(world_size=world, cp=world, cp_comm_type=comm, hierarchical_context_parallel_sizes=hier)
+    return build_pg_collection(layout)
 
 
 def _config(world: int, comm: str, kv_heads: int, dtype, cp_size=None, heads=HEADS, head_dim=HEAD_DIM):

@@ -17,9 +17,12 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from cpkit.launch_times import record_times
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300
@@ -59,9 +62,11 @@ GPU_MARKS = {2: pytest.mark.gpu2, 4: pytest.mark.gpu4}
 
 
 def _cases(backend: str) -> list:
-    """(example, world size) for every size it names; on NCCL those that fit the GPU tier's 4 GPUs."""
+    """(example, world size) for every size it names; on NCCL those that fit the GPU tier's 4 GPUs,
+    started together at the session's first test (cpkit_prefetch), beside the rank pools."""
     marks = {n: GPU_MARKS.get(n) if backend == "nccl" else pytest.mark.dist for n in (2, 4, 8)}
-    return [pytest.param(name, n, id=f"{name}-{n}", marks=marks[n])
+    early = [pytest.mark.cpkit_prefetch(start=_start_nccl_runs)] if backend == "nccl" else []
+    return [pytest.param(name, n, id=f"{name}-{n}", marks=[marks[n], *early])
             for name, (sizes, _) in sorted(EXAMPLES.items()) for n in sizes if marks[n] is not None]
 
 
@@ -85,10 +90,13 @@ def _run(cmd: list[str], *, hide_gpus: bool, gpus: str | None = None) -> str:
         env["CUDA_VISIBLE_DEVICES"] = ""
     elif gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpus
+    started = time.time()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
         out, err = proc.communicate(timeout=TIMEOUT_S)
+        record_times([dict(example=" ".join(cmd[2:]), gpus=gpus, seconds=round(time.time() - started, 2),
+                           t0=round(started, 2), t1=round(time.time(), 2), ok=proc.returncode == 0)])
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()

@@ -239,3 +239,109 @@ def test_run_cases_runs_on_the_process_pool():
     a = run_cases(_sum_case, ["x"], 2, timeout=120)["x"].check().values
     b = run_cases(_sum_case, ["y"], 2, timeout=120)["y"].check().values
     assert {v[2] for v in a.values()} == {v[2] for v in b.values()}
+
+
+_LAYOUTS = ({"tensor_model_parallel_size": 2}, {"context_parallel_size": 2}, {"context_parallel_size": 1})
+
+
+def _threads_and_groups() -> dict:
+    """This rank's threads (all, and those running now but this one), live and kept groups."""
+    import threading
+
+    from cpkit.pool_groups import live_groups
+
+    tasks = os.listdir("/proc/self/task")
+    running = 0
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as fh:
+                state = fh.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        running += state == "R" and int(tid) != threading.get_native_id()
+    return dict(threads=len(tasks), running=running, groups=len(live_groups()))
+
+
+def _layout_case(i):
+    """What a scenario does to groups: MCore's layout groups (its gloo groups too), cpkit's
+    builder, a raw new_group twice over the same ranks, a collective on each; a different
+    layout each time, so that every case asks for groups an earlier case made."""
+    import megatron.core.parallel_state as ps
+
+    from cpkit.groups import build_pg_collection
+    from cpkit.layout import CPLayout
+
+    ps.initialize_model_parallel(**_LAYOUTS[i % len(_LAYOUTS)])
+    cp = 1 + i % 2
+    pgs = build_pg_collection(CPLayout(world_size=2, cp=cp, seq_length=64))
+    a, b = dist.new_group([0, 1]), dist.new_group([0, 1])
+    assert a is not b, "two requests in one case must get two groups"
+    t, expected = torch.ones(1), 1
+    for group in (a, b, pgs.cp, ps.get_data_parallel_group(with_context_parallel=True)):
+        dist.all_reduce(t, group=group)
+        expected *= dist.get_world_size(group)
+    assert t.item() == expected, (t.item(), expected)
+    return dict(_threads_and_groups(), pid=os.getpid())
+
+
+def _probe_case(case):
+    return _threads_and_groups()
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads threads and CPU time from /proc")
+def test_groups_threads_and_cpu_stay_flat_over_500_cases():
+    """Cases that build the same layouts again reuse the pool's groups: threads, running threads
+    and live groups per rank are the same after case 500 as after the first round of layouts,
+    and the ranks never respawn; after the grid the pool keeps only its world group, and its
+    idle ranks use next to no CPU (kept gloo groups took a 2-core machine's load past 800)."""
+    pools = PoolSet()
+    try:
+        cases = list(range(500))
+        res = pools.run_grid(GridSpec(_layout_case, tuple(cases), "gloo", 2, 900.0))
+        for i in cases:
+            res[str(i)].check()
+        warm = res[str(2 * len(_LAYOUTS))].values
+        last = res[str(cases[-1])].values
+        for r in (0, 1):
+            assert last[r]["pid"] == warm[r]["pid"], "the pool was respawned: groups must not force that"
+            assert last[r]["groups"] == warm[r]["groups"], (r, warm[r], last[r])
+            assert last[r]["threads"] == warm[r]["threads"], (r, warm[r], last[r])
+            assert last[r]["running"] <= 2, (r, last[r])
+        # Between grids a gloo pool frees its kept groups: an idle gloo group's TCP loop polls
+        # (about 1 ms of CPU a second each), and 40 of them made an idle rank use 4% of a core.
+        idle = pools.run_grid(GridSpec(_probe_case, ("idle",), "gloo", 2, 60.0))["idle"].check().values
+        for r in (0, 1):
+            assert idle[r]["groups"] == 1 and idle[r]["threads"] < warm[r]["threads"], (r, idle[r], warm[r])
+        pool = pools.pool("gloo", 2)[0]
+        pids = [p.pid for p in pool.procs]
+        before = [_cpu_seconds(pid) for pid in pids]
+        time.sleep(3.0)
+        used = [_cpu_seconds(pid) - b for pid, b in zip(pids, before)]
+        assert max(used) <= 0.06, f"idle pool ranks used {used} CPU-seconds in 3 s"
+    finally:
+        pools.close()
+
+
+def _half_done_case(case):
+    """Rank 1 fails before a new_group that rank 0 makes: their group counts differ afterwards."""
+    if case == "diverge":
+        if dist.get_rank() == 1:
+            raise AssertionError("rank 1 stops before the group")
+        return dist.new_group([0]) is not None  # not collective for a group of one on gloo
+    return os.getpid()
+
+
+def test_ranks_whose_group_counts_differ_get_a_fresh_pool(pools):
+    """After a case that made groups on some ranks only, the next new_group would pair different
+    groups across ranks (c10d names them by count): the pool retires instead."""
+    res = pools.run_grid(GridSpec(_half_done_case, ("before", "diverge", "after"), "gloo", 2, 120.0))
+    with pytest.raises(AssertionError, match="rank 1 stops before the group"):
+        res["diverge"].check()
+    assert res["after"].check().values[0] != res["before"].check().values[0]
+    assert _pool(pools).group_count_retirements >= 1

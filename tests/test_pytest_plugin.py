@@ -96,7 +96,8 @@ def test_a_prefetched_grid_credits_its_cases_to_the_first_test_that_reads_it(mon
 
     spec = GridSpec(_grid_scenario, ("a", "b"), "nccl", 2, 60.0)
     items = [SimpleNamespace(nodeid=f"functional/test_x.py::test_case[nccl-2-{c}]",
-                             callspec=SimpleNamespace(params={"backend": "nccl", "world_size": 2}))
+                             callspec=SimpleNamespace(params={"backend": "nccl", "world_size": 2}),
+                             get_closest_marker=lambda name: None)
              for c in ("a", "b")]
     prefetched = []
     monkeypatch.setattr(pytest_plugin, "_will_skip", lambda item: False)
@@ -110,3 +111,53 @@ def test_a_prefetched_grid_credits_its_cases_to_the_first_test_that_reads_it(mon
     monkeypatch.setenv("CPKIT_COVERAGE_CONTEXT", "tests/test_some_other.py::test_current")
     pools.run_grid(prefetched[0])
     assert sent == [("a", items[0].nodeid), ("b", items[0].nodeid)]
+
+
+def test_prefetch_spreads_the_cases_of_a_grid_over_every_pool_of_its_size(monkeypatch):
+    """Cases, not grids, are balanced: one grid's cases run on every pool of its world size (two
+    GPU slices x two pools each here), each credited to the grid's test, and the grid's result
+    holds every case once."""
+    import threading
+    import time
+
+    from cpkit.grid import GridSpec, PoolSet
+    from cpkit.rank_pool import CaseRun
+
+    ran: dict = {}
+
+    class FakePool:
+        def __init__(self, key):
+            self.key = key
+
+        def run(self, fn, case, timeout, *, test_id=None):
+            time.sleep(0.05)  # long enough that every pool takes a share
+            ran.setdefault(self.key, []).append((case, test_id))
+            return CaseRun(values={0: case, 1: case}, seconds=0.05)
+
+    made = {}
+
+    def pool(backend, world_size, gpu_slice=None, index=0):
+        key = (backend, world_size, gpu_slice, index)
+        made.setdefault(key, (FakePool(key), threading.Lock()))
+        return made[key]
+
+    monkeypatch.setenv("CPKIT_POOLS_PER_SLICE", "2")
+    pools = PoolSet(gpu_ids=["0", "1", "2", "3"])
+    monkeypatch.setattr(pools, "pool", pool)
+    spec = GridSpec(_grid_scenario, tuple(f"c{i}" for i in range(24)), "nccl", 2, 60.0, test_id="t::x")
+    pools.prefetch([spec])
+    results = pools.result(spec)
+    assert sorted(results) == sorted(spec.cases) and all(r.values[0] == cid for cid, r in results.items())
+    assert set(ran) == {("nccl", 2, s, i) for s in ("0,1", "2,3") for i in (0, 1)}, sorted(ran)
+    assert sorted(c for cases in ran.values() for c, _ in cases) == sorted(spec.cases)
+    assert {t for cases in ran.values() for _, t in cases} == {"t::x"}
+
+
+def test_pools_per_slice_refuses_a_bad_value_with_the_fix(monkeypatch):
+    from cpkit.grid import pools_per_slice
+
+    monkeypatch.setenv("CPKIT_POOLS_PER_SLICE", "0")
+    with pytest.raises(ValueError, match=r"CPKIT_POOLS_PER_SLICE='0': must be a whole number >= 1; e.g. CPKIT_POOLS_PER_SLICE=1"):
+        pools_per_slice()
+    monkeypatch.setenv("CPKIT_POOLS_PER_SLICE", "1")
+    assert pools_per_slice() == 1

@@ -84,13 +84,24 @@ def bridge_src(marker: Path = _MARKER) -> tuple[Optional[Path], str]:
 
 
 def bridge_commit(src: Path) -> str:
-    """The short git commit of the checkout holding `src`, or "unknown" (a released package)."""
+    """The short git commit of the checkout holding `src`, or "unknown" (a released package).
+    Without git, or for a tree whose .git holds only HEAD (an archive unpacked with its commit,
+    as scripts/gpu-proof.sh does), the commit is read from .git/HEAD."""
     try:
         out = subprocess.run(["git", "-C", str(src), "rev-parse", "--short", "HEAD"],
                              capture_output=True, text=True, timeout=10, check=False)
+        found = out.stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    return out.stdout.strip() or "unknown"
+        found = ""
+    if found:
+        return found
+    from cpkit.dynamic.mlm import checkout_commit
+
+    for root in (Path(src), Path(src).parent):
+        commit = checkout_commit(root)
+        if commit != "unknown":
+            return commit[:9]
+    return "unknown"
 
 
 class MissingImport:

@@ -2,18 +2,20 @@
 the process's pool for that backend and world size (cpkit.rank_pool), started once and reused by
 every grid, and returns one CaseResult per case.
 
-On a GPU host the NCCL pools of one world size sit on disjoint GPU slices (two 2-GPU pools on 4
-GPUs, four on 8), and `PoolSet.prefetch` runs known grids in background threads, a slice each,
-smaller world sizes first, so a test that asks for its grid finds it done or running.
+On a GPU host the NCCL pools of one world size sit on disjoint GPU slices (two 2-GPU slices on 4
+GPUs, four on 8), `pools_per_slice()` pools on each, and `PoolSet.prefetch` spreads the cases
+(not the grids) of every known grid over all of them in background threads, every world size
+at once, so a test that asks for its grid finds it done or running.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
-import queue
 import threading
 import time
+import traceback
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -22,7 +24,8 @@ from cpkit.gpu_claim import cuda_device_count, visible_gpu_ids
 from cpkit.launch_times import record_grid_times
 from cpkit.rank_pool import PoolStartError, RankPool, function_ref
 
-__all__ = ["CaseFailed", "CaseResult", "GridSpec", "PoolSet", "case_id_of", "default_pools", "run_cases"]
+__all__ = ["CaseFailed", "CaseResult", "GridSpec", "POOLS_PER_SLICE_ENV", "PoolSet", "case_id_of", "default_pools",
+           "pools_per_slice", "run_cases"]
 
 
 class CaseFailed(RuntimeError):
@@ -114,14 +117,25 @@ class PoolSet:
             raise RuntimeError(f"{world_size} NCCL ranks need {world_size} GPUs; this process sees {len(ids)}")
         return [",".join(ids[i:i + world_size]) for i in range(0, len(ids) - world_size + 1, world_size)]
 
-    def pool(self, backend: str, world_size: int, gpu_slice: str | None = None) -> tuple[RankPool, threading.Lock]:
-        key = (backend, world_size, gpu_slice)
+    def pool(self, backend: str, world_size: int, gpu_slice: str | None = None,
+             index: int = 0) -> tuple[RankPool, threading.Lock]:
+        """The pool of (backend, world size, GPU slice, index): `index` tells apart the pools that
+        share one slice (pools_per_slice)."""
+        key = (backend, world_size, gpu_slice, index)
         with self._mutex:
             if key not in self._pools:
-                threads = 1 if backend == "gloo" else max(1, (os.cpu_count() or 1) // max(len(self.gpu_ids), 1))
-                self._pools[key] = RankPool(world_size, backend, gpu_ids=gpu_slice, threads=threads)
+                self._pools[key] = RankPool(world_size, backend, gpu_ids=gpu_slice, threads=self._threads_per_rank(backend))
                 self._locks[key] = threading.Lock()
             return self._pools[key], self._locks[key]
+
+    def _threads_per_rank(self, backend: str) -> int:
+        """Intra-op threads of a rank: 1 on gloo (CPU tests run side by side); on NCCL the host's
+        cores shared by the rank processes that may sit on one GPU (one per world size 2, 3, 4
+        and pool of a slice), so that side-by-side pools do not oversubscribe the CPU."""
+        if backend == "gloo":
+            return 1
+        per_gpu = 3 * pools_per_slice()
+        return max(1, (os.cpu_count() or 1) // max(len(self.gpu_ids) * per_gpu, 1))
 
     def run_grid(self, spec: GridSpec, gpu_slice: str | None = None) -> dict[str, CaseResult]:
         """Run every case of `spec` in order on one pool; a failure ends only its own case."""
@@ -147,56 +161,57 @@ class PoolSet:
                     results[cid].errors = {r: str(exc) for r in range(spec.world_size)}
                     continue
                 _fill(results[cid], run, spec.world_size)
+            if spec.backend == "gloo":
+                pool.drop_groups()  # idle gloo groups poll: an idle pool keeps only its world group
         record_grid_times(spec.fn, spec.backend, spec.world_size, results, started)
         return results
 
     # -- background scheduling ---------------------------------------------------------------
     def prefetch(self, specs: Iterable[GridSpec]) -> None:
-        """Run `specs` in the background: per world size (smallest first), one thread per GPU
-        slice takes grids from a shared queue. `result()` waits for a prefetched grid."""
-        by_size: dict[int, list[GridSpec]] = {}
+        """Run `specs` in the background, case by case: per (backend, world size) one queue of
+        every case of every grid, drained by `pools_per_slice` pools on each GPU slice, all
+        world sizes at once (a 4-GPU pool never waits behind an idle 2-GPU one). `result()`
+        waits for a prefetched grid; a grid's deadline counts from its first case."""
+        queues: dict[tuple, _CaseQueue] = {}
         with self._mutex:
             for spec in specs:
                 if spec.key not in self._futures:
                     self._futures[spec.key] = Future()
-                    by_size.setdefault(spec.world_size, []).append(spec)
-        if by_size:
-            thread = threading.Thread(target=self._run_phases, args=(by_size,), name="cpkit-grid-prefetch",
-                                      daemon=True)
-            thread.start()
-            self._threads.append(thread)
-
-    def _run_phases(self, by_size: dict[int, list[GridSpec]]) -> None:
-        for world_size in sorted(by_size):
-            todo: queue.Queue = queue.Queue()
-            for spec in by_size[world_size]:
-                todo.put(spec)
-            backend = by_size[world_size][0].backend
+                    queues.setdefault((spec.backend, spec.world_size), _CaseQueue()).add(spec, self._futures[spec.key])
+        per_slice = pools_per_slice()
+        for (backend, world_size), work in sorted(queues.items(), key=lambda kv: kv[0][1]):
             try:
                 slices = self.slices(backend, world_size)
             except RuntimeError as exc:
-                for spec in by_size[world_size]:
-                    self._futures[spec.key].set_exception(exc)
+                work.fail(exc)
                 continue
-            workers = [threading.Thread(target=self._drain, args=(todo, s), daemon=True) for s in slices]
-            for w in workers:
-                w.start()
-            for w in workers:
-                w.join()
+            for index in range(per_slice if backend == "nccl" else 1):
+                for gpu_slice in slices:
+                    thread = threading.Thread(target=self._drain, args=(work, backend, world_size, gpu_slice, index),
+                                              name=f"cpkit-grid-{backend}{world_size}-{gpu_slice}-{index}", daemon=True)
+                    thread.start()
+                    self._threads.append(thread)
 
-    def _drain(self, todo: queue.Queue, gpu_slice: str | None) -> None:
-        while True:
-            try:
-                spec = todo.get_nowait()
-            except queue.Empty:
-                return
-            future = self._futures[spec.key]
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(self.run_grid(spec, gpu_slice))
-            except BaseException as exc:  # noqa: BLE001 - delivered to the test that asks
-                future.set_exception(exc)
+    def _drain(self, work: "_CaseQueue", backend: str, world_size: int, gpu_slice: str | None, index: int) -> None:
+        pool, lock = self.pool(backend, world_size, gpu_slice, index)
+        while (item := work.take()) is not None:
+            grid, cid, case = item
+            result = grid.results[cid]
+            left = grid.deadline - time.monotonic()
+            if left <= 0:
+                result.errors = {r: f"not run: the grid's {grid.spec.timeout:.0f} s deadline passed before case {cid}"
+                                 for r in range(world_size)}
+            else:
+                try:
+                    with lock:
+                        run = pool.run(grid.spec.fn, case, left, test_id=grid.spec.test_id)
+                    _fill(result, run, world_size)
+                except PoolStartError as exc:  # this case fails; the next one tries a fresh start
+                    result.errors = {r: str(exc) for r in range(world_size)}
+                except BaseException:  # noqa: BLE001 - reported as the case's failure, never lost
+                    result.errors = {r: f"the harness failed running case {cid}:\n{traceback.format_exc()}"
+                                     for r in range(world_size)}
+            work.done(grid)
 
     def result(self, spec: GridSpec) -> dict[str, CaseResult]:
         """The grid's results: a prefetched grid's (waiting for it), else run now."""
@@ -226,8 +241,9 @@ class PoolSet:
 
     def stats(self) -> list[dict]:
         """Per pool: starts (1 + respawns), cases run and start-up seconds."""
-        return [dict(backend=p.backend, world_size=p.world_size, gpus=p.gpu_ids, starts=p.starts, cases=p.seq,
-                     start_s=round(p.start_seconds, 2)) for p in self._pools.values() if p.starts]
+        return [dict(backend=p.backend, world_size=p.world_size, gpus=p.gpu_ids, index=key[3], starts=p.starts,
+                     cases=p.seq, start_s=round(p.start_seconds, 2), group_count_retirements=p.group_count_retirements)
+                for key, p in self._pools.items() if p.starts]
 
 
 def _fill(result: CaseResult, run, world_size: int) -> None:
@@ -239,6 +255,86 @@ def _fill(result: CaseResult, run, world_size: int) -> None:
         for r, reason in run.skipped.items():
             result.errors[r] = (f"skipped on rank(s) {sorted(run.skipped)} only ({reason}); a case must skip on "
                                 f"every rank or none: decide skips before the ranks diverge")
+
+
+POOLS_PER_SLICE_ENV = "CPKIT_POOLS_PER_SLICE"
+
+
+def pools_per_slice() -> int:
+    """NCCL pools per GPU slice and world size: $CPKIT_POOLS_PER_SLICE, else 2 where the host
+    has 8 or more cores per GPU (the cases are mostly host-bound: launches, Python, NCCL set-up,
+    so two processes per GPU keep it busier), else 1."""
+    value = os.environ.get(POOLS_PER_SLICE_ENV, "").strip()
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{POOLS_PER_SLICE_ENV}={value!r}: must be a whole number >= 1; e.g. "
+                             f"{POOLS_PER_SLICE_ENV}=1 for one pool per GPU slice")
+        return int(value)
+    gpus = max(cuda_device_count(), 1)
+    return 2 if (os.cpu_count() or 1) // gpus >= 8 else 1
+
+
+@dataclass
+class _GridRun:
+    """A prefetched grid in flight: its results fill case by case, from any pool of its size."""
+
+    spec: GridSpec
+    future: Future
+    results: dict[str, CaseResult]
+    remaining: int
+    started: float | None = None
+
+    @property
+    def deadline(self) -> float:
+        return (self.started or time.monotonic()) + self.spec.timeout
+
+
+class _CaseQueue:
+    """Every case of the grids of one backend and world size, in order, for the pools that drain
+    it; a grid's future gets its results when its last case is done."""
+
+    def __init__(self):
+        self._items: "deque[tuple[_GridRun, str, Any]]" = deque()
+        self._lock = threading.Lock()
+
+    def add(self, spec: GridSpec, future: Future) -> None:
+        ids = [case_id_of(c) for c in spec.cases]
+        if len(set(ids)) != len(ids):
+            future.set_exception(ValueError(f"case ids must be unique, got {ids}"))
+            return
+        grid = _GridRun(spec, future, {cid: CaseResult(cid) for cid in ids}, len(ids))
+        if not ids:
+            future.set_result({})
+        self._items.extend((grid, cid, case) for cid, case in zip(ids, spec.cases))
+
+    def take(self) -> "tuple[_GridRun, str, Any] | None":
+        with self._lock:
+            while self._items:
+                grid, cid, case = self._items.popleft()
+                if grid.started is None:
+                    if not grid.future.set_running_or_notify_cancel():  # cancelled: PoolSet.close()
+                        grid.started = -1.0
+                        continue
+                    grid.started = time.monotonic()
+                if grid.started >= 0:
+                    return grid, cid, case
+            return None
+
+    def done(self, grid: _GridRun) -> None:
+        with self._lock:
+            grid.remaining -= 1
+            finished = grid.remaining == 0
+        if finished:
+            record_grid_times(grid.spec.fn, grid.spec.backend, grid.spec.world_size, grid.results, grid.started)
+            grid.future.set_result(grid.results)
+
+    def fail(self, exc: BaseException) -> None:
+        with self._lock:
+            grids = {id(g): g for g, _, _ in self._items}.values()
+            self._items.clear()
+        for grid in grids:
+            if grid.future.set_running_or_notify_cancel():
+                grid.future.set_exception(exc)
 
 
 _default: PoolSet | None = None

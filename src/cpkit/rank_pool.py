@@ -13,7 +13,8 @@ message, then SIGKILL of each rank's process group), and one failure never mutes
   reported (result, traceback, exit, stack dump, stderr tail), the pool is killed and the next
   case starts a fresh one;
 - a case after which its ranks hold more GPU memory than before fails with the leak and retires
-  the pool; so does a pool whose cases made many process groups (retired, nothing fails).
+  the pool; a pool is retired (nothing fails) when its ranks keep too many process groups, or
+  made different numbers of them (cpkit.pool_groups: groups are reused across cases).
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ class RankPool:
         self.seq = 0
         self.starts = 0  # how many times ranks were spawned (1 + respawns)
         self.start_seconds = 0.0
+        self.group_count_retirements = 0  # retired after the ranks' new_group counts differed
 
     def __repr__(self) -> str:
         where = f" on GPUs {self.gpu_ids}" if self.gpu_ids else ""
@@ -197,6 +199,28 @@ class RankPool:
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir = None
 
+    def drop_groups(self, timeout: float = 60.0) -> None:
+        """Have every rank free the process groups it keeps for later cases (between grids on
+        gloo, where idle groups cost CPU); a rank that does not answer, or ranks whose group
+        counts then differ, cost the pool (the next case starts a fresh one)."""
+        if not self.alive:
+            return
+        counts = {}
+        for conn in self.conns:
+            try:
+                conn.send(("drop-groups",))
+            except (OSError, ValueError):
+                break
+        deadline = time.monotonic() + timeout
+        waiting = set(range(self.world_size))
+        while waiting and time.monotonic() < deadline and self.alive:
+            for r, message in self._receive(waiting, 0.2):
+                waiting.discard(r)
+                if message and message[0] == "dropped":
+                    counts[r] = message[2]
+        if waiting or len(counts) != self.world_size or len(set(counts.values())) > 1:
+            self.kill()
+
     # -- running cases ---------------------------------------------------------------------
     def run(self, fn: Callable[[Any], Any] | str, case: Any, timeout: float, *, test_id: str | None = None) -> CaseRun:
         """Run `fn(case)` on every rank within `timeout` seconds (start-up not included).
@@ -262,6 +286,7 @@ class RankPool:
 
     def _await_clean_up(self, out: CaseRun) -> None:
         waiting = set(range(self.world_size))
+        counts: dict[int, int] = {}
         deadline = time.monotonic() + self.pg_timeout_s + 30.0
         while waiting and time.monotonic() < deadline:
             for r, message in self._receive(waiting, 0.2):
@@ -274,11 +299,17 @@ class RankPool:
                     if message[2]:
                         out.errors[r] = (out.errors.get(r, "") + f"\nleak: the case left behind {message[2]}").strip()
                     out.pool_broken |= bool(message[3])  # a leak, or enough groups: retire the pool
+                    counts[r] = message[4]
             for r in list(waiting):
                 if self.procs[r].exitcode is not None:
                     out.errors[r] = (out.errors.get(r, "") + "\n" + self._exit_text(r)).strip()
                     out.pool_broken = True
                     waiting.discard(r)
+        if len(set(counts.values())) > 1:
+            # A case that failed half-way on some ranks: their next new_group calls would pair up
+            # wrongly (c10d names groups by this count), so the next case gets fresh ranks.
+            self.group_count_retirements += 1
+            out.pool_broken = True
         if waiting:
             for r, stack in self._stacks(waiting).items():
                 out.errors[r] = (out.errors.get(r, "") + f"\nrank {r} did not finish cleaning up after the case "

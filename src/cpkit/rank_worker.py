@@ -7,7 +7,10 @@ communicator a half-done case may still hold), then removes what the case left b
 model-parallel state, RNG tracker and microbatch calculator, compiled-graph caches, the
 environment and torch's global switches.
 A case after which more GPU memory is held than before it is reported as a leak, which fails
-that case and retires the pool; a pool whose cases made many process groups is retired too.
+that case and retires the pool. Process groups are kept and handed out again to later cases
+that ask for the same ranks (cpkit.pool_groups), so their number follows the layouts used, not
+the cases; a pool whose groups still grow past MAX_KEPT_GROUPS is retired, and so is one whose
+ranks made different numbers of groups (a case that failed on some ranks half-way).
 
 Messages to the parent go over this rank's own pipe, never stdout: NCCL_DEBUG=INFO, print() or a C
 library writing to fd 1 cannot corrupt the channel (fd 1 goes to the rank's stderr file).
@@ -27,9 +30,10 @@ import time
 import traceback
 
 from cpkit.coverage_map import rank_case_context
+from cpkit.pool_groups import GroupReuse, group_count, live_groups
 from cpkit.rank_stderr import capture_stderr
 
-__all__ = ["BACKEND_ENV", "GPU_LEAK_SLACK_BYTES", "die_with_parent", "rank_main", "resolve"]
+__all__ = ["BACKEND_ENV", "GPU_LEAK_SLACK_BYTES", "MAX_KEPT_GROUPS", "die_with_parent", "rank_main", "resolve"]
 
 BACKEND_ENV = "CPKIT_LAUNCH_BACKEND"
 """The backend of a rank's process group, read by cpkit.launch.device()."""
@@ -37,8 +41,9 @@ GPU_LEAK_SLACK_BYTES = 512 << 20
 """GPU memory a rank may hold above its start-up level after a case's clean-up (cuBLAS and cuDNN
 workspaces, allocator rounding); more than this is a leak of the case that left it."""
 SEED = 1234
-MAX_CASE_GROUPS = 256
-"""Process groups cases may accumulate on a pool before it is retired (respawned, not failed)."""
+MAX_KEPT_GROUPS = 128
+"""Process groups a pool rank may keep for its cases (cpkit.pool_groups) before the pool is
+retired (respawned, not failed): the number of distinct layouts a tier uses stays far below."""
 
 
 def resolve(ref: str):
@@ -97,12 +102,6 @@ def _restore_switches(saved: dict) -> None:
     torch.set_num_threads(saved["threads"])
 
 
-def _live_groups() -> list:
-    from torch.distributed import distributed_c10d as c10d
-
-    return list(c10d._world.pg_map)
-
-
 def _reset_upstream_state() -> None:
     """MCore's globals a case may have set up (only where MCore was imported)."""
     ps = sys.modules.get("megatron.core.parallel_state")
@@ -141,16 +140,15 @@ def _held_bytes(device) -> int:
 def _clean_up(before_bytes: int, baseline_groups: int, device) -> tuple[str | None, bool, int]:
     """Reset what a case may leave behind; return (leak or None, retire the pool?, bytes held).
 
-    Process groups a case made stay alive: scenarios and MCore cache groups across cases (as
-    they did within one launch), and closing a group a cache still holds breaks the next case.
-    Their number only decides when the pool is retired, to bound NCCL communicator memory."""
+    Process groups stay alive for later cases (cpkit.pool_groups); only more of them than
+    MAX_KEPT_GROUPS retires the pool."""
     _reset_upstream_state()
     held = _held_bytes(device)
     leak = None
     if held > before_bytes + GPU_LEAK_SLACK_BYTES:
         leak = (f"{(held - before_bytes) / 2**20:.0f} MiB more GPU memory held after the case than before it on "
                 f"{device} (module-level state holding tensors?)")
-    return leak, leak is not None or len(_live_groups()) - baseline_groups > MAX_CASE_GROUPS, held
+    return leak, leak is not None or len(live_groups()) - baseline_groups > MAX_KEPT_GROUPS, held
 
 
 def _outcome(fn, case, device):
@@ -208,7 +206,8 @@ def _serve(rank, world_size, backend, pool_dir, conn, threads, pg_timeout_s, syn
     store = dist.FileStore(os.path.join(pool_dir, "store"), world_size)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=pg_timeout_s))
-    baseline_groups = len(_live_groups())
+    reuse = GroupReuse().install()
+    baseline_groups = len(live_groups())
     held = _held_bytes(device)
     env, switches = dict(os.environ), _torch_switches()
     conn.send(("ready", os.getpid()))
@@ -218,8 +217,12 @@ def _serve(rank, world_size, backend, pool_dir, conn, threads, pg_timeout_s, syn
             dist.destroy_process_group()
             conn.send(("bye",))
             return
+        if message[0] == "drop-groups":  # between grids, on every rank: see GroupReuse.drop_all
+            conn.send(("dropped", reuse.drop_all(), group_count()))
+            continue
         _, seq, ref, case, test_id = message
         _seed_everything()
+        reuse.new_case()
         start = time.perf_counter()
         with rank_case_context(test_id):  # the coverage map credits the case to the test that asked
             kind, payload = _outcome(resolve(ref), case, device)
@@ -233,4 +236,4 @@ def _serve(rank, world_size, backend, pool_dir, conn, threads, pg_timeout_s, syn
         os.environ.update(env)
         _restore_switches(switches)
         leak, retire, held = _clean_up(held, baseline_groups, device)
-        conn.send(("clean", seq, leak, retire))
+        conn.send(("clean", seq, leak, retire, group_count()))

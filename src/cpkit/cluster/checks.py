@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from cpkit.layout import CPLayout
+from cpkit.pool_groups import GroupReuse
 
 __all__ = ["CHECKS", "FAULT_ENV", "JobShape", "Check", "build_check", "run_check"]
 
@@ -145,16 +146,22 @@ def run_check(check: Check, rank: int) -> dict:
         raise AssertionError(f"no case of {check.name} fits this job's world size and nodes")
     start = time.perf_counter()
     values = []
-    for case in check.cases:
-        fault = os.environ.get(FAULT_ENV, "")
-        if fault == f"{check.name}:{rank}":
-            raise RuntimeError(f"fault injected through {FAULT_ENV} on rank {rank} in {check.name}")
-        if fault == f"{check.name}:{rank}:hang":
-            time.sleep(1e6)
-        try:
-            values.append(check.scenario(case))
-        except BaseException as exc:
-            exc.add_note(f"in case {case['id']} of check {check.name}")
-            raise
+    with GroupReuse() as reuse:  # cases that ask for the same groups get them again, not new ones
+        for case in check.cases:
+            reuse.new_case()
+            values.append(_run_case(check, case, rank))
     detail = check.summarize(values) if check.summarize else f"{len(check.cases)} case(s) passed: {_ids(check.cases)}"
     return {"passed": True, "detail": check.note + detail, "seconds": round(time.perf_counter() - start, 3)}
+
+
+def _run_case(check: Check, case: dict, rank: int):
+    fault = os.environ.get(FAULT_ENV, "")
+    if fault == f"{check.name}:{rank}":
+        raise RuntimeError(f"fault injected through {FAULT_ENV} on rank {rank} in {check.name}")
+    if fault == f"{check.name}:{rank}:hang":
+        time.sleep(1e6)
+    try:
+        return check.scenario(case)
+    except BaseException as exc:
+        exc.add_note(f"in case {case['id']} of check {check.name}")
+        raise

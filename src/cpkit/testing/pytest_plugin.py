@@ -27,6 +27,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu2: NCCL test that needs at least 2 CUDA devices")
     config.addinivalue_line("markers", "gpu4: NCCL test that needs at least 4 CUDA devices")
     config.addinivalue_line("markers", "cpkit_grid(scenario, cases_for, timeout): the rank-pool grid of a case")
+    config.addinivalue_line("markers", "cpkit_prefetch(start): a callable the session calls once at its first "
+                                       "test, to start work in the background (the NCCL examples)")
 
 
 RANKS_PER_TEST = 4
@@ -136,7 +138,14 @@ def prefetch_grids(items) -> int:
         spec = grid_spec_of(item)
         if spec is not None:  # credited to the first test that reads the grid (the map keeps files)
             specs.setdefault(spec.key, dataclasses.replace(spec, test_id=item.nodeid))
+    starters = {}
+    for item in items:
+        mark = item.get_closest_marker("cpkit_prefetch")
+        if mark is not None and not _will_skip(item):
+            starters.setdefault(mark.kwargs["start"], None)
     default_pools().prefetch(specs.values())
+    for start in starters:  # after the grids: their pools start first, examples beside them
+        start()
     return len(specs)
 
 

@@ -35,10 +35,6 @@ TOLERANCE = {  # dtype -> (rtol, atol as a fraction of max |reference|, or absol
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-# Per rank process: hierarchical groups, created once by every rank in the same case order.
-_GROUPS: dict = {}
-
-
 def cases(backend: str, world_size: int) -> list[dict]:
     """The functional grid on `world_size` (2 or 4) ranks of `backend` (see the module docstring)."""
     if world_size == 2:
@@ -85,11 +81,10 @@ def _cp_group(case):
     world = dist.get_world_size()
     if case["comm"] != "a2a+p2p":
         return dist.group.WORLD, dist.get_rank()
-    a2a = case["a2a"]
-    if a2a not in _GROUPS:
-        _GROUPS[a2a] = new_hierarchical_groups(list(range(world)), a2a)
     # With groups built over WORLD in order, position p2p_rank * A + a2a_rank is the global rank.
-    return list(_GROUPS[a2a]), dist.get_rank()
+    # Every case asks for them: a rank pool or the cluster runner hands out the groups of an
+    # earlier case again (cpkit.pool_groups.GroupReuse), so no case adds groups.
+    return list(new_hierarchical_groups(list(range(world)), case["a2a"])), dist.get_rank()
 
 
 def _inputs(case, cp: int, dev):

@@ -1,0 +1,174 @@
+"""The GPU proof's report (scripts/gpu-proof.sh): counts from the junit file, the wall of each
+stage from the timing lines (cpkit.launch_times), how busy the GPUs were, and each budget with
+its verdict; written as the evidence folder's README.md and printed.
+
+    python -m cpkit.proof_report EVIDENCE_DIR --gpus 4 --setup-s 41 --pytest-s 250 --total-s 300
+
+A stage's wall is the span from its first grid's first case to its last grid's end (stages run
+side by side, so the walls overlap and do not add up): 2-GPU, 3-GPU and 4-GPU are the rank-pool
+grids of that world size without Transformer Engine; TE is every grid of
+functional/test_te_backend.py; examples are the torchrun runs of functional/test_examples.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+__all__ = ["BUDGETS", "budgets_for", "counts", "gpu_busy", "stage_walls", "main"]
+
+BUDGETS = {
+    4: {"pytest": 300.0, "total": 420.0},
+    2: {"pytest": 180.0},
+}
+"""Seconds: the pytest wall of every gpu2/gpu4 test (TE and examples included) on 4 GPUs, of
+`-m gpu2` on 2 GPUs, and the proof command end to end (set-up included) on 4 GPUs."""
+
+TE_GRID = "functional.test_te_backend."
+
+
+def budgets_for(gpus: int) -> dict[str, float]:
+    """The budgets of a host with `gpus` GPUs (4 or more: the 4-GPU budgets; 2-3: the gpu2 one)."""
+    return BUDGETS[4] if gpus >= 4 else BUDGETS[2] if gpus >= 2 else {}
+
+
+def counts(junit: Path) -> Counter:
+    """passed / failed / error / skipped / xfailed / xpassed of a pytest junit file."""
+    from cpkit.cards.nodes import read_junit
+
+    outcomes, _ = read_junit(junit)
+    return Counter(outcomes.values())
+
+
+def stage_of(row: dict) -> str | None:
+    if "example" in row:
+        return "examples"
+    if "wall_s" not in row or "t0" not in row:
+        return None
+    if row["grid"].startswith(TE_GRID):
+        return "TE"
+    return f"{row['world_size']}-GPU" if row.get("backend") == "nccl" else None
+
+
+def stage_walls(rows: list[dict]) -> dict[str, float]:
+    """Stage -> wall seconds (first start to last end) from the timing lines."""
+    spans: dict[str, list[float]] = {}
+    for row in rows:
+        stage = stage_of(row)
+        if stage is None:
+            continue
+        lo, hi = spans.setdefault(stage, [row["t0"], row["t1"]])
+        spans[stage] = [min(lo, row["t0"]), max(hi, row["t1"])]
+    order = ["2-GPU", "3-GPU", "4-GPU", "TE", "examples"]
+    return {s: round(spans[s][1] - spans[s][0], 1) for s in sorted(spans, key=lambda s: (s not in order, order.index(s) if s in order else s))}
+
+
+def gpu_busy(path: Path) -> dict[str, float]:
+    """GPU index -> mean utilization (%) over the samples of `nvidia-smi --query-gpu=index,
+    utilization.gpu --format=csv,noheader,nounits -l 1`."""
+    samples: dict[str, list[float]] = {}
+    try:
+        with open(path) as fh:
+            for row in csv.reader(fh):
+                if len(row) >= 2 and row[1].strip().replace(".", "").isdigit():
+                    samples.setdefault(row[0].strip(), []).append(float(row[1]))
+    except OSError:
+        return {}
+    return {gpu: round(sum(v) / len(v), 1) for gpu, v in sorted(samples.items()) if v}
+
+
+def _verdict(value: float, limit: float) -> str:
+    return f"{value:.0f} s of {limit:.0f} s: {'within' if value <= limit else 'OVER'}"
+
+
+def report(folder: Path, *, gpus: int, setup_s: float, pytest_s: float, total_s: float, marker: str,
+           command: str, machine: str, commit: str, fingerprint: str) -> tuple[str, bool]:
+    """(README text, every budget met and nothing failed)."""
+    tally = counts(folder / "junit.xml")
+    rows = []
+    times = folder / "case-times.jsonl"
+    if times.exists():
+        rows = [json.loads(line) for line in times.read_text().splitlines() if line.strip()]
+    walls = stage_walls(rows)
+    busy = gpu_busy(folder / "gpu-util.csv")
+    pools = [r for r in rows if r.get("pool")]
+    budgets = budgets_for(gpus)
+    green = tally["failed"] == 0 and tally["error"] == 0 and tally["xpassed"] == 0 and tally["passed"] > 0
+    lines = [f"# GPU proof: {machine}, commit {commit}", "",
+             f"Command: `{command}` (pytest `-m \"{marker}\"` over functional/, TE and examples included).",
+             f"Tree fingerprint: `{fingerprint}` (`python -m cpkit.proof_report --fingerprint` of the checkout).", "",
+             "| outcome | tests |", "|---|---|"]
+    lines += [f"| {k} | {tally[k]} |" for k in ("passed", "failed", "error", "xfailed", "xpassed", "skipped")]
+    lines += ["", "| stage | wall s |", "|---|---|", f"| set-up | {setup_s:.0f} |"]
+    lines += [f"| {stage} | {wall} |" for stage, wall in walls.items()]
+    lines += [f"| pytest (all stages, side by side) | {pytest_s:.0f} |", f"| proof command end to end | {total_s:.0f} |", ""]
+    verdicts = []
+    if "pytest" in budgets:
+        verdicts.append((f"pytest wall ({marker})", _verdict(pytest_s, budgets["pytest"]), pytest_s <= budgets["pytest"]))
+    if "total" in budgets:
+        verdicts.append(("proof command end to end", _verdict(total_s, budgets["total"]), total_s <= budgets["total"]))
+    lines += ["Budgets:", ""] + [f"- {name}: {text}" for name, text, _ in verdicts]
+    lines += ["", f"Result: {'green' if green else 'NOT green'} ({tally['failed']} failed, {tally['error']} errors, "
+                  f"{tally['xpassed']} xpassed)."]
+    if busy:
+        lines += ["", "GPU utilization during the run (mean of 1 s samples, %): "
+                  + ", ".join(f"GPU {g}: {u}" for g, u in busy.items())]
+    if pools:
+        lines += ["", "Rank pools (backend+ranks, GPUs, index): starts, cases, start-up s:"]
+        lines += [f"- {p['backend']}{p['world_size']} {p.get('gpus') or '-'} #{p.get('index', 0)}: {p['starts']}, "
+                  f"{p['cases']}, {p['start_s']}" for p in pools]
+    cases = sorted((r for r in rows if "case" in r), key=lambda r: -r["seconds"])[:15]
+    if cases:
+        lines += ["", "Slowest cases (s):"] + [f"- {r['seconds']:.1f} {r['backend']}{r['world_size']} "
+                                               f"{r['grid'].rsplit('.', 1)[0]} {r['case']}" for r in cases]
+    met = green and all(ok for _, _, ok in verdicts)
+    return "\n".join(lines) + "\n", met
+
+
+def fingerprint(root: Path) -> str:
+    """sha256 (16 hex) over the paths and bytes of the files that decide what the proof runs:
+    src/, functional/, tests/, examples/, scripts/, pyproject.toml; no git needed, so a copy
+    without .git names the same tree as its commit."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    files = [root / "pyproject.toml"] + [p for top in ("src", "functional", "tests", "examples", "scripts")
+                                         for p in (root / top).rglob("*")
+                                         if p.is_file() and "__pycache__" not in p.parts and ".egg-info" not in str(p)]
+    for path in sorted(files):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cpkit.proof_report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder", type=Path, nargs="?", help="the evidence folder (junit.xml, case-times.jsonl, gpu-util.csv)")
+    parser.add_argument("--fingerprint", type=Path, metavar="ROOT", help="print the tree fingerprint of ROOT and exit")
+    parser.add_argument("--gpus", type=int, default=4)
+    parser.add_argument("--setup-s", type=float, default=0.0)
+    parser.add_argument("--pytest-s", type=float, default=0.0)
+    parser.add_argument("--total-s", type=float, default=0.0)
+    parser.add_argument("--marker", default="gpu2 or gpu4")
+    parser.add_argument("--command", default="bash scripts/gpu-proof.sh")
+    parser.add_argument("--machine", default="unknown")
+    parser.add_argument("--commit", default="unknown")
+    args = parser.parse_args(argv)
+    if args.fingerprint:
+        print(fingerprint(args.fingerprint))
+        return 0
+    if args.folder is None:
+        parser.error("the evidence folder is needed (or --fingerprint ROOT)")
+    text, met = report(args.folder, gpus=args.gpus, setup_s=args.setup_s, pytest_s=args.pytest_s,
+                       total_s=args.total_s, marker=args.marker, command=args.command, machine=args.machine,
+                       commit=args.commit, fingerprint=fingerprint(Path.cwd()))
+    (args.folder / "README.md").write_text(text)
+    print(text)
+    return 0 if met else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
