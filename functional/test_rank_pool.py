@@ -142,10 +142,12 @@ def _state_case(case):
         os.environ["CPKIT_LEFT_BEHIND"] = "1"
         torch.set_default_dtype(torch.float64)
         ps.initialize_model_parallel(context_parallel_size=2)
+        ps._HIERARCHICAL_CONTEXT_PARALLEL_GROUPS = [dist.new_group([0, 1])]  # an a2a+p2p layout leaves it set
         dist.new_group([0, 1])
         return None
     return dict(env=os.environ.get("CPKIT_LEFT_BEHIND"), dtype=str(torch.get_default_dtype()),
-                mcore=ps.model_parallel_is_initialized(), draw=torch.rand(3).tolist(), py=random.random())
+                mcore=ps.model_parallel_is_initialized(), draw=torch.rand(3).tolist(), py=random.random(),
+                hcp=getattr(ps, "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS", None) is None)
 
 
 def test_each_case_starts_from_a_clean_slate(pools):
@@ -153,7 +155,7 @@ def test_each_case_starts_from_a_clean_slate(pools):
     before, after = res["look-before"].check().values[0], res["look"].check().values[0]
     res["dirty"].check()
     assert after == before  # env, dtype, MCore, RNG draws: as before the dirty case
-    assert after["env"] is None and after["mcore"] is False and after["dtype"] == "torch.float32"
+    assert after["env"] is None and after["mcore"] is False and after["dtype"] == "torch.float32" and after["hcp"]
 
 
 def test_random_order_gives_the_same_results(pools):

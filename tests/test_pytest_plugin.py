@@ -124,6 +124,7 @@ def test_prefetch_spreads_the_cases_of_a_grid_over_every_pool_of_its_size(monkey
     from cpkit.rank_pool import CaseRun
 
     ran: dict = {}
+    closed: list = []
 
     class FakePool:
         def __init__(self, key):
@@ -133,6 +134,9 @@ def test_prefetch_spreads_the_cases_of_a_grid_over_every_pool_of_its_size(monkey
             time.sleep(0.05)  # long enough that every pool takes a share
             ran.setdefault(self.key, []).append((case, test_id))
             return CaseRun(values={0: case, 1: case}, seconds=0.05)
+
+        def close(self):
+            closed.append(self.key)
 
     made = {}
 
@@ -151,6 +155,20 @@ def test_prefetch_spreads_the_cases_of_a_grid_over_every_pool_of_its_size(monkey
     assert set(ran) == {("nccl", 2, s, i) for s in ("0,1", "2,3") for i in (0, 1)}, sorted(ran)
     assert sorted(c for cases in ran.values() for c, _ in cases) == sorted(spec.cases)
     assert {t for cases in ran.values() for _, t in cases} == {"t::x"}
+    assert sorted(closed) == sorted(ran), "a pool whose queue ran dry closes"
+
+    # A pool whose queue ran dry starts one for the world size with the most cases left.
+    ran.clear()
+    monkeypatch.setenv("CPKIT_POOLS_PER_SLICE", "1")
+    small = GridSpec(_grid_scenario, ("s0", "s1"), "nccl", 2, 60.0)
+    large = GridSpec(_grid_scenario, tuple(f"l{i}" for i in range(60)), "nccl", 4, 60.0)
+    pools = PoolSet(gpu_ids=["0", "1", "2", "3"])
+    monkeypatch.setattr(pools, "pool", pool)
+    made.clear()
+    pools.prefetch([small, large])
+    assert sorted(pools.result(large)) == sorted(large.cases) and sorted(pools.result(small)) == ["s0", "s1"]
+    helpers = {k for k in ran if k[1] == 4 and k[3] > 0}
+    assert helpers, f"no 4-rank pool was started when the 2-rank queue ran dry: {sorted(ran)}"
 
 
 def test_pools_per_slice_refuses_a_bad_value_with_the_fix(monkeypatch):

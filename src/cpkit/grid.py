@@ -101,6 +101,9 @@ class PoolSet:
         self._futures: dict[tuple, Future] = {}
         self._mutex = threading.Lock()
         self._threads: list[threading.Thread] = []
+        self._queues: dict[tuple, _CaseQueue] = {}
+        self._indices: dict[tuple, int] = {}  # (backend, world size, slice) -> the last pool index given
+        self._closing = False
 
     @property
     def gpu_ids(self) -> list[str]:
@@ -169,8 +172,10 @@ class PoolSet:
     # -- background scheduling ---------------------------------------------------------------
     def prefetch(self, specs: Iterable[GridSpec]) -> None:
         """Run `specs` in the background, case by case: per (backend, world size) one queue of
-        every case of every grid, drained by `pools_per_slice` pools on each GPU slice, all
-        world sizes at once (a 4-GPU pool never waits behind an idle 2-GPU one). `result()`
+        every case of every grid, drained by `pools_per_slice()` pools on each GPU slice, all
+        world sizes at once. A pool whose queue runs dry closes (its GPUs and cores go back) and
+        its thread starts a pool for the queue with the most cases left (HELP_MIN_CASES or
+        more), so that the 4-GPU grids do not run on alone after the 2-GPU ones. `result()`
         waits for a prefetched grid; a grid's deadline counts from its first case."""
         queues: dict[tuple, _CaseQueue] = {}
         with self._mutex:
@@ -185,12 +190,24 @@ class PoolSet:
             except RuntimeError as exc:
                 work.fail(exc)
                 continue
+            with self._mutex:
+                self._queues[(backend, world_size)] = work
             for index in range(per_slice if backend == "nccl" else 1):
                 for gpu_slice in slices:
-                    thread = threading.Thread(target=self._drain, args=(work, backend, world_size, gpu_slice, index),
-                                              name=f"cpkit-grid-{backend}{world_size}-{gpu_slice}-{index}", daemon=True)
-                    thread.start()
-                    self._threads.append(thread)
+                    self._start_worker(work, backend, world_size, gpu_slice, self._next_index(backend, world_size, gpu_slice))
+
+    def _next_index(self, backend: str, world_size: int, gpu_slice: str | None) -> int:
+        with self._mutex:
+            key = (backend, world_size, gpu_slice)
+            self._indices[key] = self._indices.get(key, -1) + 1
+            return self._indices[key]
+
+    def _start_worker(self, work: "_CaseQueue", backend: str, world_size: int, gpu_slice: str | None,
+                      index: int) -> None:
+        thread = threading.Thread(target=self._drain, args=(work, backend, world_size, gpu_slice, index),
+                                  name=f"cpkit-grid-{backend}{world_size}-{gpu_slice}-{index}", daemon=True)
+        thread.start()
+        self._threads.append(thread)
 
     def _drain(self, work: "_CaseQueue", backend: str, world_size: int, gpu_slice: str | None, index: int) -> None:
         pool, lock = self.pool(backend, world_size, gpu_slice, index)
@@ -212,6 +229,24 @@ class PoolSet:
                     result.errors = {r: f"the harness failed running case {cid}:\n{traceback.format_exc()}"
                                      for r in range(world_size)}
             work.done(grid)
+        if backend == "nccl" and not self._closing:
+            with lock:
+                pool.close()  # its GPUs and cores go to the pools still working
+            self._help()
+
+    def _help(self) -> None:
+        """Start a pool for the NCCL queue with the most cases left, when that is HELP_MIN_CASES
+        or more and it has fewer than MAX_POOLS_PER_SLICE pools on its slice."""
+        with self._mutex:
+            left = sorted(((q.pending(), key) for key, q in self._queues.items() if key[0] == "nccl"), reverse=True)
+        for pending, (backend, world_size) in left:
+            if pending < HELP_MIN_CASES:
+                return
+            for gpu_slice in self.slices(backend, world_size):
+                if self._indices.get((backend, world_size, gpu_slice), -1) + 1 < MAX_POOLS_PER_SLICE:
+                    index = self._next_index(backend, world_size, gpu_slice)
+                    self._drain(self._queues[(backend, world_size)], backend, world_size, gpu_slice, index)
+                    return
 
     def result(self, spec: GridSpec) -> dict[str, CaseResult]:
         """The grid's results: a prefetched grid's (waiting for it), else run now."""
@@ -233,6 +268,7 @@ class PoolSet:
     def close(self) -> None:
         """Close every pool (bounded: each is killed after a few seconds)."""
         with self._mutex:
+            self._closing = True
             for future in self._futures.values():
                 future.cancel()
             pools = list(self._pools.values())
@@ -258,6 +294,10 @@ def _fill(result: CaseResult, run, world_size: int) -> None:
 
 
 POOLS_PER_SLICE_ENV = "CPKIT_POOLS_PER_SLICE"
+HELP_MIN_CASES = 12
+"""A pool whose queue ran dry starts one for another world size only when that many cases are
+left there: a new pool costs its start-up (about 6 s) and its first cases' compiles."""
+MAX_POOLS_PER_SLICE = 4
 
 
 def pools_per_slice() -> int:
@@ -290,11 +330,13 @@ class _GridRun:
 
 
 class _CaseQueue:
-    """Every case of the grids of one backend and world size, in order, for the pools that drain
-    it; a grid's future gets its results when its last case is done."""
+    """Every case of the grids of one backend and world size for the pools that drain it, taken
+    round-robin over the grids: every scenario's first (slowest: compiles, communicators) cases
+    come early, and the last ones are the short cases of the largest grids. A grid's future gets
+    its results when its last case is done."""
 
     def __init__(self):
-        self._items: "deque[tuple[_GridRun, str, Any]]" = deque()
+        self._grids: "deque[tuple[_GridRun, deque]]" = deque()
         self._lock = threading.Lock()
 
     def add(self, spec: GridSpec, future: Future) -> None:
@@ -304,20 +346,28 @@ class _CaseQueue:
             return
         grid = _GridRun(spec, future, {cid: CaseResult(cid) for cid in ids}, len(ids))
         if not ids:
-            future.set_result({})
-        self._items.extend((grid, cid, case) for cid, case in zip(ids, spec.cases))
+            if future.set_running_or_notify_cancel():
+                future.set_result({})
+            return
+        with self._lock:
+            self._grids.append((grid, deque(zip(ids, spec.cases))))
+
+    def pending(self) -> int:
+        with self._lock:
+            return sum(len(cases) for _, cases in self._grids)
 
     def take(self) -> "tuple[_GridRun, str, Any] | None":
         with self._lock:
-            while self._items:
-                grid, cid, case = self._items.popleft()
+            while self._grids:
+                grid, cases = self._grids.popleft()
                 if grid.started is None:
                     if not grid.future.set_running_or_notify_cancel():  # cancelled: PoolSet.close()
-                        grid.started = -1.0
                         continue
                     grid.started = time.monotonic()
-                if grid.started >= 0:
-                    return grid, cid, case
+                cid, case = cases.popleft()
+                if cases:
+                    self._grids.append((grid, cases))
+                return grid, cid, case
             return None
 
     def done(self, grid: _GridRun) -> None:
@@ -330,8 +380,8 @@ class _CaseQueue:
 
     def fail(self, exc: BaseException) -> None:
         with self._lock:
-            grids = {id(g): g for g, _, _ in self._items}.values()
-            self._items.clear()
+            grids = [grid for grid, _ in self._grids]
+            self._grids.clear()
         for grid in grids:
             if grid.future.set_running_or_notify_cancel():
                 grid.future.set_exception(exc)

@@ -107,6 +107,10 @@ def _reset_upstream_state() -> None:
     ps = sys.modules.get("megatron.core.parallel_state")
     if ps is not None:
         ps.destroy_model_parallel()
+        # destroy_model_parallel leaves it set (MCore 0.16 and 0.19): a later case's module
+        # would bind an earlier case's a2a+p2p groups.
+        if hasattr(ps, "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS"):
+            ps._HIERARCHICAL_CONTEXT_PARALLEL_GROUPS = None
     rnd = sys.modules.get("megatron.core.tensor_parallel.random")
     if rnd is not None:
         rnd.get_cuda_rng_tracker().reset()
@@ -177,6 +181,9 @@ def rank_main(rank, world_size, backend, pool_dir, conn, parent_pid, gpu_ids, th
     os.dup2(2, 1)  # the rank's stdout joins its stderr file: nothing can reach the parent's channel
     die_with_parent(parent_pid)
     os.environ["CUDA_VISIBLE_DEVICES"] = gpu_ids if backend == "nccl" else ""
+    # Compile in the rank's own process: inductor's default pool of compile workers (one per
+    # core, per process) multiplied by a tier's rank processes oversubscribed a 64-core host.
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                        "LOCAL_WORLD_SIZE": str(world_size), BACKEND_ENV: backend})
     with open(os.path.join(pool_dir, f"rank{rank}.stacks"), "w") as stacks:
