@@ -182,6 +182,7 @@ def test_a_leak_fails_the_case_that_leaked_and_retires_the_pool(pools):
     with pytest.raises(CaseFailed, match=r"leak: the case left behind 1024 MiB more GPU memory"):
         res["leak"].check()
     assert res["after"].check().values[0] != res["fine"].values[0]  # a fresh pool, no leak left
+    assert _pool(pools).retired["leak"] >= 1
 
 
 _STALE_OWNER = """
@@ -346,4 +347,4 @@ def test_ranks_whose_group_counts_differ_get_a_fresh_pool(pools):
     with pytest.raises(AssertionError, match="rank 1 stops before the group"):
         res["diverge"].check()
     assert res["after"].check().values[0] != res["before"].check().values[0]
-    assert _pool(pools).group_count_retirements >= 1
+    assert _pool(pools).retired["group counts differ"] >= 1

@@ -278,7 +278,7 @@ class PoolSet:
     def stats(self) -> list[dict]:
         """Per pool: starts (1 + respawns), cases run and start-up seconds."""
         return [dict(backend=p.backend, world_size=p.world_size, gpus=p.gpu_ids, index=key[3], starts=p.starts,
-                     cases=p.seq, start_s=round(p.start_seconds, 2), group_count_retirements=p.group_count_retirements)
+                     cases=p.seq, start_s=round(p.start_seconds, 2), retired=dict(p.retired))
                 for key, p in self._pools.items() if p.starts]
 
 

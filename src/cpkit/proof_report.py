@@ -118,9 +118,11 @@ def report(folder: Path, *, gpus: int, setup_s: float, pytest_s: float, total_s:
         lines += ["", "GPU utilization during the run (mean of 1 s samples, %): "
                   + ", ".join(f"GPU {g}: {u}" for g, u in busy.items())]
     if pools:
-        lines += ["", "Rank pools (backend+ranks, GPUs, index): starts, cases, start-up s:"]
+        lines += ["", "Rank pools (backend+ranks, GPUs, index): starts, cases, start-up s, why retired:"]
         lines += [f"- {p['backend']}{p['world_size']} {p.get('gpus') or '-'} #{p.get('index', 0)}: {p['starts']}, "
-                  f"{p['cases']}, {p['start_s']}" for p in pools]
+                  f"{p['cases']}, {p['start_s']}"
+                  + (", " + ", ".join(f"{why} x{n}" for why, n in p['retired'].items()) if p.get('retired') else "")
+                  for p in pools]
     cases = sorted((r for r in rows if "case" in r), key=lambda r: -r["seconds"])[:15]
     if cases:
         lines += ["", "Slowest cases (s):"] + [f"- {r['seconds']:.1f} {r['backend']}{r['world_size']} "
@@ -145,7 +147,8 @@ def fingerprint(root: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cpkit.proof_report", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m cpkit.proof_report", description=__doc__.split("\n\n")[0],
+                                     allow_abbrev=False)
     parser.add_argument("folder", type=Path, nargs="?", help="the evidence folder (junit.xml, case-times.jsonl, gpu-util.csv)")
     parser.add_argument("--fingerprint", type=Path, metavar="ROOT", help="print the tree fingerprint of ROOT and exit")
     parser.add_argument("--gpus", type=int, default=4)

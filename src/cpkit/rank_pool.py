@@ -13,8 +13,9 @@ message, then SIGKILL of each rank's process group), and one failure never mutes
   reported (result, traceback, exit, stack dump, stderr tail), the pool is killed and the next
   case starts a fresh one;
 - a case after which its ranks hold more GPU memory than before fails with the leak and retires
-  the pool; a pool is retired (nothing fails) when its ranks keep too many process groups, or
-  made different numbers of them (cpkit.pool_groups: groups are reused across cases).
+  the pool; a pool is retired (nothing fails) when its ranks keep more process groups than a
+  leak-free tier makes, or made different numbers of them (cpkit.pool_groups: groups are reused
+  across cases). `RankPool.retired` counts each reason.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import shutil
 import signal
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -100,7 +102,7 @@ class RankPool:
         self.seq = 0
         self.starts = 0  # how many times ranks were spawned (1 + respawns)
         self.start_seconds = 0.0
-        self.group_count_retirements = 0  # retired after the ranks' new_group counts differed
+        self.retired: Counter = Counter()  # why the pool was killed: hang, crash, leak, kept groups, ...
 
     def __repr__(self) -> str:
         where = f" on GPUs {self.gpu_ids}" if self.gpu_ids else ""
@@ -219,6 +221,7 @@ class RankPool:
                 if message and message[0] == "dropped":
                     counts[r] = message[2]
         if waiting or len(counts) != self.world_size or len(set(counts.values())) > 1:
+            self.retired["dropping groups failed"] += 1
             self.kill()
 
     # -- running cases ---------------------------------------------------------------------
@@ -274,10 +277,12 @@ class RankPool:
                     tail = self.follower.tail(r) if self.follower else ""
                     out.errors[r] = f"rank {r} was {why}; the pool was killed. Its stack:\n{stack}" + (
                         f"\nIts last stderr lines:\n{tail}" if tail else "")
+                self.retired["hang" if now > deadline else "stuck after a failure"] += 1
                 self.kill()
                 out.pool_broken = True
                 return out
         if out.errors and any(self.procs[r].exitcode is not None for r in range(self.world_size)):
+            self.retired["crash"] += 1
             self.kill()  # a rank died: the group is gone for everyone
             out.pool_broken = True
             return out
@@ -287,6 +292,7 @@ class RankPool:
     def _await_clean_up(self, out: CaseRun) -> None:
         waiting = set(range(self.world_size))
         counts: dict[int, int] = {}
+        reasons: set[str] = set()
         deadline = time.monotonic() + self.pg_timeout_s + 30.0
         while waiting and time.monotonic() < deadline:
             for r, message in self._receive(waiting, 0.2):
@@ -295,27 +301,33 @@ class RankPool:
                     why = message[1] if message else self._exit_text(r)
                     out.errors[r] = (out.errors.get(r, "") + f"\nrank {r} failed cleaning up after the case: {why}").strip()
                     out.pool_broken = True
+                    reasons.add("clean-up failed")
                 else:
                     if message[2]:
                         out.errors[r] = (out.errors.get(r, "") + f"\nleak: the case left behind {message[2]}").strip()
-                    out.pool_broken |= bool(message[3])  # a leak, or enough groups: retire the pool
+                    if message[3]:  # a leak, or too many kept groups: retire the pool
+                        out.pool_broken = True
+                        reasons.add(message[3])
                     counts[r] = message[4]
             for r in list(waiting):
                 if self.procs[r].exitcode is not None:
                     out.errors[r] = (out.errors.get(r, "") + "\n" + self._exit_text(r)).strip()
                     out.pool_broken = True
+                    reasons.add("crash")
                     waiting.discard(r)
         if len(set(counts.values())) > 1:
             # A case that failed half-way on some ranks: their next new_group calls would pair up
             # wrongly (c10d names groups by this count), so the next case gets fresh ranks.
-            self.group_count_retirements += 1
             out.pool_broken = True
+            reasons.add("group counts differ")
         if waiting:
             for r, stack in self._stacks(waiting).items():
                 out.errors[r] = (out.errors.get(r, "") + f"\nrank {r} did not finish cleaning up after the case "
                                  f"(other ranks never reached it, or a process group would not close):\n{stack}").strip()
             out.pool_broken = True
+            reasons.add("clean-up hung")
         if out.pool_broken:
+            self.retired.update(reasons)
             self.kill()
 
     # -- plumbing --------------------------------------------------------------------------
