@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from cpkit.children import popen_tied
+
 from cpkit.cluster.checks import CHECKS, FAULT_ENV
 
 pytestmark = pytest.mark.dist
@@ -45,8 +47,7 @@ def _two_nodes(args: list[str], env_extra: dict | None = None) -> tuple[list[int
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
                "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
                "-m", "cpkit.cluster", *args, "--backend", "gloo"]  # also on a host with GPUs
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      start_new_session=True))
+        procs.append(popen_tied(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     procs.reverse()  # [node 0, node 1]
     outputs = []
     try:

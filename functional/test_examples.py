@@ -5,7 +5,8 @@ NCCL with one GPU per rank (gpu2, gpu4); and as `python examples/<name>.py`, whi
 ranks itself. Each example asserts its own numbers (loss and gradients against CP 1, with the
 tolerances per dtype it states; a failed assert exits non-zero); the test checks the exit status,
 that every rank used the expected backend and device, and the printed lines. A launch that runs
-past the timeout is killed with all its ranks, and its output is reported.
+past the timeout is killed with all its ranks, and its output is reported; a launch dies with the
+test run however it stops (cpkit.children).
 
     python -m pytest -m "gpu2 or gpu4" functional/test_examples.py -rP   # NCCL, with each run's output
 """
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from cpkit.children import popen_tied
 from cpkit.launch_times import record_times
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,8 +93,7 @@ def _run(cmd: list[str], *, hide_gpus: bool, gpus: str | None = None) -> str:
     elif gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpus
     started = time.time()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = popen_tied(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=TIMEOUT_S)
         record_times([dict(example=" ".join(cmd[2:]), gpus=gpus, seconds=round(time.time() - started, 2),

@@ -168,9 +168,14 @@ def pytest_runtest_setup(item):
 
 
 def pytest_sessionfinish(session):
-    """Close this process's rank pools (bounded) and log their start-ups into the timing table."""
+    """End every launch the run started (torchrun examples and clusters, Ctrl-C included: the
+    launches' own guard covers a killed run, cpkit.children), close this process's rank pools
+    (bounded) and log their start-ups into the timing table."""
     import sys
 
+    children = sys.modules.get("cpkit.children")
+    if children is not None:
+        children.kill_all()
     grid = sys.modules.get("cpkit.grid")
     if grid is None or grid._default is None:
         return
