@@ -149,7 +149,8 @@ def test_every_test_file_is_selected_by_some_change():
     named = {f for row in CHANGE_MAP for f in (*row.unit, *row.functional)} | set(ALWAYS) | set(ANY_MODULE)
     files = [p.relative_to(ROOT).as_posix() for folder in ("tests", "functional") for p in (ROOT / folder).glob("test_*.py")]
     harness = {"functional/test_launcher.py", "tests/test_pytest_plugin.py", "tests/test_gpu_claim.py",
-               "tests/test_cpu_shim.py", "functional/test_rank_pool.py", "tests/test_rendezvous.py"}  # selected with the harness: everything
+               "tests/test_cpu_shim.py", "functional/test_rank_pool.py", "tests/test_rendezvous.py",
+               "functional/test_children.py"}  # selected with the harness: everything
     assert sorted(f for f in files if f not in named and f not in harness) == []
 
 
