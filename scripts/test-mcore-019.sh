@@ -8,8 +8,12 @@
 # or pyenv's 3.12; the environment lives in .venv-mcore019/, which git ignores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-py=${PYTHON312:-$(command -v python3.12 || ls -d "$HOME"/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -1)}
-[ -x "$py" ] || { echo "test-mcore-019: no Python 3.12 (set PYTHON312)" >&2; exit 2; }
+# The first that runs: $PYTHON312, python3.12 on PATH (a pyenv shim there may not run), pyenv's 3.12.
+py=
+for candidate in "${PYTHON312:-}" python3.12 $(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12 2>/dev/null | sort -V -r); do
+  [ -n "$candidate" ] && "$candidate" -c "import sys; assert sys.version_info[:2] == (3, 12)" >/dev/null 2>&1 && { py=$candidate; break; }
+done
+[ -n "$py" ] || { echo "test-mcore-019: no Python 3.12 that runs (set PYTHON312)" >&2; exit 2; }
 venv=.venv-mcore019
 if ! "$venv/bin/python" -c "import torch, megatron.core as m, cpkit, pytest; assert m.__version__ == '0.19.2'" 2>/dev/null; then
   echo "test-mcore-019: setting up $venv (Python 3.12, torch, megatron-core 0.19.2, cpkit[test]; a few minutes the first time)"
