@@ -95,3 +95,13 @@ def test_every_offered_fix_passes_the_check_and_they_come_nearest_first(layout):
     assert counts == sorted(counts)
     if layout.is_valid():
         assert fixes == []
+
+
+def test_a_hierarchical_fix_with_a_level_of_one_comes_after_a_real_two_level_split():
+    """[1, 8] is plain p2p under another name (never faster, the skill says): with 28 heads and 4
+    KV heads at tp 2, [2, 4] is the fix to offer first, and [1, 8] only after it."""
+    layout = CPLayout(world_size=16, tp=2, cp=8, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[4, 2],
+                      num_attention_heads=28, num_query_groups=4)
+    offered = [c.hierarchical_context_parallel_sizes for c in nearest_layouts(layout, limit=5)]
+    assert offered[0] == [2, 4], offered
+    assert [1, 8] not in offered or offered.index([1, 8]) > offered.index([2, 4]), offered

@@ -97,6 +97,11 @@ def changed_fields(before: CPLayout, after: CPLayout) -> list[str]:
     return [f for f in FIELDS if getattr(before, f) != getattr(after, f)]
 
 
+def _degenerate(sizes) -> bool:
+    """Hierarchical CP sizes with a level of 1 (one of the two levels does nothing)."""
+    return isinstance(sizes, (list, tuple)) and 1 in sizes
+
+
 def _distance(value, wanted) -> float:
     """How far a size is from the one asked for, on a log scale (0 when either is unusable)."""
     return abs(math.log2(value) - math.log2(wanted)) if _all_positive(value, wanted) else 0.0
@@ -106,7 +111,8 @@ def nearest_layouts(layout: CPLayout, limit: int = 3,
                     check: Callable[[CPLayout], list[Violation]] | None = None) -> list[CPLayout]:
     """Up to `limit` layouts near `layout` that pass `layout.violations()` (and `check`, when
     given, e.g. a node-placement check), nearest first: fewest fields changed, the comm type kept
-    where possible, a CP size kept above 1 where it was, then the CP size and world size closest
+    where possible, a CP size kept above 1 where it was, hierarchical sizes without a level of 1
+    (which is the plain comm type, never faster), then the CP size and world size closest
     to the ones asked for. Head counts are never changed. Empty when `layout` is already valid
     or no such layout is found."""
     if not layout.violations() and not (check and check(layout)):
@@ -123,7 +129,10 @@ def nearest_layouts(layout: CPLayout, limit: int = 3,
             continue
         comm_changed = "cp_comm_type" in changed
         lost_cp = _is_int(layout.cp) and layout.cp > 1 and cand.cp == 1
-        scored.append(((lost_cp, len(changed), comm_changed, "world_size" in changed,
+        # [1, p] or [a, 1] is the plain comm type in a2a+p2p's clothes, never faster: offered last.
+        degenerate = _degenerate(cand.hierarchical_context_parallel_sizes) and not _degenerate(
+            layout.hierarchical_context_parallel_sizes)
+        scored.append(((lost_cp, len(changed), comm_changed, degenerate, "world_size" in changed,
                         _distance(cand.cp, layout.cp), -cand.cp,
                         _distance(cand.eval_context_parallel_size, layout.eval_context_parallel_size),
                         _distance(cand.tp, layout.tp), key), cand))
