@@ -153,17 +153,7 @@ class PoolSet:
             started = time.monotonic()  # the grid's own wall: not the wait for its pool
             deadline = started + spec.timeout
             for cid, case in zip(ids, spec.cases):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    results[cid].errors = {r: f"not run: the grid's {spec.timeout:.0f} s deadline passed before "
-                                              f"case {cid}" for r in range(spec.world_size)}
-                    continue
-                try:
-                    run = pool.run(spec.fn, case, left, test_id=spec.test_id)
-                except PoolStartError as exc:  # this case fails; the next one tries a fresh start
-                    results[cid].errors = {r: str(exc) for r in range(spec.world_size)}
-                    continue
-                _fill(results[cid], run, spec.world_size)
+                _run_case(pool, spec, case, results[cid], deadline)
             if spec.backend == "gloo":
                 pool.drop_groups()  # idle gloo groups poll: an idle pool keeps only its world group
         record_grid_times(spec.fn, spec.backend, spec.world_size, results, started)
@@ -213,21 +203,12 @@ class PoolSet:
         pool, lock = self.pool(backend, world_size, gpu_slice, index)
         while (item := work.take()) is not None:
             grid, cid, case = item
-            result = grid.results[cid]
-            left = grid.deadline - time.monotonic()
-            if left <= 0:
-                result.errors = {r: f"not run: the grid's {grid.spec.timeout:.0f} s deadline passed before case {cid}"
-                                 for r in range(world_size)}
-            else:
-                try:
-                    with lock:
-                        run = pool.run(grid.spec.fn, case, left, test_id=grid.spec.test_id)
-                    _fill(result, run, world_size)
-                except PoolStartError as exc:  # this case fails; the next one tries a fresh start
-                    result.errors = {r: str(exc) for r in range(world_size)}
-                except BaseException:  # noqa: BLE001 - reported as the case's failure, never lost
-                    result.errors = {r: f"the harness failed running case {cid}:\n{traceback.format_exc()}"
-                                     for r in range(world_size)}
+            try:
+                with lock:
+                    _run_case(pool, grid.spec, case, grid.results[cid], grid.deadline)
+            except BaseException:  # noqa: BLE001 - reported as the case's failure, never lost
+                grid.results[cid].errors = {r: f"the harness failed running case {cid}:\n{traceback.format_exc()}"
+                                            for r in range(world_size)}
             work.done(grid)
         if backend == "nccl" and not self._closing:
             with lock:
@@ -282,6 +263,22 @@ class PoolSet:
                 for key, p in self._pools.items() if p.starts]
 
 
+def _run_case(pool: RankPool, spec: GridSpec, case: Any, result: CaseResult, deadline: float) -> None:
+    """One case of `spec` on `pool` into `result`, within the grid's `deadline` (monotonic); a
+    case past it, or one whose pool would not start, fails alone."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        result.errors = {r: f"not run: the grid's {spec.timeout:.0f} s deadline passed before case {result.case_id}"
+                         for r in range(spec.world_size)}
+        return
+    try:
+        run = pool.run(spec.fn, case, left, test_id=spec.test_id)
+    except PoolStartError as exc:  # this case fails; the next one tries a fresh start
+        result.errors = {r: str(exc) for r in range(spec.world_size)}
+        return
+    _fill(result, run, spec.world_size)
+
+
 def _fill(result: CaseResult, run, world_size: int) -> None:
     result.values, result.errors, result.seconds = run.values, dict(run.errors), run.seconds
     result.assertion_ranks = set(run.assertion_ranks)
@@ -298,6 +295,7 @@ HELP_MIN_CASES = 12
 """A pool whose queue ran dry starts one for another world size only when that many cases are
 left there: a new pool costs its start-up (about 6 s) and its first cases' compiles."""
 MAX_POOLS_PER_SLICE = 4
+"""The most pools of one world size on one GPU slice, helpers included."""
 
 
 def pools_per_slice() -> int:

@@ -173,11 +173,7 @@ class RankPool:
 
     def close(self, grace_s: float = 5.0) -> None:
         """Ask the ranks to leave, then kill whatever is left after `grace_s`."""
-        for conn in self.conns:
-            try:
-                conn.send(("exit",))
-            except (OSError, ValueError):
-                pass
+        self._send_all(("exit",))
         deadline = time.monotonic() + grace_s
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
@@ -208,11 +204,7 @@ class RankPool:
         if not self.alive:
             return
         counts = {}
-        for conn in self.conns:
-            try:
-                conn.send(("drop-groups",))
-            except (OSError, ValueError):
-                break
+        self._send_all(("drop-groups",))  # a rank that cannot take it does not answer: handled below
         deadline = time.monotonic() + timeout
         waiting = set(range(self.world_size))
         while waiting and time.monotonic() < deadline and self.alive:
@@ -331,6 +323,14 @@ class RankPool:
             self.kill()
 
     # -- plumbing --------------------------------------------------------------------------
+    def _send_all(self, message: tuple) -> None:
+        """`message` to every rank whose channel still takes it."""
+        for conn in self.conns:
+            try:
+                conn.send(message)
+            except (OSError, ValueError):
+                pass
+
     def _receive(self, ranks, timeout: float):
         """(rank, message) for every rank in `ranks` with a message; message None: pipe closed."""
         by_conn = {self.conns[r]: r for r in ranks}
