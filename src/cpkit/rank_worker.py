@@ -43,8 +43,9 @@ workspaces, allocator rounding); more than this is a leak of the case that left 
 SEED = 1234
 MAX_KEPT_GROUPS = 512
 """Process groups a pool rank may keep for its cases (cpkit.pool_groups) before the pool is
-retired (respawned, not failed). Reused groups follow the layouts a tier runs (on 2 ranks, well
-under 128): past this bound cases make groups they never ask for again, which is a leak."""
+retired (respawned, not failed). Reused groups follow the layouts a tier runs (the 4x H200
+proof at abc9a09 retired no pool for them): past this bound cases make groups they never ask
+for again, which is a leak."""
 
 
 def resolve(ref: str):
@@ -185,8 +186,8 @@ def rank_main(rank, world_size, backend, pool_dir, conn, parent_pid, gpu_ids, th
     os.dup2(2, 1)  # the rank's stdout joins its stderr file: nothing can reach the parent's channel
     die_with_parent(parent_pid)
     os.environ["CUDA_VISIBLE_DEVICES"] = gpu_ids if backend == "nccl" else ""
-    # Compile in the rank's own process: inductor's default pool of compile workers (one per
-    # core, per process) multiplied by a tier's rank processes oversubscribed a 64-core host.
+    # Compile in the rank's own process: inductor's default pool of compile workers (up to one
+    # per core, per process) would be multiplied by the tier's 20-odd rank processes.
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                        "LOCAL_WORLD_SIZE": str(world_size), BACKEND_ENV: backend})
