@@ -29,7 +29,7 @@ source scripts/gpu-env.sh
 if [ -f .te/te-bundle.tar.xz ]; then
   TE_WHEEL_EXPORT=$out/te-export bash scripts/te-install.sh >"$out/te-install.log" 2>&1 \
     || { echo "TE install failed (the TE tests will skip):"; tail -20 "$out/te-install.log"; }
-  tail -1 "$out/te-install.log"
+  grep "^te-install:" "$out/te-install.log"; tail -1 "$out/te-install.log"
   for wheel in "$out"/te-export/*/*.whl; do [ -f "$wheel" ] && mv "$wheel" "$out/"; done  # comes back: 1 level down
   rm -rf "$out/te-export"
 fi

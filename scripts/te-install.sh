@@ -22,6 +22,9 @@ export PIP_ROOT_USER_ACTION=ignore
 cache_root=${TE_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/cpkit/te-wheels}
 [ -f "$bundle" ] || { echo "no TE bundle at $bundle: run scripts/te-bundle.sh on a machine with network and carry .te/te-bundle.tar.xz here" >&2; exit 1; }
 start=$SECONDS
+last=$(date +%s.%N)
+# lap NAME: the seconds since the previous lap, so a slow install shows which step costs what.
+lap() { local now; now=$(date +%s.%N); python3 -c "import sys; print(f'te-install: {sys.argv[1]} {float(sys.argv[3]) - float(sys.argv[2]):.1f} s')" "$1" "$last" "$now"; last=$now; }
 mkdir -p "$site"
 source scripts/gpu-env.sh  # cuDNN and library paths TE needs to import; /tmp/site on PYTHONPATH
 [ "$site" = /tmp/site ] || export PYTHONPATH=$site:$PYTHONPATH
@@ -34,6 +37,7 @@ fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 tar xJf "$bundle" -C "$work"
+lap "unpack the bundle"
 b=$work/te-bundle
 te_version=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['te_version'])" "$b/manifest.json")
 
@@ -93,15 +97,14 @@ if [ ${#todo[@]} -gt 0 ]; then
 else
   echo "TE $te_version and its dependencies are in $site already"
 fi
+lap "TE and dependency wheels"
 
 key=$(python3 -c "import sys, torch; v = sys.version_info; print(f'torch{torch.__version__}-te$te_version-cp{v[0]}{v[1]}'.replace('+', '_'))" 2>/dev/null)
 cache=$cache_root/$key
-# use_ext WHEEL: merge the extension into the site (a separate target, so that pip replaces no
-# folder of TE's), record its key; fails when transformer_engine.pytorch does not import with it.
+# use_ext WHEEL: unpack the extension into the site (merged: it replaces no folder of TE's),
+# record its key; fails when transformer_engine.pytorch does not import with it.
 use_ext() {
-  rm -rf "$work/ext-site"
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$work/ext-site" "$1"
-  cp -r "$work"/ext-site/. "$site"/ && echo "$key" > "$site/.te-torch-ext-key" && imports "$work/import.log"
+  install "$1" && echo "$key" > "$site/.te-torch-ext-key" && imports "$work/import.log"
 }
 first() { ls "$1"/transformer_engine_torch-*.whl 2>/dev/null | head -1; }
 ext=
@@ -131,5 +134,6 @@ if [ -n "${TE_WHEEL_EXPORT:-}" ] && [ -n "$ext" ]; then
   mkdir -p "$TE_WHEEL_EXPORT/$key" && cp "$ext" "$TE_WHEEL_EXPORT/$key/" && echo "exported it to $TE_WHEEL_EXPORT/$key/"
 fi
 [ -n "$ext" ] || imports "$work/import.log" || { cat "$work/import.log"; exit 1; }  # use_ext imported it already
+lap "PyTorch extension and the import check"
 echo "$sha" > "$stamp"
 echo "transformer_engine.pytorch imports from $site (TE $te_version, $key) after $((SECONDS - start)) s"

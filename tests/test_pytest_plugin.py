@@ -179,3 +179,47 @@ def test_pools_per_slice_refuses_a_bad_value_with_the_fix(monkeypatch):
         pools_per_slice()
     monkeypatch.setenv("CPKIT_POOLS_PER_SLICE", "1")
     assert pools_per_slice() == 1
+
+
+@pytest.mark.parametrize("gpus, cpus, expected", [
+    (4, 64, 2),   # 4 GPUs, 16 cores each, three world sizes share each GPU: the floor of 2
+    (2, 32, 4),   # 2 GPUs run only world size 2: 16 cores a GPU leave room for 4 pools
+    (2, 12, 1),   # 6 cores a GPU: one pool
+    (8, 128, 2),  # 16 cores a GPU, three world sizes
+    (3, 96, 4),   # 32 cores a GPU, world sizes 2 and 3: capped at MAX_POOLS_PER_SLICE
+])
+def test_pools_per_slice_follows_the_cores_left_per_world_size(monkeypatch, gpus, cpus, expected):
+    import cpkit.grid as grid
+
+    monkeypatch.delenv("CPKIT_POOLS_PER_SLICE", raising=False)
+    monkeypatch.setattr(grid, "cuda_device_count", lambda: gpus)
+    monkeypatch.setattr(grid.os, "cpu_count", lambda: cpus)
+    assert grid.pools_per_slice() == expected
+
+
+def test_closing_several_pools_waits_one_grace_not_one_per_pool(monkeypatch):
+    """close_pools asks every pool's ranks to leave first, then joins them against one shared
+    deadline: ranks that never leave cost one grace in all, then a kill."""
+    import cpkit.rank_pool as rank_pool
+
+    clock = [0.0]
+    monkeypatch.setattr(rank_pool.time, "monotonic", lambda: clock[0])
+
+    class Stuck:  # a rank process that never exits: join waits out its timeout
+        def join(self, timeout):
+            clock[0] += timeout
+
+    class Pool:
+        def __init__(self):
+            self.procs, self.sent, self.killed = [Stuck(), Stuck()], [], False
+
+        def _send_all(self, message):
+            self.sent.append((message, clock[0]))
+
+        def kill(self):
+            self.killed = True
+
+    pools = [Pool() for _ in range(3)]
+    rank_pool.close_pools(pools, grace_s=5.0)
+    assert clock[0] == 5.0, f"closing 3 stuck pools took {clock[0]} s of a 5 s grace"
+    assert all(p.sent == [(("exit",), 0.0)] and p.killed for p in pools)

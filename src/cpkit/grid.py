@@ -22,10 +22,10 @@ from typing import Any, Callable, Iterable
 
 from cpkit.gpu_claim import cuda_device_count, visible_gpu_ids
 from cpkit.launch_times import record_grid_times
-from cpkit.rank_pool import PoolStartError, RankPool, function_ref
+from cpkit.rank_pool import PoolStartError, RankPool, close_pools, function_ref
 
 __all__ = ["CaseFailed", "CaseResult", "GridSpec", "POOLS_PER_SLICE_ENV", "PoolSet", "case_id_of", "default_pools",
-           "pools_per_slice", "run_cases"]
+           "pools_per_slice", "run_cases", "world_sizes_per_gpu"]
 
 
 class CaseFailed(RuntimeError):
@@ -42,6 +42,7 @@ class CaseResult:
     values: dict[int, Any] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)
     seconds: float = 0.0
+    compiled: int = 0
     assertion_ranks: set[int] = field(default_factory=set)
     skip_reason: str | None = None
 
@@ -137,7 +138,7 @@ class PoolSet:
         and pool of a slice), so that side-by-side pools do not oversubscribe the CPU."""
         if backend == "gloo":
             return 1
-        per_gpu = 3 * pools_per_slice()
+        per_gpu = world_sizes_per_gpu(len(self.gpu_ids)) * pools_per_slice()
         return max(1, (os.cpu_count() or 1) // max(len(self.gpu_ids) * per_gpu, 1))
 
     def run_grid(self, spec: GridSpec, gpu_slice: str | None = None) -> dict[str, CaseResult]:
@@ -253,8 +254,7 @@ class PoolSet:
             for future in self._futures.values():
                 future.cancel()
             pools = list(self._pools.values())
-        for pool in pools:
-            pool.close()
+        close_pools(pools)
 
     def stats(self) -> list[dict]:
         """Per pool: starts (1 + respawns), cases run and start-up seconds."""
@@ -281,6 +281,7 @@ def _run_case(pool: RankPool, spec: GridSpec, case: Any, result: CaseResult, dea
 
 def _fill(result: CaseResult, run, world_size: int) -> None:
     result.values, result.errors, result.seconds = run.values, dict(run.errors), run.seconds
+    result.compiled = run.compiled
     result.assertion_ranks = set(run.assertion_ranks)
     if run.skipped and len(run.skipped) == world_size:
         result.skip_reason = next(iter(run.skipped.values()))
@@ -299,9 +300,11 @@ MAX_POOLS_PER_SLICE = 4
 
 
 def pools_per_slice() -> int:
-    """NCCL pools per GPU slice and world size: $CPKIT_POOLS_PER_SLICE, else 2 where the host
-    has 8 or more cores per GPU (the cases are mostly host-bound: launches, Python, NCCL set-up,
-    so two processes per GPU keep it busier), else 1."""
+    """NCCL pools per GPU slice and world size: $CPKIT_POOLS_PER_SLICE, else from the host's
+    cores per GPU. The cases are mostly host-bound (launches, Python, NCCL set-up; the GPUs were
+    7-37% busy in the proofs), so more processes per GPU keep it busier: 2 pools where a GPU has 8
+    or more cores, and up to MAX_POOLS_PER_SLICE where cores are left at 4 per rank process for
+    the world sizes that share the GPU (world_sizes_per_gpu: 2 GPUs run only world size 2)."""
     value = os.environ.get(POOLS_PER_SLICE_ENV, "").strip()
     if value:
         if not value.isdigit() or int(value) < 1:
@@ -309,7 +312,15 @@ def pools_per_slice() -> int:
                              f"{POOLS_PER_SLICE_ENV}=1 for one pool per GPU slice")
         return int(value)
     gpus = max(cuda_device_count(), 1)
-    return 2 if (os.cpu_count() or 1) // gpus >= 8 else 1
+    cores_per_gpu = (os.cpu_count() or 1) // gpus
+    floor = 2 if cores_per_gpu >= 8 else 1
+    return max(floor, min(MAX_POOLS_PER_SLICE, cores_per_gpu // (4 * world_sizes_per_gpu(gpus))))
+
+
+def world_sizes_per_gpu(gpus: int) -> int:
+    """How many of the tiers' world sizes (2, 3, 4) fit on `gpus` GPUs: the pools of each share
+    every GPU."""
+    return max(1, sum(1 for n in (2, 3, 4) if n <= gpus))
 
 
 @dataclass

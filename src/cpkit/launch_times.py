@@ -33,5 +33,6 @@ def record_grid_times(fn, backend: str, world_size: int, results: dict, started:
     grid = dict(grid=f"{fn.__module__}.{getattr(fn, '__qualname__', fn)}", backend=backend, world_size=world_size)
     cases_s = sum(r.seconds for r in results.values())
     wall, t1 = time.monotonic() - started, time.time()  # t0/t1: epoch seconds, to line up stages run side by side
-    record_times([dict(grid, case=r.case_id, seconds=round(r.seconds, 3), ok=r.ok) for r in results.values()]
+    record_times([dict(grid, case=r.case_id, seconds=round(r.seconds, 3), ok=r.ok,
+                       **({"compiled": r.compiled} if getattr(r, "compiled", 0) else {})) for r in results.values()]
                  + [dict(grid, wall_s=round(wall, 2), cases_s=round(cases_s, 2), t0=round(t1 - wall, 2), t1=round(t1, 2))])

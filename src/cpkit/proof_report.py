@@ -126,7 +126,13 @@ def report(folder: Path, *, gpus: int, setup_s: float, pytest_s: float, total_s:
     cases = sorted((r for r in rows if "case" in r), key=lambda r: -r["seconds"])[:15]
     if cases:
         lines += ["", "Slowest cases (s):"] + [f"- {r['seconds']:.1f} {r['backend']}{r['world_size']} "
-                                               f"{r['grid'].rsplit('.', 1)[0]} {r['case']}" for r in cases]
+                                               f"{r['grid'].rsplit('.', 1)[0]} {r['case']}"
+                                               + (f" ({r['compiled']} graphs compiled)" if r.get("compiled") else "")
+                                               for r in cases]
+    compiling = [r for r in rows if r.get("compiled")]
+    if compiling:
+        lines += ["", f"Cases that compiled (torch.compile graphs): {len(compiling)}, "
+                      f"{sum(r['compiled'] for r in compiling)} graphs, {sum(r['seconds'] for r in compiling):.1f} s of case time"]
     met = green and all(ok for _, _, ok in verdicts)
     return "\n".join(lines) + "\n", met
 

@@ -37,7 +37,7 @@ from cpkit.rank_stderr import StderrFollower, describe_exit
 from cpkit.rank_worker import rank_main
 from cpkit.rendezvous import START_ATTEMPTS, is_transient_rendezvous, note_retry
 
-__all__ = ["PoolStartError", "RankPool", "CaseRun", "function_ref"]
+__all__ = ["PoolStartError", "RankPool", "CaseRun", "close_pools", "function_ref"]
 
 DEFAULT_FAIL_GRACE_S = 10.0
 """After one rank fails, how long the others may take to report before they count as stuck."""
@@ -75,6 +75,8 @@ class CaseRun:
     config error: only these can make an expected failure (a strict xfail with raises=AssertionError)."""
     skipped: dict[int, str] = field(default_factory=dict)
     seconds: float = 0.0
+    compiled: int = 0
+    """Graphs torch.compile compiled during the case (the most on one rank)."""
     pool_broken: bool = False
 
 
@@ -173,11 +175,7 @@ class RankPool:
 
     def close(self, grace_s: float = 5.0) -> None:
         """Ask the ranks to leave, then kill whatever is left after `grace_s`."""
-        self._send_all(("exit",))
-        deadline = time.monotonic() + grace_s
-        for p in self.procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        self.kill()
+        close_pools([self], grace_s)
 
     def kill(self) -> None:
         """SIGKILL every rank's process group (a rank's own children die with it)."""
@@ -243,8 +241,8 @@ class RankPool:
                     out.errors[r] = message[1] if message else self._exit_text(r)
                     first_failure = first_failure or time.monotonic()
                     continue
-                kind, _, payload, seconds = message
-                out.seconds = max(out.seconds, seconds)
+                kind, _, payload, seconds, compiled = message
+                out.seconds, out.compiled = max(out.seconds, seconds), max(out.compiled, compiled)
                 if kind == "ok":
                     out.values[r] = payload
                 elif kind == "skipped":
@@ -370,3 +368,16 @@ class RankPool:
             except OSError:
                 stacks[r] = "(no stack dump)"
         return stacks
+
+
+def close_pools(pools: list["RankPool"], grace_s: float = 5.0) -> None:
+    """Ask every rank of every pool to leave at once, then kill whatever is left after one
+    shared `grace_s`: closing N pools takes one grace, not N."""
+    for pool in pools:
+        pool._send_all(("exit",))
+    deadline = time.monotonic() + grace_s
+    for pool in pools:
+        for p in pool.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+    for pool in pools:
+        pool.kill()

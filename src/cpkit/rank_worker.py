@@ -160,6 +160,13 @@ def _clean_up(before_bytes: int, baseline_groups: int, device) -> tuple[str | No
     return leak, retire, held
 
 
+def _compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (0 before dynamo is imported): a
+    case's count says whether its seconds went into compiling, a cost its pool pays once."""
+    dynamo_utils = sys.modules.get("torch._dynamo.utils")
+    return int(dynamo_utils.counters["stats"]["unique_graphs"]) if dynamo_utils else 0
+
+
 def _outcome(fn, case, device):
     """('ok', value) | ('failed', traceback) for an AssertionError (a wrong result) |
     ('error', traceback) for any other exception | ('skipped', reason) of fn(case)."""
@@ -226,7 +233,9 @@ def _serve(rank, world_size, backend, pool_dir, conn, threads, pg_timeout_s, syn
     while True:
         message = conn.recv()
         if message[0] == "exit":
-            dist.destroy_process_group()
+            # No destroy_process_group: the process ends here and frees every communicator, while
+            # NCCL's destroy of kept groups can block on peers that left first (a 2-GPU proof
+            # spent 23 s of its budget in pool close before its time limit cut it).
             conn.send(("bye",))
             return
         if message[0] == "drop-groups":  # between grids, on every rank: see GroupReuse.drop_all
@@ -235,14 +244,14 @@ def _serve(rank, world_size, backend, pool_dir, conn, threads, pg_timeout_s, syn
         _, seq, ref, case, test_id = message
         _seed_everything()
         reuse.new_case()
-        start = time.perf_counter()
+        start, graphs = time.perf_counter(), _compiled_graphs()
         with rank_case_context(test_id):  # the coverage map credits the case to the test that asked
             kind, payload = _outcome(resolve(ref), case, device)
+        took = (time.perf_counter() - start, _compiled_graphs() - graphs)
         try:
-            conn.send((kind, seq, payload, time.perf_counter() - start))
+            conn.send((kind, seq, payload, *took))
         except Exception:  # noqa: BLE001 - an unpicklable return value is the case's error
-            conn.send(("error", seq, f"the case's return value cannot be sent: {traceback.format_exc()}",
-                       time.perf_counter() - start))
+            conn.send(("error", seq, f"the case's return value cannot be sent: {traceback.format_exc()}", *took))
         _store_sync(store, f"case{seq}", rank, world_size, sync_timeout_s)
         os.environ.clear()
         os.environ.update(env)
