@@ -9,17 +9,20 @@
 #   and LD_LIBRARY_PATH the loader (TE's core library names cuDNN's sub-libraries itself).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 # Each install only when its wheel is carried, so that scripts under `set -e` can source this file.
-if ls .whl/megatron_core-*.whl >/dev/null 2>&1 && ! PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} python3 -c "import megatron.core" 2>/dev/null; then
+# found MODULE: whether MODULE is installed, found without importing it (importing MCore imports
+# torch: seconds on a fresh host, paid again by every script that sources this file).
+found() { PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} python3 -c "import importlib.util, sys; sys.exit(importlib.util.find_spec(sys.argv[1]) is None)" "$1" 2>/dev/null; }
+if ls .whl/megatron_core-*.whl >/dev/null 2>&1 && ! found megatron.core; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/megatron_core-*.whl
 fi
 # The cuDNN frontend (extra cpkit[kernels]) when its wheel is carried in .whl/ (scripts/kernels-wheel.sh).
-if ls .whl/nvidia_cudnn_frontend-*.whl >/dev/null 2>&1 && ! PYTHONPATH=/tmp/site python3 -c "import cudnn" 2>/dev/null; then
+if ls .whl/nvidia_cudnn_frontend-*.whl >/dev/null 2>&1 && ! found cudnn; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/nvidia_cudnn_frontend-*.whl
 fi
 # Absolute: tests start pytest and ranks in other working directories.
 export PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 if [ -z "${CUDNN_PATH:-}" ]; then
-  cudnn=$(python3 -c "import nvidia.cudnn as c; print(list(c.__path__)[0])" 2>/dev/null) && export CUDNN_PATH=$cudnn
+  cudnn=$(python3 -c "import importlib.util; print(list(importlib.util.find_spec('nvidia.cudnn').submodule_search_locations)[0])" 2>/dev/null) && export CUDNN_PATH=$cudnn
 fi
 if [ -n "${CUDNN_PATH:-}" ] && [ -d "$CUDNN_PATH/lib" ]; then
   export LD_LIBRARY_PATH=$CUDNN_PATH/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
