@@ -33,16 +33,7 @@ if [ -f .te/te-bundle.tar.xz ]; then
   for wheel in "$out"/te-export/*/*.whl; do [ -f "$wheel" ] && mv "$wheel" "$out/"; done  # comes back: 1 level down
   rm -rf "$out/te-export"
 fi
-# unpack NAME ARCHIVE: Megatron-LM / Bridge archives into /tmp/upstream, .git/HEAD naming their commit.
-unpack() {
-  local name=$1 archive=.upstream/$1.tar.xz
-  [ -f "$archive" ] || return 1
-  mkdir -p /tmp/upstream
-  [ -d "/tmp/upstream/$2" ] || tar xJf "$archive" -C /tmp/upstream
-  [ -f ".upstream/$name.commit" ] && mkdir -p "/tmp/upstream/$2/.git" && cp ".upstream/$name.commit" "/tmp/upstream/$2/.git/HEAD"
-}
-unpack mlm megatron-lm && export CPKIT_MLM_SRC=/tmp/upstream/megatron-lm
-unpack bridge megatron-bridge && export CPKIT_BRIDGE_SRC=/tmp/upstream/megatron-bridge/src
+source scripts/upstream-unpack.sh
 setup_s=$(secs "$begin")
 
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")

@@ -420,3 +420,28 @@ def test_moe_step_divides_router_loss_gradients_by_the_token_count(pgc, per_toke
     assert any("router" in name for name in grads)
     for name, g in grads.items():
         torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_the_router_loss_scale_is_filled_on_the_device_without_a_host_copy():
+    """The scale is set every micro-batch between forward and backward: a copy from host memory
+    (torch.tensor(scale, device=cuda)) waits for the stream there, so the host could not queue
+    the backward while the forward runs. A fill on the device (aten.full) is only queued; a
+    tensor built from host data dispatches no device op at all (its copy is below dispatch)."""
+    pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    class Ops(TorchDispatchMode):
+        seen: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    before = MoEAuxLossAutoScaler.main_loss_backward_scale
+    with Ops() as ops, runtime._router_loss_scale(0.25, torch.device("meta")):
+        scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+    assert scale.device.type == "meta" and scale.dtype == torch.float32 and scale.dim() == 0
+    assert ops.seen == ["aten.full.default"], f"the scale was not made by a fill on the device: {ops.seen}"
+    assert MoEAuxLossAutoScaler.main_loss_backward_scale is before

@@ -407,7 +407,10 @@ def _router_loss_scale(scale: float, device: Any):
         yield
         return
     previous = MoEAuxLossAutoScaler.main_loss_backward_scale
-    MoEAuxLossAutoScaler.main_loss_backward_scale = torch.tensor(scale, dtype=torch.float32, device=device)
+    # torch.full fills on the device; torch.tensor(scale, device=cuda) would copy from pageable
+    # host memory and wait for the stream: a host sync between every micro-batch's forward and
+    # backward, so the host could not queue the backward while the forward ran.
+    MoEAuxLossAutoScaler.main_loss_backward_scale = torch.full((), scale, dtype=torch.float32, device=device)
     try:
         yield
     finally:
