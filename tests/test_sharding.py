@@ -194,3 +194,21 @@ def test_shards_agree_with_the_plain_reference_slicing(cp):
     for r in range(cp):
         assert torch.equal(reference_shard(x, r, cp), shard_seq(x, r, cp, seq_dim=0))
         assert torch.equal(reference_shard(t, r, cp, cu), shard_thd(t, cu, r, cp))
+
+
+def test_offsets_copied_to_a_device_are_checked_from_their_host_values_without_a_device_read():
+    """offsets_to keeps the host values on the device tensor, so the offset check (once per
+    micro-batch in a training step) needs no device-to-host sync. The meta device has no data:
+    reading it back raises, so a check that reads the device fails here."""
+    from cpkit.sharding import check_cu_seqlens, offsets_to
+
+    host = pad_cu_seqlens([5, 3], 2)
+    on_meta = offsets_to(host, "meta")
+    assert on_meta.device.type == "meta" and on_meta.dtype == host.dtype
+    assert check_cu_seqlens(on_meta, 2) == host.tolist()
+    assert thd_partition(offsets_to(host, "cpu"), 0, 2).tolist() == thd_partition(host, 0, 2).tolist()
+    with pytest.raises(CPConfigError, match=r"cu_seqlens \(sequence 1\)=4: .*multiple of 2\*cp = 8"):
+        check_cu_seqlens(on_meta, 4)  # the same checks, on the kept values
+    on_meta.add_(0)  # changed in place: the kept values may be stale, so the device is read
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        check_cu_seqlens(on_meta, 2)

@@ -30,6 +30,7 @@ __all__ = [
     "gather_seq",
     "pad_cu_seqlens",
     "check_cu_seqlens",
+    "offsets_to",
     "thd_partition",
     "segments_to_index",
     "thd_local_cu_seqlens",
@@ -142,6 +143,30 @@ def pad_cu_seqlens(seq_lens: Sequence[int] | torch.Tensor, cp_size: int) -> torc
     return torch.cat([padded.new_zeros(1), padded.cumsum(0)]).to(torch.int32)
 
 
+# Offsets copied to a device by `offsets_to` keep their host values on the tensor: reading them
+# back (.tolist()) would wait for every kernel queued before, once per micro-batch in a training
+# step, so the host could not queue the next micro-batch while the GPU runs this one.
+_HOST_ATTR = "_cpkit_host_offsets"
+
+
+def offsets_to(cu_seqlens: torch.Tensor, device: Any) -> torch.Tensor:
+    """`cu_seqlens` (host offsets) on `device`, carrying their host values, which
+    check_cu_seqlens and the attention's offset check then read instead of the device's (no
+    device-to-host sync); an in-place change of the device tensor drops them."""
+    out = cu_seqlens.to(device)
+    if out.device.type != "cpu":
+        setattr(out, _HOST_ATTR, (out._version, [int(c) for c in cu_seqlens.tolist()]))
+    return out
+
+
+def _host_offsets(cu_seqlens: torch.Tensor) -> list[int]:
+    """The offsets as a host list: the values offsets_to kept, else read from the tensor."""
+    kept = getattr(cu_seqlens, _HOST_ATTR, None)
+    if kept is not None and kept[0] == cu_seqlens._version:
+        return list(kept[1])
+    return [int(c) for c in cu_seqlens.tolist()]
+
+
 def check_cu_seqlens(cu_seqlens: torch.Tensor, cp_size: int) -> list[int]:
     """Host copy (list) of `cu_seqlens` after checking it is 1-D [n + 1] integer offsets from 0
     whose every sequence length is a non-negative multiple of 2*cp_size (any non-negative
@@ -154,7 +179,7 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, cp_size: int) -> list[int]:
     if cu_seqlens.dtype.is_floating_point:
         raise CPConfigError.single("cu_seqlens.dtype", cu_seqlens.dtype, "must be an integer dtype",
                                    "use torch.int32 offsets")
-    cu = [int(c) for c in cu_seqlens.tolist()]
+    cu = _host_offsets(cu_seqlens)
     if cu[0] != 0:
         raise CPConfigError.single("cu_seqlens[0]", cu[0], "must be 0", "start the offsets at 0")
     mult = 2 * cp_size if cp_size > 1 else 1

@@ -51,7 +51,7 @@ from cpkit.errors import CPConfigError
 from cpkit.loss import all_reduce_gradients, forward_loss
 from cpkit.group_info import global_ranks, group_rank, group_size
 from cpkit.rebind import rebound
-from cpkit.sharding import pad_cu_seqlens, shard_thd, thd_position_ids
+from cpkit.sharding import offsets_to, pad_cu_seqlens, shard_thd, thd_position_ids
 
 __all__ = [
     "PackedTHD",
@@ -170,8 +170,8 @@ def pack_thd(
         tensors[key] = torch.cat(parts).unsqueeze(0)
     device = tensors[keys[0]].device
     cu = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(torch.int32)
-    return PackedTHD(tensors=tensors, seq_lens=tuple(lens), cu_seqlens=cu.to(device),
-                     cu_seqlens_padded=cu_padded.to(device), cp_size=cp_size, max_seqlen=max(padded))
+    return PackedTHD(tensors=tensors, seq_lens=tuple(lens), cu_seqlens=offsets_to(cu, device),
+                     cu_seqlens_padded=offsets_to(cu_padded, device), cp_size=cp_size, max_seqlen=max(padded))
 
 
 def packed_seq_params_for(packed: PackedTHD, group: Any):
