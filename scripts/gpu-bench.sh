@@ -10,7 +10,12 @@
 #   batching and of the a2a head chunks, p2p kv8 at cp=2, a profile of p2p / a2a / a2a+p2p at kv32.
 # - eval_cp: the default model, a 4096-wide one at TP1 PP2, a profile of TP1 PP2 16K.
 # - window: one rank's sliding-window compute (one GPU).
-# Usage: bash scripts/gpu-bench.sh attention|attention-full|eval_cp|window
+# - dynamic_step: real dynamic-CP training steps of every plan family (cpkit, static CP, MCore's,
+#   Megatron-LM dev's from .upstream/) against the step model, on two model sizes: the default
+#   (4 layers, hidden 4096, an 8B-class width: GPU-bound) and 8 layers at hidden 2048 (more
+#   host-bound), each within ${DYNAMIC_STEP_BUDGET_S:-300} s; tables, JSON and per-micro-batch
+#   timelines under $OUT.
+# Usage: bash scripts/gpu-bench.sh attention|attention-full|eval_cp|window|dynamic_step
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-results}; mkdir -p "$out"
@@ -61,6 +66,14 @@ case "${1:-}" in
   window)  # one GPU is enough: one rank's sliding-window compute (no communication)
     python3 -m cpkit.bench window --out "$out/window.json" 2>&1 | quiet | tee "$out/window.txt" || rc=1
     ;;
-  *) echo "usage: bash scripts/gpu-bench.sh attention|attention-full|eval_cp|window" >&2; exit 2 ;;
+  dynamic_step)
+    source scripts/upstream-unpack.sh
+    budget=${DYNAMIC_STEP_BUDGET_S:-300}
+    python3 -m cpkit.bench dynamic_step --budget-s "$budget" --out "$out/dynamic_step.json" 2>&1 | quiet \
+      | tee "$out/dynamic_step.txt" || rc=1
+    python3 -m cpkit.bench dynamic_step --budget-s "$budget" --hidden 2048 --ffn 7168 --heads 16 --kv-heads 4 \
+      --layers 8 --out "$out/dynamic_step_h2048.json" 2>&1 | quiet | tee "$out/dynamic_step_h2048.txt" || rc=1
+    ;;
+  *) echo "usage: bash scripts/gpu-bench.sh attention|attention-full|eval_cp|window|dynamic_step" >&2; exit 2 ;;
 esac
 exit $rc
