@@ -22,6 +22,11 @@ targets: every error within 10%, the predicted order of the families right where
 by more than 5%, cpkit no slower than MCore's and Megatron-LM's plans, 1.2x faster than static
 CP on the lognormal batches. `--replay` adds the replay's prediction (slow).
 
+Per family and batch also one extra step with every micro-batch marked (host times and CUDA
+events, no sync added: cpkit.dynamic.microbatch_timeline), its terms against the model's
+(cpkit.bench.dynamic_step_breakdown): which of micro-batches, the time between them, the
+preparation or the reduce and optimizer misses.
+
 `--device cpu --quick`: tiny model, gloo, one shrunk batch, few iterations (CI smoke run).
 """
 
@@ -35,6 +40,7 @@ from pathlib import Path
 import torch
 
 from cpkit.bench.common import DEFAULT_RESULTS_DIR, machine_info, write_json
+from cpkit.bench.dynamic_step_breakdown import breakdown_table
 from cpkit.bench.dynamic_step_rank import FAMILIES, StepSpec, run_rank
 from cpkit.bench.dynamic_step_report import TOLERANCE, cpkit_source, summarize, table, targets
 from cpkit.errors import CPConfigError, Violation
@@ -155,6 +161,9 @@ def _partial(spec) -> None:
         done = json.loads(partial.read_text())["results"]
         summarize(done)
         print(f"the {len(done)} batches that finished (partial):\n{table(done)}")
+        where = breakdown_table(done)
+        if where:
+            print(where)
 
 
 def _print_calibration(res: dict) -> None:
@@ -218,6 +227,9 @@ def main(argv=None) -> int:
           "pred: the step model (modeled); err = predicted / measured - 1; kernels: the "
           "kernels-only model of the step")
     print(table(results))
+    where = breakdown_table(results)
+    if where:
+        print(where)
     for r in results:
         if r["real_ratios"]:
             print(f"{r['label']}: real step " + ", ".join(f"{k} {v:.3f}" for k, v in r["real_ratios"].items())
