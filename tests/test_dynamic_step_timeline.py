@@ -1,7 +1,7 @@
-"""Where a real step's time goes (issue 57): the micro-batch marks of one step
-(cpkit.dynamic.microbatch_timeline) through the runtime's loop, their stream and host seconds,
-and the bench's breakdown of a step into the model's terms (cpkit.bench.dynamic_step_breakdown)
-on a synthetic result."""
+"""Where a real step's time goes, so a step the model under-predicts shows which term misses:
+the micro-batch marks of one step (cpkit.dynamic.microbatch_timeline) through the runtime's
+loop, their stream and host seconds, and the bench's breakdown of a step into the model's terms
+(cpkit.bench.dynamic_step_breakdown) on a synthetic result."""
 
 from __future__ import annotations
 
