@@ -2,8 +2,9 @@
 run of the real-step bench, about 20 s on 2 cores): the calibration is measured on the ranks
 from micro-benchmarks and written where it was asked; every plan family that can run here
 trains the same batch through cpkit's runtime, with the same loss (the weights stay put: AdamW
-at lr 0), and gets the step model's prediction, per rank too; the JSON keeps full plans, per-rank
-times and cpkit's own commit. Its GPU numbers come from the 4-GPU run, not from this test."""
+at lr 0), and gets the step model's prediction, per rank too; one extra step per plan marks
+every micro-batch on every rank, beside the model's time for each; the JSON keeps full plans,
+per-rank times and cpkit's own commit. Its GPU numbers come from the 4-GPU run, not from this test."""
 
 from __future__ import annotations
 
@@ -42,6 +43,17 @@ def test_dynamic_step_smoke_run(tmp_path, capsys):
         assert sorted(s for mb in i["plan"]["microbatches"] for g in mb for s in g["samples"]) \
             == list(range(batch["sequences"]))
     assert ran["mcore"]["lockstep"] and not ran["cpkit"]["lockstep"]
+    for fam, i in ran.items():  # the marked extra step: every micro-batch the runtime ran, per rank
+        ranks = i["timeline"]["per_rank"]
+        assert len(ranks) == len(i["predicted_per_rank_microbatch_s"]) == 4
+        for r, mine in enumerate(ranks):
+            assert len(mine["microbatches"]) == len(i["predicted_per_rank_microbatch_s"][r]) \
+                == i["runtime_microbatches"]
+            assert all(m["gpu_s"] is None and m["host_s"] > 0 for m in mine["microbatches"])  # CPU
+        # each sample in one group, marked by each of its cp ranks
+        assert sum(m["tokens"] / m["cp"] for mine in ranks for m in mine["microbatches"] if m["cp"]) \
+            == pytest.approx(batch["tokens"])
+        assert set(i["timeline_breakdown"]["misses"]) == {"mb", "between", "other", "prep", "r+o"}
     # fp32 on CPU: every plan computes the loss of the same batch with the same weights
     assert batch["loss_spread"] < 1e-5, {k: v["loss"] for k, v in ran.items()}
     assert "mlm" in batch["impl"] and ("error" in batch["impl"]["mlm"] or "mlm" in ran)
@@ -49,6 +61,7 @@ def test_dynamic_step_smoke_run(tmp_path, capsys):
                                                        "cp4_unbatched"}
     text = capsys.readouterr().out
     assert "pred step" in text and "counted per micro-batch" in text and "predicted within 10%" in text
+    assert "where the step's time goes" in text and "largest miss" in text
 
 
 @pytest.mark.gpu4

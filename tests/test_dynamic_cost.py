@@ -325,6 +325,24 @@ def test_an_unpacked_plan_runs_one_sample_at_a_time_and_waits_after_each_microba
     assert model.predict(plan)["fwd_bwd_s"] == pytest.approx(first + max(t[1], 4e-3) + 30e-6)
 
 
+def test_predict_gives_each_ranks_time_per_runtime_microbatch():
+    # what the bench's marked step is held to, micro-batch by micro-batch: the group's time, or
+    # idle_s where the rank is idle; the rest of the rank's forward + backward is waiting
+    model = _step_model()
+    packed = _step_plan([[((0, 1), (0,)), ((2,), (1,))], [((0, 1, 2, 3), (2,))]])
+    p = model.predict(packed)
+    t0, t1, t2 = (model.group_time([packed.seq_lens[s]], c) for s, c in ((0, 2), (1, 1), (2, 4)))
+    assert p["per_rank_microbatch_s"] == [pytest.approx(x) for x in
+                                          ([t0, t2], [t0, t2], [t1, t2], [4e-3, t2])]
+    for r in range(4):
+        assert sum(p["per_rank_microbatch_s"][r]) <= p["per_rank_fwd_bwd_s"][r] + 1e-12
+    unpacked = _step_plan([[((0, 1), (0, 1)), ((2,), (2,)), ((3,), (3,))]], packed=False)
+    q = model.predict(unpacked)  # two runtime micro-batches: sample j of every group in the j-th
+    t = [model.group_time([unpacked.seq_lens[s]], c) for s, c in ((0, 2), (1, 2), (2, 1), (3, 1))]
+    assert q["per_rank_microbatch_s"] == [pytest.approx(x) for x in
+                                          ([t[0], t[1]], [t[0], t[1]], [t[2], 4e-3], [t[3], 4e-3])]
+
+
 def test_the_step_model_needs_its_costs():
     from cpkit.dynamic.step_model import StepModel
 

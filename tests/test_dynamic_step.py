@@ -230,3 +230,44 @@ def test_the_micro_benchmarks_span_host_bound_to_gpu_bound_at_every_cp_size():
         assert local[0] <= 64 * 4 and local[-1] >= 4096  # tiny (host-bound) to the batches' scale
         assert any(len(lens) >= 4 for c, lens in grid if c == cp)  # the per-sample host cost
     assert max(L for _, lens in grid for L in lens) <= 20000  # never longer than the model takes
+
+
+def test_the_model_shape_options_report_every_broken_constraint_with_a_fix_that_passes():
+    from cpkit.bench import dynamic_step
+
+    def shape_problems(argv):
+        return dynamic_step._shape_violations(dynamic_step._shape(dynamic_step._parser().parse_args(argv)))
+
+    with pytest.raises(CPConfigError) as err:
+        dynamic_step.main(["--device", "cpu", "--ffn", "0", "--layers", "0", "--iters", "0"])
+    assert {v.field for v in err.value.violations} == {"--ffn", "--layers", "--iters"}
+    for argv, fields in ((["--hidden", "2050", "--heads", "16", "--kv-heads", "3"], {"--hidden", "--kv-heads"}),
+                         (["--hidden", "2040", "--heads", "8"], {"--heads"}),  # head dim 255: odd
+                         (["--heads", "32", "--kv-heads", "64"], {"--kv-heads"}),
+                         (["--quick", "--heads", "3"], {"--hidden", "--kv-heads"})):  # tiny: 64 wide, 2 KV
+        bad = shape_problems(argv)
+        assert {v.field for v in bad} == fields, (argv, bad)
+        assert all(str(v.value) in v.message and v.fix.startswith("pass --hidden") for v in bad)
+        for v in bad:  # each fix passes every check
+            assert shape_problems(argv + v.fix.split()[1:]) == [], v.fix
+    assert shape_problems(["--hidden", "2048", "--ffn", "7168", "--heads", "16", "--kv-heads", "4",
+                           "--layers", "8"]) == []
+
+
+def test_a_second_model_shape_reaches_the_ranks_and_its_own_calibration():
+    import dataclasses
+
+    from cpkit.bench import dynamic_step
+    from cpkit.bench.dynamic_step_calibrate import cache_path
+    from cpkit.bench.replay import REPLAY_DIMS, TINY_DIMS
+
+    def dims(argv):
+        return dynamic_step._spec(dynamic_step._parser().parse_args(argv))[0].dims
+
+    small = dims(["--hidden", "2048", "--ffn", "7168", "--heads", "16", "--kv-heads", "4", "--layers", "8"])
+    assert (small.hidden_size, small.ffn_hidden_size, small.num_heads, small.num_kv_heads, small.head_dim,
+            small.num_layers, small.gated_linear_unit) == (2048, 7168, 16, 4, 128, 8, True)
+    assert dims([]) == dataclasses.replace(REPLAY_DIMS, num_layers=4)  # the defaults as before
+    assert dims(["--quick"]) == TINY_DIMS and dims(["--quick", "--layers", "3"]).num_layers == 3
+    # the calibration cache is per shape: the smaller model never reads the default's
+    assert cache_path("c", "H100", 4, small, 1024) != cache_path("c", "H100", 4, dims([]), 1024)

@@ -22,6 +22,12 @@ targets: every error within 10%, the predicted order of the families right where
 by more than 5%, cpkit no slower than MCore's and Megatron-LM's plans, 1.2x faster than static
 CP on the lognormal batches. `--replay` adds the replay's prediction (slow).
 
+Per family and batch also one extra step with every micro-batch marked (host times and CUDA
+events, no sync added: cpkit.dynamic.microbatch_timeline), its terms against the model's
+(cpkit.bench.dynamic_step_breakdown): which of micro-batches, the time between them, the
+preparation or the reduce and optimizer misses. `--hidden`, `--ffn`, `--heads`, `--kv-heads`,
+`--layers` set the model's shape (the calibration cache is per shape).
+
 `--device cpu --quick`: tiny model, gloo, one shrunk batch, few iterations (CI smoke run).
 """
 
@@ -35,6 +41,7 @@ from pathlib import Path
 import torch
 
 from cpkit.bench.common import DEFAULT_RESULTS_DIR, machine_info, write_json
+from cpkit.bench.dynamic_step_breakdown import breakdown_table
 from cpkit.bench.dynamic_step_rank import FAMILIES, StepSpec, run_rank
 from cpkit.bench.dynamic_step_report import TOLERANCE, cpkit_source, summarize, table, targets
 from cpkit.errors import CPConfigError, Violation
@@ -44,6 +51,10 @@ __all__ = ["TOLERANCE", "main", "summarize"]
 NAME = "dynamic_step"
 SETS = ("mix", "mixlong", "long")
 CALIBRATION_DIR = f"{DEFAULT_RESULTS_DIR}/dynamic_step-calibration"
+#: (option, default, what): the model's shape; head dim = hidden / heads
+MODEL_OPTIONS = (("--hidden", 4096, "hidden size"), ("--ffn", 14336, "SwiGLU FFN size"),
+                 ("--heads", 32, "query heads"), ("--kv-heads", 8, "KV heads (GQA groups)"),
+                 ("--layers", 4, "layers (time and memory grow with them)"))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -53,8 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="smoke run: tiny model, one shrunk batch, 1 warm-up + 2 steps")
     p.add_argument("--ranks", type=int, default=4, help="ranks = DPxCP size (GPUs with cuda)")
-    p.add_argument("--layers", type=int, default=4,
-                   help="layers of the replay's 4096-wide model (time and memory grow with it)")
+    model = p.add_argument_group("model shape (default: the replay's layer, 4 layers; --quick: a tiny model)")
+    for flag, default, what in MODEL_OPTIONS:
+        model.add_argument(flag, type=int, default=None, help=f"{what} (default {default})")
     p.add_argument("--vocab", type=int, default=1024, help="vocabulary (not replayed: keep small)")
     p.add_argument("--sets", default="mix", help="replay sets: mix (default), mixlong, long")
     p.add_argument("--batches", type=int, default=1, help="batches per (mix, M) cell")
@@ -89,7 +101,7 @@ def _validate(args) -> list[Violation]:
     """Every bad option at once."""
     bad = [Violation(f"--{n.replace('_', '-')}", getattr(args, n), f"must be >= {low}",
                      f"pass e.g. --{n.replace('_', '-')} {fix}")
-           for n, low, fix in (("ranks", 2, 4), ("layers", 1, 4), ("vocab", 2, 1024), ("batches", 1, 1),
+           for n, low, fix in (("ranks", 2, 4), ("vocab", 2, 1024), ("batches", 1, 1),
                                ("warmup", 0, 3), ("iters", 1, 10), ("kernel_warmup", 0, 1),
                                ("kernel_iters", 1, 3), ("timeout_s", 1, 600))
            if getattr(args, n) < low]
@@ -111,6 +123,50 @@ def _validate(args) -> list[Violation]:
     if args.ranks >= 2 and args.ranks & (args.ranks - 1):
         bad.append(Violation("--ranks", args.ranks, "must be a power of two (aligned CP groups)",
                              "pass --ranks 4"))
+    return bad + _shape_violations(_shape(args))
+
+
+def _shape(args) -> dict[str, int]:
+    """{option: value} of the model's shape: the options given, else --quick's tiny model's or
+    MODEL_OPTIONS' defaults."""
+    from cpkit.bench.replay import TINY_DIMS
+
+    tiny = {"--hidden": TINY_DIMS.hidden_size, "--ffn": TINY_DIMS.ffn_hidden_size,
+            "--heads": TINY_DIMS.num_heads, "--kv-heads": TINY_DIMS.num_kv_heads,
+            "--layers": TINY_DIMS.num_layers}
+    given = {flag: getattr(args, flag[2:].replace("-", "_")) for flag, _, _ in MODEL_OPTIONS}
+    return {flag: given[flag] if given[flag] is not None else (tiny[flag] if args.quick else default)
+            for flag, default, _ in MODEL_OPTIONS}
+
+
+def _fitting_shape(hidden: int, heads: int, kv_heads: int) -> tuple[int, int, int]:
+    """(hidden, heads, kv heads) that pass _shape_violations, keeping the query heads: hidden
+    the nearest multiple of 2 x heads (an even head dim), the most KV heads up to `kv_heads`
+    that divide the heads."""
+    step = 2 * heads
+    hidden = max(step, step * round(hidden / step))
+    kv_heads = max(k for k in range(1, min(heads, kv_heads) + 1) if heads % k == 0)
+    return hidden, heads, kv_heads
+
+
+def _shape_violations(shape: dict[str, int]) -> list[Violation]:
+    """Every constraint the model's shape breaks, each with one fix that passes them all."""
+    bad = [Violation(flag, v, "must be an int >= 1", f"pass e.g. {flag} {default}")
+           for (flag, default, _), v in zip(MODEL_OPTIONS, shape.values()) if v < 1]
+    if bad:
+        return bad
+    hidden, heads, kv = shape["--hidden"], shape["--heads"], shape["--kv-heads"]
+    fix_h, fix_q, fix_kv = _fitting_shape(hidden, heads, kv)
+    fix = f"pass --hidden {fix_h} --heads {fix_q} --kv-heads {fix_kv}"
+    if hidden % heads:
+        bad.append(Violation("--hidden", hidden, f"must be divisible by --heads {heads} (head dim = "
+                             "hidden / heads)", fix))
+    elif (hidden // heads) % 2:
+        bad.append(Violation("--heads", heads, f"gives an odd head dim {hidden} / {heads} = "
+                             f"{hidden // heads}; it must be even (RoPE rotates pairs)", fix))
+    if heads % kv:
+        bad.append(Violation("--kv-heads", kv, f"must divide --heads {heads} (each KV head serves "
+                             "a group of query heads)", fix))
     return bad
 
 
@@ -120,7 +176,11 @@ def _spec(args):
     from cpkit.bench.replay_plans import batches
     import dataclasses
 
-    dims = TINY_DIMS if args.quick else dataclasses.replace(REPLAY_DIMS, num_layers=args.layers)
+    shape = _shape(args)
+    dims = dataclasses.replace(TINY_DIMS if args.quick else REPLAY_DIMS, hidden_size=shape["--hidden"],
+                               ffn_hidden_size=shape["--ffn"], num_heads=shape["--heads"],
+                               num_kv_heads=shape["--kv-heads"], head_dim=shape["--hidden"] // shape["--heads"],
+                               num_layers=shape["--layers"])
     todo = batches([s.strip() for s in args.sets.split(",")], args.batches, args.seed,
                    sizes=(args.ranks,), shrink=64 if args.quick else 1)
     limit = 1 if args.quick and args.max_batches is None else args.max_batches
@@ -155,6 +215,9 @@ def _partial(spec) -> None:
         done = json.loads(partial.read_text())["results"]
         summarize(done)
         print(f"the {len(done)} batches that finished (partial):\n{table(done)}")
+        where = breakdown_table(done)
+        if where:
+            print(where)
 
 
 def _print_calibration(res: dict) -> None:
@@ -218,6 +281,9 @@ def main(argv=None) -> int:
           "pred: the step model (modeled); err = predicted / measured - 1; kernels: the "
           "kernels-only model of the step")
     print(table(results))
+    where = breakdown_table(results)
+    if where:
+        print(where)
     for r in results:
         if r["real_ratios"]:
             print(f"{r['label']}: real step " + ", ".join(f"{k} {v:.3f}" for k, v in r["real_ratios"].items())

@@ -91,11 +91,13 @@ class Predictor:
         return out
 
     def predict(self, plan: Plan) -> dict:
-        """The step model's prediction (per rank too), and the replay's with --replay."""
+        """The step model's prediction (per rank and per micro-batch the runtime runs too), and
+        the replay's with --replay."""
         p = self.model.predict(plan)
         out = {"predicted_step_s": p["step_s"], "predicted_fwd_bwd_s": p["fwd_bwd_s"],
                "predicted_prep_s": p["prep_s"], "predicted_reduce_opt_s": p["reduce_opt_s"],
                "predicted_per_rank_fwd_bwd_s": p["per_rank_fwd_bwd_s"],
+               "predicted_per_rank_microbatch_s": p["per_rank_microbatch_s"],
                "kernels_only_s": self.kernels.step_time(plan, "free", 1)}
         if self.timer is not None:
             from cpkit.bench.replay import replay_plan

@@ -18,6 +18,9 @@
    switch, all_reduce_gradients, optimizer step); a plan with packed=False (MCore's) runs as
    MCore runs it (`run_order`). Times per rank and per step; the columns are the slowest rank's.
    A family whose plan equals one already run reuses its times (`same_plan_as`).
+6. Every rank: one more step of each plan with every micro-batch marked (host times and, on
+   CUDA, stream events, no sync added: cpkit.dynamic.microbatch_timeline), its own "timeline"
+   beside the plan's predicted per-micro-batch times, so the timed columns above are unchanged.
 """
 
 from __future__ import annotations
@@ -115,9 +118,11 @@ def _samples(batch: Batch, vocab: int, seed: int, device) -> list[dict]:
     return out
 
 
-def _step(model, opt, order, registry, pgc, group, samples, device) -> tuple[list[float], float]:
+def _step(model, opt, order, registry, pgc, group, samples, device,
+          recorder=None) -> tuple[list[float], float]:
     """One training step of `order` (run_order's); ([step, fwd_bwd, prep, reduce_opt] seconds of
-    this rank, the step's loss)."""
+    this rank, the step's loss). `recorder`: a MicrobatchTimeline marking forward + backward and
+    each micro-batch (no sync added)."""
     from cpkit.dynamic.runtime import (agree_on_tokens, dp_cp_position, forward_backward_local,
                                        prepare_microbatch)
     from cpkit.loss import all_reduce_gradients
@@ -136,11 +141,15 @@ def _step(model, opt, order, registry, pgc, group, samples, device) -> tuple[lis
     t1 = time.perf_counter()
     shares = []
     tick = torch.zeros(1, device=device)
+    if recorder is not None:
+        recorder.open()
     for seg in segments:
         shares += forward_backward_local(model, [local[m] for m in seg], total_tokens=total,
-                                         pg_collection=pgc)
+                                         pg_collection=pgc, recorder=recorder)
         if lockstep:  # MCore's schedule waits for the DPxCP group after every micro-batch
             dist.all_reduce(tick, group=group)
+    if recorder is not None:
+        recorder.close()
     _sync(device)
     t2 = time.perf_counter()
     all_reduce_gradients(model, group)
@@ -171,7 +180,23 @@ def _time_plan(model, opt, plan, spec, registry, pgc, group, samples, device) ->
     out["loss"] = losses[0]
     out["runtime_microbatches"] = len(order[0].microbatches)
     out["lockstep"] = order[2]
+    out["timeline"] = _timeline_step(model, opt, order, registry, pgc, group, samples, device)
     return out
+
+
+def _timeline_step(model, opt, order, registry, pgc, group, samples, device) -> dict:
+    """One more step, after the timed ones so their columns stay as they were, with every
+    micro-batch marked (cpkit.dynamic.microbatch_timeline); read after the step's final sync and
+    gathered from every rank: {"what", "per_rank": [{step columns, "microbatches", "tail_s",
+    "span_s"}]}."""
+    from cpkit.dynamic.microbatch_timeline import MicrobatchTimeline
+
+    timeline = MicrobatchTimeline(device)
+    times, _ = _step(model, opt, order, registry, pgc, group, samples, device, recorder=timeline)
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, {**dict(zip(COLUMNS, times)), **timeline.records()}, group=group)
+    return {"what": "one extra step after the timed ones, every micro-batch the runtime ran marked "
+                    "on the host and (CUDA) by stream events; per rank", "per_rank": every}
 
 
 def _link(spec: StepSpec, device):
@@ -349,7 +374,7 @@ def run_rank(spec: StepSpec) -> Optional[dict]:
             if "same_plan_as" in info:
                 src = entry["impl"][info["same_plan_as"]]
                 info.update({k: src[k] for k in (*COLUMNS, "per_rank", "loss", "runtime_microbatches",
-                                                  "lockstep") if k in src})
+                                                  "lockstep", "timeline") if k in src})
         if rank == 0:
             entry["steps_wall_s"] = time.perf_counter() - t_steps
             results.append(entry)

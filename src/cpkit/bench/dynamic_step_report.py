@@ -3,7 +3,8 @@ batch, the targets (module docstring), the table, and the commit of the cpkit th
 
 Per family and batch (`summarize`): the real step and forward + backward (median over steps of
 the slowest rank), the step model's predictions of both, and the error of each (predicted /
-real - 1). Targets (`targets`):
+real - 1); where the family has a marked step, which of the model's terms misses
+(cpkit.bench.dynamic_step_breakdown). Targets (`targets`):
 - every cell's |error| <= TOLERANCE, step and forward + backward;
 - the predicted order of every two families of a batch matches the real order wherever their
   real steps differ by more than ORDER_MARGIN;
@@ -21,6 +22,7 @@ from itertools import combinations
 from pathlib import Path
 
 from cpkit.bench.common import format_table
+from cpkit.bench.dynamic_step_breakdown import breakdown
 
 __all__ = ["CALIBRATION_BUDGET_S", "ORDER_MARGIN", "STATIC_TARGET", "TOLERANCE", "cpkit_commit", "cpkit_source",
            "order_problems", "summarize", "table", "targets"]
@@ -80,7 +82,8 @@ def _med(xs):
 
 
 def summarize(results: list[dict]) -> dict:
-    """Fills each ran family of each batch with medians, tokens/s and errors; returns
+    """Fills each ran family of each batch with medians, tokens/s, errors and the marked step's
+    terms (timeline_breakdown: cpkit.bench.dynamic_step_breakdown.breakdown); returns
     {"cells": [...], "ratios": {...}, "order": [...], "max_abs_error": {...}}."""
     cells, ratios = [], {}
     for r in results:
@@ -89,6 +92,9 @@ def summarize(results: list[dict]) -> dict:
                 continue
             step, fb = _med(i["step_s"]), _med(i["fwd_bwd_s"])
             i.update(step_median_s=step, fwd_bwd_median_s=fb, tokens_per_s=r["tokens"] / step)
+            where = breakdown(i)
+            if where is not None:
+                i["timeline_breakdown"] = where
             if "predicted_step_s" in i:
                 i["step_error"] = i["predicted_step_s"] / step - 1
                 i["fwd_bwd_error"] = i["predicted_fwd_bwd_s"] / fb - 1

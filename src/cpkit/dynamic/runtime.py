@@ -364,16 +364,21 @@ def forward_backward_local(
     pg_collection: Any,
     loss_fn: LossFn = _default_loss,
     cp_comm_type: Optional[str] = None,
+    recorder: Any = None,
 ) -> list[torch.Tensor]:
     """Forward and backward of this rank's micro-batches, in order; no DPxCP collective.
 
     Each micro-batch runs under use_cp_group on its own group (only that group communicates);
     None (idle) backpropagates zero_loss. Gradients accumulate into `.grad`. Returns this
-    rank's detached loss share per micro-batch (float64 scalars, 0 where idle).
+    rank's detached loss share per micro-batch (float64 scalars, 0 where idle). `recorder`
+    (cpkit.dynamic.microbatch_timeline.MicrobatchTimeline): start(mb) and stop() around each
+    micro-batch, marks without a sync.
     """
     per_token = bool(getattr(_config_of(model), "calculate_per_token_loss", False))
     shares = []
     for mb in microbatches:
+        if recorder is not None:
+            recorder.start(mb)
         if mb is None:
             loss = zero_loss(model)
         else:
@@ -387,6 +392,8 @@ def forward_backward_local(
         with _router_loss_scale(routed / max(total_tokens, 1.0), loss.device):
             loss.backward()  # outside the switch: autograd kept the forward's group
         shares.append(loss.detach().double())
+        if recorder is not None:
+            recorder.stop()
     return shares
 
 

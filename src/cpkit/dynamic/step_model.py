@@ -211,11 +211,15 @@ class StepModel(CostModel):
 
     def predict(self, plan: Plan) -> dict:
         """{"step_s", "fwd_bwd_s", "prep_s", "reduce_opt_s", "per_rank_fwd_bwd_s",
-        "per_rank_prep_s"} of one step of `plan` as the runtime runs it (runtime_segments)."""
+        "per_rank_prep_s", "per_rank_microbatch_s"} of one step of `plan` as the runtime runs it
+        (runtime_segments). per_rank_microbatch_s[r] holds, per micro-batch the runtime runs
+        (segments in order), rank r's modeled seconds in it: its group's group_time, idle_s
+        where idle; what it waits for other ranks is the rest of per_rank_fwd_bwd_s[r]."""
         k, n = self.costs, plan.dp_cp_size
         lens = plan.seq_lens
         segments, lockstep = runtime_segments(plan)
         ready, prep = [0.0] * n, [0.0] * n
+        per_mb = [[] for _ in range(n)]
         for seg in segments:
             for mb in seg:
                 busy = [False] * n
@@ -225,16 +229,18 @@ class StepModel(CostModel):
                     for r in g.ranks:
                         ready[r], busy[r] = end, True
                         prep[r] += k.prep_mb_s + k.prep_sample_s * len(g.samples)
+                        per_mb[r].append(t)
                 for r in range(n):
                     if not busy[r]:
                         ready[r] += k.idle_s
+                        per_mb[r].append(k.idle_s)
             if lockstep:  # every rank waits for the DPxCP group after each micro-batch
                 ready = [max(ready) + k.sync_s] * n
         prep_s = max(prep) + k.sync_s  # agree_on_tokens: every rank waits for the slowest
         fwd_bwd = max(ready, default=0.0)
         return {"step_s": prep_s + fwd_bwd + k.reduce_opt_s, "fwd_bwd_s": fwd_bwd, "prep_s": prep_s,
                 "reduce_opt_s": k.reduce_opt_s, "per_rank_fwd_bwd_s": ready,
-                "per_rank_prep_s": prep}
+                "per_rank_prep_s": prep, "per_rank_microbatch_s": per_mb}
 
     def step_time(self, plan, rule: str = "free", pp_size: int = 1) -> float:
         """The whole step of `plan` (predict's step_s) at PP = 1 with the free rule (the runtime's;
