@@ -416,17 +416,29 @@ def test_fill_to_capacity_packs_fewer_fuller_microbatches():
     assert 3 <= len(plan.microbatches) <= 4 and plan.candidate == "fill"
 
 
-def test_choose_keeps_cpkits_plan_only_where_it_wins_by_more_than_the_band():
-    from cpkit.dynamic.candidates import MODEL_ERROR_BAND, MODEL_ERROR_SOURCE, choose_plan
+def test_choose_takes_the_most_robust_plan_the_model_cannot_tell_apart():
+    """Within the band of the fastest: fewest runtime micro-batches, then fewest CP switches,
+    then a reference before cpkit's own, then the fastest; outside it the model's ranking stands;
+    never a reference modeled slower than static CP."""
+    from cpkit.dynamic.candidates import MODEL_ERROR_BAND, MODEL_ERROR_SOURCE, choose_plan, robustness
+    from cpkit.testing.plans import hand_plan
 
-    own, a, b = object(), object(), object()
-    times = {a: 1.05, b: 1.2}
-    pick = choose_plan((1.0, "earliest-finish", own), {"mlm": a, "mcore": b}, times.__getitem__, 2.0)
-    assert pick == (1.05, "mlm", a)  # cpkit's 5% lead is inside the model's 10% error
-    pick = choose_plan((1.0, "earliest-finish", own), {"mcore": b}, times.__getitem__, 2.0)
-    assert pick[1] == "earliest-finish"  # a 20% lead is outside it
-    pick = choose_plan((1.0, "static", own), {"mlm": a}, times.__getitem__, 1.02)
-    assert pick[1] == "static"  # a reference modeled slower than static CP is never taken
+    lens = [8, 8, 8, 8]
+    three = hand_plan([[((0,), (0,)), ((1,), (1,))], [((0, 1), (2,))], [((0,), (3,))]], lens, 2)
+    two = hand_plan([[((0,), (0, 1)), ((1,), (2,))], [((0, 1), (3,))]], lens, 2)
+    two_flat = hand_plan([[((0,), (0, 1)), ((1,), (2,))], [((0,), (3,))]], lens, 2)
+    assert robustness(three) == (3, 2) and robustness(two) == (2, 1) and robustness(two_flat) == (2, 0)
+    times = {id(two): 1.05, id(two_flat): 1.08, id(three): 1.0}
+    step_time = lambda p: times[id(p)]  # noqa: E731
+    own = (1.0, "earliest-finish", three)
+    assert choose_plan(own, {"mlm": two}, step_time, 2.0)[1] == "mlm"  # 5% slower, one micro-batch fewer
+    assert choose_plan(own, {"mlm": two, "fill": two_flat}, step_time, 2.0)[1] == "fill"  # no CP switch
+    assert choose_plan((1.0, "earliest-finish", two), {"mlm": two}, lambda p: 1.05, 2.0)[1] == "mlm"  # a tie: the reference
+    assert choose_plan((1.0, "earliest-finish", two), {"mlm": two}, lambda p: 0.9, 2.0)[0] == 0.9  # faster: the reference
+    times[id(two)] = 1.2
+    assert choose_plan(own, {"mlm": two}, step_time, 2.0)[1] == "earliest-finish"  # 20%: outside the band
+    times[id(two)] = 1.05
+    assert choose_plan((1.0, "static", three), {"mlm": two}, step_time, 1.02)[1] == "static"  # slower than static
     assert 0 < MODEL_ERROR_BAND < 0.5 and "dynamic_step" in MODEL_ERROR_SOURCE
 
 

@@ -3,8 +3,9 @@
 Pure Python. cpkit's own plans (cpkit.dynamic.scheduler: static CP, earliest finish, the target
 searches, the balancer) are only as good as the step-time model that ranks them. A plan from
 another scheduler that the model puts close to cpkit's may well be faster in a real step: the
-model's error is larger than the difference. So cpkit keeps its own plan only where the model
-says it wins by more than MODEL_ERROR_BAND; otherwise it takes the best reference plan.
+model's error is larger than the difference. So among the plans within MODEL_ERROR_BAND of the
+fastest, cpkit takes the most robust (fewest runtime micro-batches, then CP switches), a
+reference before its own, then the fastest (`choose_plan`).
 
 References:
 - `fill_to_capacity_plan`: fewer, fuller micro-batches, the trait of Megatron-LM dev's plans
@@ -29,7 +30,7 @@ from cpkit.dynamic.plan import CPGroupAssignment, Microbatch, Plan
 from cpkit.errors import CPConfigError
 
 __all__ = ["MODEL_ERROR_BAND", "MODEL_ERROR_SOURCE", "VALIDATED_ERROR", "VALIDATED_ON", "choose_plan",
-           "error_band_text", "fill_to_capacity_plan", "usable_references"]
+           "error_band_text", "fill_to_capacity_plan", "robustness", "usable_references"]
 
 MODEL_ERROR_BAND = 0.10
 """How much faster the model must say cpkit's own plan is before it beats a reference plan."""
@@ -128,16 +129,34 @@ def usable_references(references: Optional[Mapping[str, Plan]], seq_lens: Sequen
     return usable
 
 
+def robustness(plan: Plan) -> tuple[int, int]:
+    """(micro-batches the runtime runs, CP switches of the rank that switches most): each is a
+    place where a real step pays what a model can miss (a micro-batch's fixed host cost, a
+    group change), so of plans the model cannot tell apart the one with fewer is the safer."""
+    from cpkit.dynamic.step_model import runtime_segments
+
+    segments, _ = runtime_segments(plan)
+    mbs = [mb for seg in segments for mb in seg]
+    switches = 0
+    for r in range(plan.dp_cp_size):
+        sizes = [g.cp_size for mb in mbs for g in mb.groups if r in g.ranks]
+        switches = max(switches, sum(a != b for a, b in zip(sizes, sizes[1:])))
+    return len(mbs), switches
+
+
 def choose_plan(own: tuple[float, str, Plan], references: Mapping[str, Plan], step_time,
                 static_time: float, band: float = MODEL_ERROR_BAND) -> tuple[float, str, Plan]:
-    """(modeled time, name, plan) to run: cpkit's `own` (time, name, plan) unless a reference
-    plan, timed by `step_time(plan)`, is within `band` of it, i.e. own does not win by more than
-    the model's error; then the fastest such reference. A reference modeled slower than
-    `static_time` (static CP) is never taken, so the choice is never modeled slower than static."""
-    timed = sorted(((step_time(p), name, p) for name, p in references.items() if p is not None),
-                   key=lambda t: (t[0], t[1]))
-    eligible = [t for t in timed if t[0] <= static_time]
-    if not eligible:
-        return own
-    best = eligible[0]
-    return own if best[0] > own[0] * (1.0 + band) else best
+    """(modeled time, name, plan) to run, of cpkit's `own` (time, name, plan) and the
+    `references` timed by `step_time(plan)`; a reference modeled slower than `static_time`
+    (static CP) is never taken, so the choice is never modeled slower than static.
+
+    The model cannot rank plans within its error `band` of the fastest, so among those: the
+    most robust (`robustness`: fewest runtime micro-batches, then fewest CP switches), then a
+    reference before cpkit's own (Megatron-LM's fuller plans won real steps at 0f7f3d4), then
+    the fastest modeled. Outside the band the model's ranking stands."""
+    timed = [(step_time(p), name, p) for name, p in references.items() if p is not None]
+    eligible = [(*own, 1)] + [(t, name, p, 0) for t, name, p in timed if t <= static_time]
+    fastest = min(t for t, *_ in eligible)
+    near = [c for c in eligible if c[0] <= fastest * (1.0 + band)]
+    t, name, plan, _ = min(near, key=lambda c: (*robustness(c[2]), c[3], c[0], c[1]))
+    return t, name, plan
