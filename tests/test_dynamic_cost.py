@@ -442,6 +442,23 @@ def test_choose_takes_the_most_robust_plan_the_model_cannot_tell_apart():
     assert 0 < MODEL_ERROR_BAND < 0.5 and "dynamic_step" in MODEL_ERROR_SOURCE
 
 
+def test_the_validated_band_names_evidence_that_shows_it():
+    """The band `cpkit schedule` prints is a claim: its evidence folder exists and its README
+    shows the largest error."""
+    import re
+    from pathlib import Path
+
+    from cpkit.dynamic import candidates
+
+    if candidates.VALIDATED_ERROR is None:
+        pytest.skip("no GPU run of the step model recorded")
+    folder = re.search(r"evidence/[^/\s]+/", candidates.VALIDATED_ON)
+    assert folder, f"VALIDATED_ON names no evidence folder: {candidates.VALIDATED_ON!r}"
+    readme = Path(__file__).resolve().parents[1] / folder[0] / "README.md"
+    assert readme.is_file(), f"{folder[0]} has no README"
+    assert f"{candidates.VALIDATED_ERROR * 100:.1f}%" in readme.read_text()
+
+
 def test_the_error_band_says_whether_gpus_validated_it(monkeypatch):
     from cpkit.dynamic import candidates
 

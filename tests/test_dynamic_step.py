@@ -113,9 +113,13 @@ def test_the_recorded_commit_is_cpkits_not_the_current_directorys(tmp_path, monk
                     "--allow-empty", "-m", "x"], check=True)
     monkeypatch.chdir(other)
     theirs = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    monkeypatch.delenv("CPKIT_COMMIT", raising=False)
     got = cpkit_source()
     assert got["commit"] != theirs and len(got["fingerprint"]) == 12
     assert cpkit_commit().startswith(got["commit"] or "content-")
+    monkeypatch.setenv("CPKIT_COMMIT", "abc1234")  # a copy on a GPU host: the sender names it
+    named = cpkit_source()
+    assert named["commit"] == "abc1234" and named["fingerprint"] == got["fingerprint"]
 
 
 def test_the_plan_record_names_every_group_with_its_lengths():

@@ -16,6 +16,7 @@ real - 1); where the family has a marked step, which of the model's terms misses
 from __future__ import annotations
 
 import hashlib
+import os
 import statistics
 import subprocess
 from itertools import combinations
@@ -46,14 +47,21 @@ def _fingerprint(pkg: Path) -> str:
     return h.hexdigest()[:12]
 
 
+COMMIT_ENV = "CPKIT_COMMIT"
+
+
 def cpkit_source() -> dict:
-    """{"commit", "dirty", "fingerprint", "where"} of the cpkit package that runs: the commit of
+    """{"commit", "dirty", "fingerprint", "where"} of the cpkit package that runs: $CPKIT_COMMIT
+    where set (a copy on a GPU host may carry stale git metadata, or none), else the commit of
     the git checkout holding this package (never the current directory's repository; None when
     the package is not in one, e.g. an installed or copied tree) and a hash of the package's
     .py and .json files, which names the code whatever the checkout (compute it at a commit
     with `python -c "from cpkit.bench.dynamic_step_report import cpkit_source; print(cpkit_source())"`)."""
     pkg = _package_dir()
     out = {"commit": None, "dirty": None, "fingerprint": _fingerprint(pkg), "where": str(pkg)}
+    if os.environ.get(COMMIT_ENV):  # a copy sent to a GPU host: the sender names the commit
+        out["commit"] = os.environ[COMMIT_ENV]
+        return out
     try:
         top = subprocess.run(["git", "-C", str(pkg), "rev-parse", "--show-toplevel"], capture_output=True,
                              text=True, check=True, timeout=10).stdout.strip()
