@@ -420,10 +420,9 @@ def schedule(
     step_rule, pp_size: the runtime's step semantics the candidates are timed under
         (cpkit.dynamic.step_rules: "free", cpkit's runtime at PP = 1; "lockstep", micro-batches
         end together, which pp_size > 1 implies).
-    reference_plans, model_error_band: other schedulers' plans of the batch (name -> Plan); of
-        the plans within the band of the fastest, the most robust is taken (fewest runtime
-        micro-batches, then CP switches; cpkit.dynamic.candidates.choose_plan); one that breaks
-        an invariant is never taken (cpkit.dynamic.candidates.usable_references).
+    reference_plans, model_error_band: other schedulers' plans (name -> Plan); of the plans within
+        the band of the fastest, the most robust (cpkit.dynamic.candidates.choose_plan); one
+        that breaks an invariant is never taken (cpkit.dynamic.candidates.usable_references).
 
     The plan is the faster, by the model, of the balancing candidate and static CP
     (cpkit.dynamic.static.static_cp_plan), static winning ties, so it is never modeled slower
