@@ -272,3 +272,36 @@ def test_eval_a2a_head_violation_is_reported_under_the_eval_size():
     found = violations(world_size=4, cp=2, cp_comm_type="a2a", num_attention_heads=2, eval_context_parallel_size=4)
     assert [(v.field, v.value) for v in found] == [("eval_context_parallel_size", 4)]
     assert found[0].constraint.startswith("at eval_context_parallel_size=4: all-to-all scatters heads")
+
+
+# ---------------------------------------------------------------------------------------------
+# What violations() cannot check without head counts (src/cpkit/head_rules.py)
+
+HEADLESS = [
+    dict(cp=4, cp_comm_type="p2p"),
+    dict(cp=4, tp=2, cp_comm_type="all_gather"),
+    dict(cp=4, cp_comm_type="a2a"),
+    dict(cp=4, tp=2, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 2]),
+    dict(cp=4, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[1, 4]),
+    dict(cp=2, cp_comm_type="a2a", eval_context_parallel_size=4),
+    dict(cp=4, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[4, 1], eval_context_parallel_size=2),
+]
+
+
+@pytest.mark.parametrize("fields", HEADLESS, ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
+def test_unchecked_head_rules_are_the_ones_that_fire_on_bad_counts(fields):
+    """Counts of tp pass the tp rule and leave one head per TP rank, which every all-to-all rule
+    (a2a size > 1) refuses: the all-to-all rules listed as unchecked are exactly those."""
+    from cpkit.head_rules import unchecked_head_rules
+
+    layout = CPLayout(world_size=16, **fields)
+    assert layout.is_valid()
+    unchecked = unchecked_head_rules(layout)
+    tp = layout.tp
+    assert [r.rule for r in unchecked if not r.all_to_all] == (
+        [f"{f} must be divisible by tp = {tp}" for f in ("num_attention_heads", "num_query_groups")] if tp > 1 else [])
+    fired = CPLayout(world_size=16, num_attention_heads=tp, num_query_groups=tp, **fields).violations()
+    assert len(fired) == len([r for r in unchecked if r.all_to_all]), (fired, unchecked)
+    assert unchecked_head_rules(CPLayout(world_size=16, num_attention_heads=64, num_query_groups=64, **fields)) == []
+    only_heads = unchecked_head_rules(CPLayout(world_size=16, num_attention_heads=64, **fields))
+    assert {r.field for r in only_heads} <= {"num_query_groups"}

@@ -64,7 +64,7 @@ class Row:
 
 
 CHANGE_MAP: tuple[Row, ...] = (
-    Row(("src/cpkit/layout.py", "src/cpkit/rank_grid.py", "src/cpkit/layout_fixes.py"),
+    Row(("src/cpkit/layout.py", "src/cpkit/rank_grid.py", "src/cpkit/layout_fixes.py", "src/cpkit/head_rules.py"),
         ("tests/test_layout.py", "tests/test_layout_cli.py", "tests/test_layout_fixes.py", "tests/test_groups.py"),
         ("functional/test_groups.py",), "unit, dist"),
     Row(("src/cpkit/topology.py",), ("tests/test_topology.py", "tests/test_layout_cli.py"), ("functional/test_cluster.py",),

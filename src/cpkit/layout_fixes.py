@@ -2,9 +2,11 @@
 
 A violation's text says what rule broke; `nearest_layouts(layout)` says what to run instead:
 whole layouts, each of which passes `CPLayout.violations()` (and any extra `check` the caller
-adds, such as the node placement of `cpkit layout check --nproc-per-node`). Nearest first: the
-fewest fields changed, the comm type kept where possible, then the CP size closest to the one
-asked for. The model's head counts are never changed (they are the model, not the layout).
+adds, such as the node placement of `cpkit layout check --nproc-per-node`), in the order the
+skills recommend: CP kept above 1, the user's comm type before another, a real two-level split
+before one with a level of 1 (the plain comm type under a2a+p2p's name), then the fewest fields
+changed and the CP size closest to the one asked for. `offer_reason` says in words why each is
+offered. The model's head counts are never changed (they are the model, not the layout).
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import math
 from typing import Callable, Iterable, Optional
 
 from cpkit.errors import Violation
-from cpkit.layout import A2A_P2P, CP_COMM_TYPES, CPLayout, _all_positive, _is_int
+from cpkit.head_rules import unchecked_head_rules
+from cpkit.layout import A2A_P2P, COMM_TYPE_SPELLING_HINTS, CP_COMM_TYPES, CPLayout, _all_positive, _is_int
 
-__all__ = ["nearest_layouts", "changed_fields", "layout_flags", "describe_change"]
+__all__ = ["nearest_layouts", "offer_reason", "changed_fields", "layout_flags", "describe_change"]
 
 #: Fields a fix may change, in the order their flags are printed.
 FIELDS = ("world_size", "tp", "pp", "cp", "cp_comm_type", "hierarchical_context_parallel_sizes", "seq_length",
@@ -107,14 +110,95 @@ def _distance(value, wanted) -> float:
     return abs(math.log2(value) - math.log2(wanted)) if _all_positive(value, wanted) else 0.0
 
 
+def _intended_comm(comm):
+    """The comm type the user meant: a known misspelling ("allgather") read as MCore spells it."""
+    if isinstance(comm, str):
+        return COMM_TYPE_SPELLING_HINTS.get(comm.lower(), comm)
+    if isinstance(comm, (list, tuple)):
+        return [_intended_comm(c) for c in comm]
+    return comm
+
+
+def _offer_kind(before: CPLayout, after: CPLayout) -> int:
+    """The skills' preference: 0 for the user's comm type with a real split, 1 for another comm
+    type, 2 for a newly degenerate split ([1, p] is p2p, [a, 1] is a2a, through the hierarchical
+    path and never faster than the plain type, so the plain type is offered before it)."""
+    if _degenerate(after.hierarchical_context_parallel_sizes) and not _degenerate(
+            before.hierarchical_context_parallel_sizes):
+        return 2
+    return 0 if after.cp_comm_type == _intended_comm(before.cp_comm_type) else 1
+
+
+def _a2a_level(layout: CPLayout) -> int:
+    """The a2a level of hierarchical sizes (0 without usable ones)."""
+    hier = layout.hierarchical_context_parallel_sizes
+    return hier[0] if isinstance(hier, (list, tuple)) and hier and _all_positive(hier[0]) else 0
+
+
+def _lost_cp(before: CPLayout, after: CPLayout) -> bool:
+    return _is_int(before.cp) and before.cp > 1 and after.cp == 1
+
+
+def _comm_text(comm) -> str:
+    return ",".join(map(str, comm)) if isinstance(comm, (list, tuple)) else str(comm)
+
+
+def _heads_reason(before: CPLayout, after: CPLayout) -> str:
+    """Why the heads allow `after`'s all-to-all (or that it has none, or that they were not given)."""
+    a2a = after.a2a_size
+    if a2a <= 1:
+        return "no all-to-all, so no head rule" if before.a2a_size > 1 else ""
+    missing = [f for f in ("num_attention_heads", "num_query_groups")
+               if any(r.all_to_all and r.field == f for r in unchecked_head_rules(after))]
+    per_rank = [f"{field}/tp = {getattr(after, field) // after.tp}"
+                for field in ("num_attention_heads", "num_query_groups") if field not in missing
+                and getattr(after, field) is not None]
+    out = []
+    if per_rank:
+        out.append(f"heads divide the a2a size {a2a} ({', '.join(per_rank)})")
+    if missing:
+        out.append(f"{' and '.join(missing)} not given, so not checked against the a2a size {a2a}")
+    return "; ".join(out)
+
+
+def offer_reason(before: CPLayout, after: CPLayout) -> str:
+    """Why `after` is offered in place of `before`, in words: the comm type kept or changed, the
+    kind of hierarchical split, what the heads allow, and CP dropped where it was."""
+    comm = _comm_text(after.cp_comm_type)
+    if after.cp_comm_type == before.cp_comm_type:
+        parts = [f"same comm type ({comm})"]
+    elif after.cp_comm_type == _intended_comm(before.cp_comm_type):
+        parts = [f"your comm type, spelled as MCore and TE spell it ({comm})"]
+    else:
+        parts = [f"another comm type ({comm}, not {_comm_text(before.cp_comm_type)})"]
+    hier = after.hierarchical_context_parallel_sizes
+    if after.uses_hierarchical and isinstance(hier, (list, tuple)) and len(hier) == 2:
+        a, p = hier
+        if _degenerate(hier):
+            plain = "p2p" if a == 1 else "a2a"
+            parts.append(f"a degenerate split [{a}, {p}]: plain {plain} through the hierarchical path, "
+                         f"never faster than {plain}")
+        else:
+            parts.append(f"a real two-level split [{a}, {p}]")
+    heads = _heads_reason(before, after)
+    if heads:
+        parts.append(heads)
+    if _lost_cp(before, after):
+        parts.append("cp 1: no context parallelism, the last resort")
+    return "; ".join(parts)
+
+
 def nearest_layouts(layout: CPLayout, limit: int = 3,
                     check: Callable[[CPLayout], list[Violation]] | None = None) -> list[CPLayout]:
     """Up to `limit` layouts near `layout` that pass `layout.violations()` (and `check`, when
-    given, e.g. a node-placement check), nearest first: fewest fields changed, the comm type kept
-    where possible, a CP size kept above 1 where it was, hierarchical sizes without a level of 1
-    (which is the plain comm type, never faster), then the CP size and world size closest
-    to the ones asked for. Head counts are never changed. Empty when `layout` is already valid
-    or no such layout is found."""
+    given, e.g. a node-placement check), best first as the skills rank them: a CP size kept above
+    1 where it was; the user's comm type (a known misspelling read as meant), then another comm
+    type, then hierarchical sizes newly given a level of 1 (the plain comm type under another
+    name, never faster); then the fewest fields changed, the world size kept, the CP, eval CP and
+    tp sizes closest to the ones asked for, and the a2a level closest to the one asked for (the
+    larger one on a tie, as the skill picks it). Head counts are never changed. Empty when
+    `layout` is already valid or no such layout is found. `offer_reason(layout, fix)` says why
+    each one is offered."""
     if not layout.violations() and not (check and check(layout)):
         return []
     scored = []
@@ -127,15 +211,11 @@ def nearest_layouts(layout: CPLayout, limit: int = 3,
         changed = changed_fields(layout, cand)
         if not changed or cand.violations() or (check and check(cand)):
             continue
-        comm_changed = "cp_comm_type" in changed
-        lost_cp = _is_int(layout.cp) and layout.cp > 1 and cand.cp == 1
-        # [1, p] or [a, 1] is the plain comm type in a2a+p2p's clothes, never faster: offered last.
-        degenerate = _degenerate(cand.hierarchical_context_parallel_sizes) and not _degenerate(
-            layout.hierarchical_context_parallel_sizes)
-        scored.append(((lost_cp, len(changed), comm_changed, degenerate, "world_size" in changed,
+        scored.append(((_lost_cp(layout, cand), _offer_kind(layout, cand), len(changed), "world_size" in changed,
                         _distance(cand.cp, layout.cp), -cand.cp,
                         _distance(cand.eval_context_parallel_size, layout.eval_context_parallel_size),
-                        _distance(cand.tp, layout.tp), key), cand))
+                        _distance(cand.tp, layout.tp),
+                        _distance(_a2a_level(cand), _a2a_level(layout)), -_a2a_level(cand), key), cand))
     scored.sort(key=lambda item: item[0])
     return [cand for _, cand in scored[:limit]]
 

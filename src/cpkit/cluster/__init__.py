@@ -8,7 +8,9 @@ CHECK is smoke (every group of the layout matches MCore and all-reduces), attent
 type against the single-rank reference), hierarchical (the a2a+p2p training step against cp=1),
 eval-cp, dynamic-cp, bench-attention, or all. Each runs the scenario functions of the functional
 tests (cpkit.testing.scenarios). Nodes are blocks of LOCAL_WORLD_SIZE consecutive ranks; a layout
-whose a2a groups span nodes is refused (exit 2) unless --allow-cross-node-a2a. Rank 0 prints the
+whose a2a groups span nodes is refused (exit 2) unless --allow-cross-node-a2a. The checks' models
+are their own, with head counts their a2a groups divide (smoke builds groups only): no head flags
+(`cpkit layout check --num-heads N --num-kv-heads K` checks a model's). Rank 0 prints the
 groups per node and a table, and writes the JSON report; every rank exits 0 only when every
 check passed on every rank, 1 otherwise (a raising rank ends all ranks within a few seconds, a
 hung one at the check's timeout, named in the report with its stack).

@@ -1,8 +1,11 @@
 """`cpkit layout check`: validate a CP layout and print the rank groups it would create.
 
 Exit 0 when the layout is valid, 2 with one line per violation on stderr otherwise (with
-`--nproc-per-node`, an a2a group spanning nodes is one). `--json`
-prints {"valid", "errors": [{"field", "value", "message"}], "dp", "groups", ...} instead.
+`--nproc-per-node`, an a2a group spanning nodes is one), followed by the layouts that pass, best
+first, each with why it is offered. Without --num-heads/--num-kv-heads the head rules cannot run:
+the check lists them, and an all-to-all one (a2a, a2a+p2p, an a2a eval CP size) is a violation
+unless `--no-heads` accepts the layout with them unchecked. `--json` prints {"valid", "errors":
+[{"field", "value", "message"}], "unchecked", "dp", "groups", ...} instead.
 """
 
 from __future__ import annotations
@@ -12,12 +15,15 @@ import json
 import sys
 
 from cpkit.errors import CPConfigError, Violation
+from cpkit.head_rules import HEAD_FLAGS, UncheckedRule, unchecked_head_rules
 from cpkit.layout import CPLayout, P2P
-from cpkit.layout_fixes import describe_change, layout_flags, nearest_layouts
+from cpkit.layout_fixes import describe_change, layout_flags, nearest_layouts, offer_reason
 from cpkit.rank_grid import rank_groups
 from cpkit.topology import ALLOW_FLAG, NodeTopology, format_node_report, node_report, topology_violations
 
 __all__ = ["add_parser", "layout_from_args", "check"]
+
+NO_HEADS_FLAG = "--no-heads"
 
 # Kinds printed in text mode (JSON has them all), with a note on what each is.
 _SHOWN = (
@@ -62,7 +68,11 @@ def add_parser(sub) -> None:
     c.add_argument("--seq-length", type=int, default=None, help="full sequence length")
     c.add_argument("--num-layers", type=int, default=None, help="transformer layers (for per-layer comm types)")
     c.add_argument("--num-heads", type=int, default=None, help="attention (query) heads")
-    c.add_argument("--num-kv-heads", type=int, default=None, help="KV heads / query groups (GQA)")
+    c.add_argument("--num-kv-heads", type=int, default=None,
+                   help="KV heads / query groups (GQA; the same as --num-heads without GQA)")
+    c.add_argument(NO_HEADS_FLAG, action="store_true",
+                   help="accept an a2a, a2a+p2p or a2a eval layout without head counts, its head rules "
+                        "unchecked (they are listed)")
     c.add_argument("--sequence-parallel", action="store_true", help="MCore sequence parallelism (tp > 1)")
     c.add_argument("--eval-cp", type=int, default=None, help="CP size used for evaluation")
     c.add_argument("--nproc-per-node", type=int, default=None,
@@ -107,42 +117,71 @@ def _eval_report(layout: CPLayout) -> dict | None:
 
 def check(args: argparse.Namespace) -> int:
     """Handler of `cpkit layout check`: 0 when valid, 2 otherwise (every violation listed, the
-    node placement's with the layout's own)."""
+    node placement's and the missing head counts' with the layout's own)."""
     layout = layout_from_args(args)
     topo, violations = _node_topology(layout, args)
     violations = layout.violations() + violations
     if topo is not None:
         violations += topology_violations(layout, topo, allow_cross_node_a2a=args.allow_cross_node_a2a)
-    if violations:
-        fixes = nearest_layouts(layout, check=lambda cand: _placement_violations(cand, args))
+    unchecked = unchecked_head_rules(layout)
+    heads = _head_count_violations(layout, unchecked, args)
+    if violations or heads:
+        # Missing head counts alone are fixed by flags, not by another layout.
+        fixes = nearest_layouts(layout, check=lambda cand: _placement_violations(cand, args)) if violations else []
+        violations += heads
         if args.json:
             print(json.dumps({"valid": False, "errors": [v.to_dict() for v in violations],
-                              "dp": layout.dp, "groups": {},
-                              "fixes": [{"changed": describe_change(layout, f), "command": _command(f, args),
-                                         "layout": f.to_dict()} for f in fixes]}, indent=2))
+                              "unchecked": [r.to_dict() for r in unchecked], "dp": layout.dp, "groups": {},
+                              "fixes": [{"changed": describe_change(layout, f), "why": offer_reason(layout, f),
+                                         "command": _command(f, args), "layout": f.to_dict()} for f in fixes]},
+                             indent=2))
         for v in violations:
             print(f"error: {v.message}", file=sys.stderr)
         if fixes:
-            print("nearest layouts that pass this check (nearest first):", file=sys.stderr)
+            print("layouts that pass this check, best first (your comm type, a real two-level split, "
+                  "the fewest changes):", file=sys.stderr)
             for f in fixes:
-                print(f"  {_command(f, args)}\n      ({describe_change(layout, f)})", file=sys.stderr)
+                print(f"  {_command(f, args)}\n      changes: {describe_change(layout, f)}\n"
+                      f"      why: {offer_reason(layout, f)}", file=sys.stderr)
         return 2
     groups = rank_groups(layout)
     evaluation = _eval_report(layout)
     topology = node_report(layout, topo) if topo is not None else None
     if args.json:
-        report = {"valid": True, "errors": [], "dp": layout.dp, "groups": groups,
-                  "layout": layout.to_dict()}
+        report = {"valid": True, "errors": [], "unchecked": [r.to_dict() for r in unchecked], "dp": layout.dp,
+                  "groups": groups, "layout": layout.to_dict()}
         if evaluation is not None:
             report["eval"] = evaluation
         if topology is not None:
             report["topology"] = topology
         print(json.dumps(report, indent=2))
         return 0
-    _print_text(layout, groups, evaluation)
+    _print_text(layout, groups, evaluation, unchecked)
     if topology is not None:
         print("\n".join(format_node_report(topology)))
     return 0
+
+
+def _head_count_violations(layout: CPLayout, unchecked: list[UncheckedRule],
+                           args: argparse.Namespace) -> list[Violation]:
+    """One violation per head count whose absence left an all-to-all rule unchecked (none with
+    --no-heads), and --no-heads given where nothing is left unchecked."""
+    if args.no_heads:
+        if all(getattr(layout, f) is not None for f in HEAD_FLAGS):
+            return [Violation("no_heads", True, "both head counts are given, so no head rule is left unchecked",
+                              f"drop {NO_HEADS_FLAG}")]
+        return []
+    out = []
+    for field in HEAD_FLAGS:
+        rules = [r.rule for r in unchecked if r.field == field and r.all_to_all]
+        if rules:
+            out.append(Violation(
+                field, None,
+                f"not given, so the all-to-all head rule{'s' if len(rules) > 1 else ''} could not run: "
+                + "; ".join(rules),
+                f"pass the model's counts, --num-heads N --num-kv-heads K (K = N without GQA), "
+                f"or {NO_HEADS_FLAG} to accept the layout with these rules unchecked"))
+    return out
 
 
 def _placement_violations(layout: CPLayout, args: argparse.Namespace) -> list[Violation]:
@@ -154,10 +193,13 @@ def _placement_violations(layout: CPLayout, args: argparse.Namespace) -> list[Vi
 
 
 def _command(layout: CPLayout, args: argparse.Namespace) -> str:
-    """The `cpkit layout check` command line for `layout`, with this call's placement flags."""
+    """The `cpkit layout check` command line for `layout`, with this call's placement flags and
+    --no-heads where head counts are missing and an all-to-all rule needs them."""
     extra = ""
     if args.nproc_per_node is not None:
         extra = f" --nproc-per-node {args.nproc_per_node}" + (f" {ALLOW_FLAG}" if args.allow_cross_node_a2a else "")
+    if any(r.all_to_all for r in unchecked_head_rules(layout)):
+        extra += f" {NO_HEADS_FLAG}"  # so that the command passes; the head counts, once given, check it
     return f"cpkit layout check {layout_flags(layout)}{extra}"
 
 
@@ -171,8 +213,8 @@ def _node_topology(layout: CPLayout, args: argparse.Namespace) -> tuple[NodeTopo
         return None, list(exc.violations)
 
 
-def _print_text(layout: CPLayout, groups: dict, evaluation: dict | None) -> None:
-    print("valid layout")
+def _print_text(layout: CPLayout, groups: dict, evaluation: dict | None, unchecked: list[UncheckedRule]) -> None:
+    print(f"valid layout ({len(unchecked)} head rule(s) not checked, listed below)" if unchecked else "valid layout")
     print(f"  world_size={layout.world_size} tp={layout.tp} pp={layout.pp} cp={layout.cp} "
           f"dp={layout.dp} (tp*pp*cp = {layout.model_parallel_size})")
     comm = layout.cp_comm_type
@@ -185,6 +227,11 @@ def _print_text(layout: CPLayout, groups: dict, evaluation: dict | None) -> None
         hier = evaluation["hierarchical_context_parallel_sizes"]
         print(f"  eval: cp={evaluation['cp']} dp={evaluation['dp']}"
               + (f" hierarchical_context_parallel_sizes={hier}" if layout.uses_hierarchical else ""))
+    if unchecked:
+        missing = " ".join(dict.fromkeys(r.flag for r in unchecked))
+        print(f"not checked (no {missing}; pass the model's counts to check them):")
+        for rule in unchecked:
+            print(f"  {rule.rule}")
     print("rank groups (global ranks; MCore order tp-cp-dp-pp):")
     _print_groups(groups, "  ")
     if evaluation is not None:
