@@ -56,11 +56,10 @@ try:
     import cudnn; print("cudnn-frontend", cudnn.__version__)
 except Exception as e:
     print("cudnn-frontend: not importable:", type(e).__name__)
-from cpkit.bridge import bridge_commit
-from cpkit.dynamic.mlm import checkout_commit
-print("Megatron-LM", os.environ.get("CPKIT_MLM_SRC", "-"), checkout_commit() if os.environ.get("CPKIT_MLM_SRC") else "")
-src = os.environ.get("CPKIT_BRIDGE_SRC")
-print("Megatron-Bridge", src or "-", bridge_commit(src) if src else "")
+from cpkit.checkouts import checkout_identity  # a commit, or "content-<hash>" for a copy without .git
+for name, var in (("Megatron-LM", "CPKIT_MLM_SRC"), ("Megatron-Bridge", "CPKIT_BRIDGE_SRC")):
+    src = os.environ.get(var)
+    print(name, src or "-", checkout_identity(src) if src else "")
 PY
 echo "set-up: ${setup_s} s" | tee -a "$dir/env.txt"
 

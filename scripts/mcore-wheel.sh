@@ -7,8 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 -d .whl "megatron-core==${1:-0.19.2}"
-# coverage (cpkit[test]: `cpkit validate --record-map` and the --changed selection's tests);
-# the GPU machines carry pytest, xdist and hypothesis already, not coverage.
+# coverage (cpkit[test]: `cpkit validate --record-map` and the --changed selection's tests). A
+# host with nothing but torch needs more: scripts/host-wheels.sh downloads every wheel.
 python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 -d .whl "coverage>=7.16"
 ls -l .whl

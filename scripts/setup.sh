@@ -2,14 +2,18 @@
 # Set up cpkit for development and testing on this machine.
 # torch comes first: a bare `torch` requirement would pull several GB of CUDA packages onto a
 # CPU-only machine. A machine that already has torch (e.g. a GPU machine) keeps its own.
-# Offline (a GPU machine without network, README "GPU machines"): with a .whl/ folder holding the
-# megatron-core wheel, everything installs from what is on the machine, nothing is downloaded.
+# Offline (a GPU machine without network, README "GPU machines"): with a .whl/ folder from
+# scripts/host-wheels.sh (every wheel a host with only torch needs), everything installs from it,
+# nothing is downloaded.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if [ -d .whl ]; then
   echo "set-up: offline, from .whl/ (megatron-core wheel, then cpkit[test] editable)"
   "$PY" -c "import megatron.core" 2>/dev/null || "$PY" -m pip install -q --no-index --no-deps .whl/megatron_core-*.whl
+  # the editable install builds without isolation, so with the host's own setuptools (a fresh
+  # Python 3.12 venv has none)
+  "$PY" -c "import setuptools" 2>/dev/null || "$PY" -m pip install -q --no-index --find-links .whl setuptools
   "$PY" -m pip install -q --no-index --find-links .whl --no-build-isolation -e ".[test]"
 else
   if ! "$PY" -c "import torch" 2>/dev/null; then
