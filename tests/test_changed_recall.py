@@ -64,3 +64,23 @@ def test_verdicts_from_the_log():
     assert summary["undecided"] == [ids[4]] and summary["selected_everything"] == 1
     assert summary["median_survivor_changed_s"] == 70.0  # survivors ran their whole selection
     assert rows[1]["time_ratio"] == 1.0 and rows[0]["time_ratio"] == round(30 / 800, 3)
+
+
+def test_precision_is_the_share_of_the_suites_tests_each_selection_ran():
+    from cpkit.bench.changed_recall import selected_share
+
+    counts = {"tests/a.py": 6, "tests/b.py": 3, "functional/c.py": 1}
+    assert selected_share(["tests/a.py"], counts) == 0.6
+    assert selected_share(["tests", "functional"], counts) == 1.0  # selected everything
+    assert selected_share(["tests/"], counts) == 0.9 and selected_share(["tests/ab.py"], counts) == 0.0
+    assert selected_share(["tests/a.py"], {}) is None
+    items = [_item(i) for i in range(3)]
+    ids = [it["id"] for it in items]
+    log = {("suite", None): {"tests_per_file": counts},
+           ("changed", ids[0]): {"caught": True, "seconds": 30.0, "run": ["tests/b.py"]},
+           ("changed", ids[1]): {"caught": None, "everything": True, "seconds": None, "run": ["tests", "functional"]},
+           ("changed", ids[2]): {"caught": False, "seconds": 90.0, "run": ["tests/a.py"]}}
+    rows, summary = _summarise(items, log, full_seconds=800.0)
+    assert [r["selected_share"] for r in rows] == [0.3, 1.0, 0.6]
+    assert summary["median_selected_share"] == 0.6 and summary["worst_selected_share"] == 1.0
+    assert summary["worst_selected_mutant"] == ids[1] and summary["worst_changed_s"] == 90.0

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from cpkit.mutants import Mutant, find_mutants, mutant_source
 
-__all__ = ["FOCUS", "sample_mutants", "probe_source", "main"]
+__all__ = ["FOCUS", "sample_mutants", "probe_source", "selected_share", "main"]
 
 #: Code reached mostly through scenarios and ranks: half the sample comes from here.
 FOCUS = ("src/cpkit/rebind.py", "src/cpkit/eval_loop.py", "src/cpkit/eval_cp.py", "src/cpkit/dynamic/runtime.py",
@@ -187,6 +187,28 @@ def _changed_stage(scratch: Path, item: dict, timeout: float) -> dict:
             "failures": [f for r in data.get("rows", []) for f in r.get("failures", [])][:5]}
 
 
+def _suite_stage(scratch: Path, timeout: float) -> dict:
+    """Tests per test file of the unmutated tree (`pytest --collect-only`): what a selection of
+    files amounts to as a share of the suite's tests."""
+    proc = _sh([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests",
+                "functional"], scratch, _env(scratch), timeout)
+    per_file: dict[str, int] = {}
+    for line in proc.stdout.splitlines():
+        if "::" in line:
+            path = line.split("::", 1)[0]
+            per_file[path] = per_file.get(path, 0) + 1
+    return {"stage": "suite", "tests_per_file": per_file, "tests": sum(per_file.values())}
+
+
+def selected_share(run: list[str], tests_per_file: dict[str, int]) -> float | None:
+    """The share of the suite's tests in the files (or folders) `run` selected; None without counts."""
+    total = sum(tests_per_file.values())
+    if not total:
+        return None
+    picked = sum(n for f, n in tests_per_file.items() if any(f == r or f.startswith(r.rstrip("/") + "/") for r in run))
+    return round(picked / total, 4)
+
+
 def _probe_stage(scratch: Path, survivors: list[dict], timeout: float) -> dict:
     """One full pytest run with every survivor's site probed: site id -> test files reaching it."""
     _reset(scratch)
@@ -236,6 +258,7 @@ def _complement_stage(scratch: Path, item: dict, files: list[str], timeout: floa
 
 def _summarise(items: list[dict], log: dict, full_seconds: float | None) -> tuple[list[dict], dict]:
     probe = log.get(("probe", None))
+    counts = (log.get(("suite", None)) or {}).get("tests_per_file", {})
     rows = []
     for item in items:
         ch = log.get(("changed", item["id"]))
@@ -257,11 +280,14 @@ def _summarise(items: list[dict], log: dict, full_seconds: float | None) -> tupl
         rows.append({"id": item["id"], "focus": item["focus"], "changed": None if ch is None else ch["caught"],
                      "full": full, "changed_s": None if ch is None else ch["seconds"], "time_ratio": ratio,
                      "run_files": None if ch is None else len(ch["run"]),
+                     "selected_share": None if ch is None else selected_share(ch["run"], counts),
                      "reaching_files": None if probe is None else probe["reach"].get(item["id"])})
     decided = [r for r in rows if r["full"] in (True, False)]
     caught_full = [r for r in decided if r["full"]]
     caught_both = [r for r in caught_full if r["changed"]]
     ratios = [r["time_ratio"] for r in rows if r["time_ratio"] is not None]
+    shares = [r for r in rows if r["selected_share"] is not None]
+    worst = max(shares, key=lambda r: r["selected_share"], default=None)
     summary = {"mutants": len(items), "changed_run": sum(r["changed"] is not None for r in rows),
                "selected_everything": sum(r["full"] == "same run" for r in rows),
                "decided": len(decided), "undecided": [r["id"] for r in rows if r["full"] is None],
@@ -274,15 +300,21 @@ def _summarise(items: list[dict], log: dict, full_seconds: float | None) -> tupl
                "median_survivor_changed_s": statistics.median(
                    [r["changed_s"] for r in rows if r["changed_s"] and r["changed"] is False] or [0]),
                "median_time_ratio": statistics.median(ratios) if ratios else None,
+               # precision: the share of the suite's tests each selection ran (1.0: everything)
+               "median_selected_share": statistics.median([r["selected_share"] for r in shares]) if shares else None,
+               "worst_selected_share": None if worst is None else worst["selected_share"],
+               "worst_selected_mutant": None if worst is None else worst["id"],
+               "worst_changed_s": max((r["changed_s"] for r in rows if r["changed_s"]), default=None),
                "median_time_ratio_excluding_everything": statistics.median(
                    [r["time_ratio"] for r in rows if r["time_ratio"] is not None and r["changed_s"] is not None] or [0])}
     return rows, summary
 
 
 def _table(rows: list[dict]) -> str:
-    head = ("mutant", "focus", "--changed", "full", "--changed s", "files run")
+    head = ("mutant", "focus", "--changed", "full", "--changed s", "files run", "share of tests")
     body = [(r["id"][-72:], "yes" if r["focus"] else "", _verdict(r["changed"]), _verdict(r["full"]),
-             "-" if r["changed_s"] is None else f"{r['changed_s']:.0f}", str(r["run_files"] or "-")) for r in rows]
+             "-" if r["changed_s"] is None else f"{r['changed_s']:.0f}", str(r["run_files"] or "-"),
+             "-" if r.get("selected_share") is None else f"{r['selected_share']:.1%}") for r in rows]
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths)) for b in body]
@@ -317,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
         log[(rec["stage"], rec.get("id"))] = rec
         with args.log.open("a") as fh:
             fh.write(json.dumps(rec) + "\n")
-        print(json.dumps({k: rec[k] for k in rec if k not in ("reach", "run", "ids")})[:300], flush=True)
+        print(json.dumps({k: rec[k] for k in rec if k not in ("reach", "run", "ids", "tests_per_file")})[:300],
+              flush=True)
 
     def left() -> float:
         return args.budget_s - (time.monotonic() - started)
@@ -327,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _probe_dir(scratch).mkdir()
         (_probe_dir(scratch) / f"{_PROBE_MODULE}.py").write_text(_PROBE_SOURCE)
+        if ("suite", None) not in log and left() > 0:
+            keep(_suite_stage(scratch, timeout=max(60.0, left())))
         for item in items:
             if ("changed", item["id"]) not in log and left() > 0:
                 keep(_changed_stage(scratch, item, timeout=max(60.0, left())))
