@@ -33,6 +33,11 @@ FLOAT = r"\d+\.\d{6}"
 CHECKED = r"checked: loss and \d+ gradients .* torch\.float32, loss within 1e-05, gradients rtol 1e-05 atol 1e-05"
 
 
+def _eval_cps(n: int) -> list[int]:
+    """The eval CP sizes examples/eval_cp_in_your_loop.py evaluates at on n ranks: each of 2, 4, 8 dividing n."""
+    return [cp for cp in (2, 4, 8) if n % cp == 0]
+
+
 def _hcp_line(n: int) -> str:
     return r"HIERARCHICAL_CONTEXT_PARALLEL_GROUPS a2a=\[0, 1\] p2p=\[0" + (r", 2\]" if n == 4 else r"\]")
 
@@ -49,10 +54,13 @@ EXAMPLES = {
         rf"loss with dynamic CP: {FLOAT}; each sequence alone at cp 1: {FLOAT}; largest gradient difference"]),
     "eval_cp_in_your_loop.py": ((2, 4, 8), lambda n: [
         rf"train loss \(cp 1, {n} ranks\): {FLOAT}",
-        rf"eval at cp 2 x dp {n // 2}: samples " + "; ".join(
-            rf"replica {d}: {d * 16 // n}-{(d + 1) * 16 // n - 1}" for d in range(n // 2)) + r" \(of 8\)",
-        r"checked: eval loss over the 8 samples at cp 2 against cp 1, torch\.float32, within 1e-05",
-        rf"eval loss at cp 2: {FLOAT}; at cp 1: {FLOAT}",
+        *(rf"eval at cp {cp} x dp {n // cp}: samples " + "; ".join(
+            rf"replica {d}: {d * 8 * cp // n}-{(d + 1) * 8 * cp // n - 1}" for d in range(n // cp)) + r" \(of 8\)"
+          for cp in _eval_cps(n)),
+        r"checked: eval loss over the 8 samples \(cpkit\.eval_loop\.evaluate\) at cp "
+        + ", ".join(map(str, _eval_cps(n))) + r" against cp 1, torch\.float32, within 1e-05; each sample once; "
+        r"training groups restored after each",
+        r"eval loss " + "; ".join(rf"at cp {cp}: {FLOAT}" for cp in _eval_cps(n)) + rf"; at cp 1: {FLOAT}",
         r"rebound \d+ attributes, e\.g\. .+; restored: True"]),
     "bridge_a2a_p2p.py": ((2, 4), lambda n: [
         _hcp_line(n), CHECKED,
