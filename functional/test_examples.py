@@ -89,10 +89,12 @@ def _skip_without_bridge(name: str) -> None:
             pytest.skip(why)
 
 
-def _run(cmd: list[str], *, hide_gpus: bool, gpus: str | None = None) -> str:
-    """Run `cmd` from the repository root in a session of its own; on a timeout kill the whole
-    session (torchrun and its ranks) and fail with the output so far. Returns stdout; fails with
-    stdout and stderr on a non-zero exit."""
+def launch_example(cmd: list[str], *, hide_gpus: bool, gpus: str | None = None,
+                   timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
+    """Run `cmd` from the repository root (src/ on PYTHONPATH) in a session of its own, tied to
+    the test run (cpkit.children.popen_tied); on a timeout kill the whole session (torchrun and
+    its ranks) and fail with the output so far. Returns the finished process, whatever its exit
+    status (the launch time is recorded with cpkit.launch_times)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                               "MASTER_PORT")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
@@ -103,14 +105,21 @@ def _run(cmd: list[str], *, hide_gpus: bool, gpus: str | None = None) -> str:
     started = time.time()
     proc = popen_tied(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
+        out, err = proc.communicate(timeout=timeout)
         record_times([dict(example=" ".join(cmd[2:]), gpus=gpus, seconds=round(time.time() - started, 2),
                            t0=round(started, 2), t1=round(time.time(), 2), ok=proc.returncode == 0)])
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"{' '.join(cmd[2:])} ran past {TIMEOUT_S} s:\n{out}\n{err[-6000:]}")
-    assert proc.returncode == 0, f"{' '.join(cmd[2:])} exited {proc.returncode}:\n{out}\n{err[-6000:]}"
+        pytest.fail(f"{' '.join(cmd[2:])} ran past {timeout} s:\n{out}\n{err[-6000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _run(cmd: list[str], *, hide_gpus: bool, gpus: str | None = None) -> str:
+    """launch_example, failing with stdout and stderr on a non-zero exit. Returns stdout."""
+    done = launch_example(cmd, hide_gpus=hide_gpus, gpus=gpus)
+    out, err = done.stdout, done.stderr
+    assert done.returncode == 0, f"{' '.join(cmd[2:])} exited {done.returncode}:\n{out}\n{err[-6000:]}"
     # An example a user copies prints what it checked, not notices they cannot act on.
     from cpkit.notices import KNOWN_NOTICES
 
