@@ -129,7 +129,9 @@ def main() -> str:
     dp_loss, dp_grads = train_step(reference, {k: v[rank:rank + 1] for k, v in batch.items()}, dp_pgs, tokens)
 
     tol = TOL[DTYPE]
-    assert abs(cp_loss - dp_loss) <= tol["loss"], (cp_loss, dp_loss)
+    assert abs(cp_loss - dp_loss) <= tol["loss"], (
+        f"loss at cp {world} (a2a+p2p {hcp}, Bridge's groups) {cp_loss:.6f} differs from cp 1 {dp_loss:.6f} "
+        f"by more than {tol['loss']:g}")
     assert sorted(cp_grads) == sorted(dp_grads), sorted(set(cp_grads) ^ set(dp_grads))
     for name, grad in dp_grads.items():
         torch.testing.assert_close(cp_grads[name], grad, rtol=tol["rtol"], atol=tol["atol"],

@@ -97,7 +97,9 @@ def main() -> str:
     optimizer.step()
 
     tol = TOL[DTYPE]
-    assert abs(result.loss - reference) <= tol["loss"], (result.loss, reference)
+    assert abs(result.loss - reference) <= tol["loss"], (
+        f"loss with dynamic CP {result.loss:.6f} differs from each sequence alone at cp 1 {reference:.6f} "
+        f"by more than {tol['loss']:g}")
     for name, grad in ref_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=tol["rtol"], atol=tol["atol"],
                                    msg=lambda m, n=name: f"{n}: {m}")

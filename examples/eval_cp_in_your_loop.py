@@ -1,8 +1,10 @@
 """Eval-time CP in your own training loop: train one step at CP 1 on N ranks (data parallel),
-evaluate a validation set at CP 2 (each eval data-parallel replica, a pair of ranks, takes its
-own share of the samples, as a validation sampler sized by the eval DP would, and each rank of the
-pair holds half of every sequence), check that the training groups are back, and compare the
-global eval loss with the same samples evaluated at CP 1. N is 2, 4 or 8.
+evaluate a validation set with cpkit.eval_loop.evaluate at every eval CP that N allows (2; 2 and
+4 on 4 ranks; 2, 4 and 8 on 8), each inside eval_cp_context, which restores the training groups
+after it, and check each eval loss against the same samples evaluated at CP 1. evaluate gives
+each eval data-parallel replica its own share of the samples (eval_shard_for on the eval
+collection), each rank of a replica its CP slice of every sequence, and sums the loss over the
+eval dp x cp group. N is 2, 4 or 8.
 
     python examples/eval_cp_in_your_loop.py                       # spawns 2 gloo ranks on CPU
     torchrun --nproc-per-node 8 examples/eval_cp_in_your_loop.py  # or 2 or 4; torchrun starts them
@@ -10,7 +12,7 @@ global eval loss with the same samples evaluated at CP 1. N is 2, 4 or 8.
 
 Under torchrun with a GPU for each LOCAL_RANK every rank runs NCCL on cuda:LOCAL_RANK and MCore
 on CUDA; otherwise gloo on CPU (cpkit.devices.init_rank). Rank 0 prints each rank's backend and
-device, which samples each eval replica took, what was checked, and the losses.
+device, which samples each eval replica took at each eval CP, what was checked, and the losses.
 """
 
 import os
@@ -24,19 +26,21 @@ quiet_known_notices()  # before megatron-core is imported: its "Transformer Engi
 
 from cpkit.attention.spec import get_gpt_block_spec_with_cp_attention
 from cpkit.devices import check_world_size, describe_rank_devices, init_rank
-from cpkit.eval_cp import build_eval_pg_collection, eval_cp_context, eval_shard_for
+from cpkit.eval_cp import build_eval_pg_collection, eval_cp_context
+from cpkit.eval_loop import evaluate
 from cpkit.groups import build_pg_collection
 from cpkit.layout import CPLayout
 from cpkit.loss import forward_loss, global_loss, reduce_gradients
-from cpkit.sharding import shard_batch
 
 SEQ, VOCAB, HEADS = 32, 128, 4
-EVAL_CP = 2
+EVAL_CPS = (2, 4, 8)  # evaluated at each that divides N (eval dp = N / eval cp); SEQ splits into 2*cp chunks
 NUM_VAL = 8  # validation samples: every eval replica gets NUM_VAL / eval dp of them
-WORLD_SIZES = (2, 4, 8)  # eval dp = N / EVAL_CP replicas
+WORLD_SIZES = (2, 4, 8)
 DTYPE = torch.float32  # on CPU and on GPU
 # Tolerance per dtype against CP 1: CP only reorders the attention sums (LSE merge of partial
-# blocks, on CPU exact math, on GPU PyTorch's fused fp32 SDPA kernels; TF32 off, torch's default).
+# blocks, on CPU exact math, on GPU PyTorch's fused fp32 SDPA kernels; TF32 off, torch's default)
+# and evaluate adds the per-token losses in float64. A bf16 model would be held to an fp32 CP-1
+# reference, not to itself at CP 1 (two bf16 runs can each be far from fp32).
 TOL = {torch.float32: dict(loss=1e-5)}
 
 
@@ -73,7 +77,8 @@ def main() -> str:
     ranks = describe_rank_devices(rd)
     layout = CPLayout(world_size=world, cp=1, seq_length=SEQ, num_attention_heads=HEADS)
     train_pgs = build_pg_collection(layout)
-    eval_pgs = build_eval_pg_collection(layout, EVAL_CP, train_pgs=train_pgs)  # once, on every rank
+    eval_cps = [cp for cp in EVAL_CPS if world % cp == 0]
+    eval_pgs = {cp: build_eval_pg_collection(layout, cp, train_pgs=train_pgs) for cp in eval_cps}  # once, on every rank
     model = build_gpt(train_pgs, rd.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
@@ -88,36 +93,49 @@ def main() -> str:
     optimizer.zero_grad()
     train_loss = global_loss(loss, train_pgs)
 
-    # Evaluate at CP 2, then at CP 1 (outside the block the model is the training one again).
+    # Evaluate at each eval CP: evaluate takes this eval dp replica's samples (the eval
+    # collection's dp, not the training dp), this rank's CP slice of each, and sums the loss
+    # over eval dp x cp.
     val = make_batch(NUM_VAL, seed=1, device=rd.device)
-    tokens = val["loss_mask"].sum().item()  # over the whole validation set: the shares sum to the mean
     attention = model.decoder.layers[0].self_attention.core_attention
     train_cp_group = attention.cp_group
+    results, taken = {}, {}
+    for cp, pgs in eval_pgs.items():
+        with eval_cp_context(model, pgs) as rebinding:
+            assert rebinding.active and attention.cp_group is pgs.cp
+            results[cp] = evaluate(model, val, pgs, micro_batch_size=1)
+        # Restored, object for object: the training groups themselves, not copies of them.
+        restored = not rebinding.active and attention.cp_group is train_cp_group and model.pg_collection is train_pgs
+        assert restored, f"after the eval at cp {cp} the model does not hold the training groups again"
+        mine, replicas = results[cp].samples, [None] * world
+        dist.all_gather_object(replicas, (pgs.dp.rank(), f"{mine.start}-{mine.stop - 1}"))
+        taken[cp] = "; ".join(f"replica {d}: {s}" for d, s in sorted(set(replicas)))
+
+    # The reference, outside the blocks (the model is the training one again): every rank
+    # evaluates the whole validation set alone at CP 1, with neither evaluate nor a collective.
+    tokens = val["loss_mask"].sum().item()
     model.eval()
     with torch.no_grad():
-        with eval_cp_context(model, eval_pgs) as rebinding:
-            assert rebinding.active and attention.cp_group is eval_pgs.cp
-            # The validation sampler: this eval dp replica's own samples (eval_pgs.dp, not the
-            # training dp), then this rank's half of each of them.
-            mine = eval_shard_for(NUM_VAL, eval_pgs)
-            shard = shard_batch({k: v[mine.start:mine.stop] for k, v in val.items()}, eval_pgs.cp)
-            eval_loss = global_loss(forward_loss(model, shard, eval_pgs, total_tokens=tokens), eval_pgs)
-        assert not rebinding.active and attention.cp_group is train_cp_group  # restored, object for object
-        cp1_loss = forward_loss(model, val, train_pgs, total_tokens=tokens).item()  # each rank: all of it, alone
+        cp1_loss = forward_loss(model, val, train_pgs, total_tokens=tokens).item()
     model.train()
-    replicas = [None] * world
-    dist.all_gather_object(replicas, (eval_pgs.dp.rank(), f"{mine.start}-{mine.stop - 1}"))
 
     tol = TOL[DTYPE]
-    assert abs(eval_loss - cp1_loss) <= tol["loss"], (eval_loss, cp1_loss)
-    taken = "; ".join(f"replica {d}: {s}" for d, s in sorted(set(replicas)))
-    return (f"ranks: {ranks}\n"
-            f"train loss (cp 1, {world} ranks): {train_loss:.6f}\n"
-            f"eval at cp {EVAL_CP} x dp {world // EVAL_CP}: samples {taken} (of {NUM_VAL})\n"
-            f"checked: eval loss over the {NUM_VAL} samples at cp {EVAL_CP} against cp 1, {DTYPE}, "
-            f"within {tol['loss']:g}; training groups restored\n"
-            f"eval loss at cp {EVAL_CP}: {eval_loss:.6f}; at cp 1: {cp1_loss:.6f}\n"
-            f"rebound {len(rebinding.rebound)} attributes, e.g. {rebinding.rebound[0]}; restored: {not rebinding.active}")
+    for cp, result in results.items():
+        assert abs(result.loss - cp1_loss) <= tol["loss"], (
+            f"eval loss at cp {cp} {result.loss:.6f} differs from cp 1 {cp1_loss:.6f} by "
+            f"{abs(result.loss - cp1_loss):.1e} > {tol['loss']:g}")
+        assert result.num_tokens == tokens, (
+            f"eval at cp {cp} counted {result.num_tokens:g} tokens of the validation set's {tokens:g}: "
+            "a sample evaluated twice or not at all")
+    at = ", ".join(str(cp) for cp in results)
+    return "\n".join([f"ranks: {ranks}", f"train loss (cp 1, {world} ranks): {train_loss:.6f}"]
+                     + [f"eval at cp {cp} x dp {world // cp}: samples {taken[cp]} (of {NUM_VAL})" for cp in results]
+                     + [f"checked: eval loss over the {NUM_VAL} samples (cpkit.eval_loop.evaluate) at cp {at} against "
+                        f"cp 1, {DTYPE}, within {tol['loss']:g}; each sample once; training groups restored after each",
+                        "eval loss " + "; ".join(f"at cp {cp}: {r.loss:.6f}" for cp, r in results.items())
+                        + f"; at cp 1: {cp1_loss:.6f}",
+                        f"rebound {len(rebinding.rebound)} attributes, e.g. {rebinding.rebound[0]}; "
+                        f"restored: {not rebinding.active}"])
 
 
 if __name__ == "__main__":

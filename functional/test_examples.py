@@ -33,6 +33,11 @@ FLOAT = r"\d+\.\d{6}"
 CHECKED = r"checked: loss and \d+ gradients .* torch\.float32, loss within 1e-05, gradients rtol 1e-05 atol 1e-05"
 
 
+def _eval_cps(n: int) -> list[int]:
+    """The eval CP sizes examples/eval_cp_in_your_loop.py evaluates at on n ranks: each of 2, 4, 8 dividing n."""
+    return [cp for cp in (2, 4, 8) if n % cp == 0]
+
+
 def _hcp_line(n: int) -> str:
     return r"HIERARCHICAL_CONTEXT_PARALLEL_GROUPS a2a=\[0, 1\] p2p=\[0" + (r", 2\]" if n == 4 else r"\]")
 
@@ -49,10 +54,13 @@ EXAMPLES = {
         rf"loss with dynamic CP: {FLOAT}; each sequence alone at cp 1: {FLOAT}; largest gradient difference"]),
     "eval_cp_in_your_loop.py": ((2, 4, 8), lambda n: [
         rf"train loss \(cp 1, {n} ranks\): {FLOAT}",
-        rf"eval at cp 2 x dp {n // 2}: samples " + "; ".join(
-            rf"replica {d}: {d * 16 // n}-{(d + 1) * 16 // n - 1}" for d in range(n // 2)) + r" \(of 8\)",
-        r"checked: eval loss over the 8 samples at cp 2 against cp 1, torch\.float32, within 1e-05",
-        rf"eval loss at cp 2: {FLOAT}; at cp 1: {FLOAT}",
+        *(rf"eval at cp {cp} x dp {n // cp}: samples " + "; ".join(
+            rf"replica {d}: {d * 8 * cp // n}-{(d + 1) * 8 * cp // n - 1}" for d in range(n // cp)) + r" \(of 8\)"
+          for cp in _eval_cps(n)),
+        r"checked: eval loss over the 8 samples \(cpkit\.eval_loop\.evaluate\) at cp "
+        + ", ".join(map(str, _eval_cps(n))) + r" against cp 1, torch\.float32, within 1e-05; each sample once; "
+        r"training groups restored after each",
+        r"eval loss " + "; ".join(rf"at cp {cp}: {FLOAT}" for cp in _eval_cps(n)) + rf"; at cp 1: {FLOAT}",
         r"rebound \d+ attributes, e\.g\. .+; restored: True"]),
     "bridge_a2a_p2p.py": ((2, 4), lambda n: [
         _hcp_line(n), CHECKED,
@@ -81,10 +89,12 @@ def _skip_without_bridge(name: str) -> None:
             pytest.skip(why)
 
 
-def _run(cmd: list[str], *, hide_gpus: bool, gpus: str | None = None) -> str:
-    """Run `cmd` from the repository root in a session of its own; on a timeout kill the whole
-    session (torchrun and its ranks) and fail with the output so far. Returns stdout; fails with
-    stdout and stderr on a non-zero exit."""
+def launch_example(cmd: list[str], *, hide_gpus: bool, gpus: str | None = None,
+                   timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
+    """Run `cmd` from the repository root (src/ on PYTHONPATH) in a session of its own, tied to
+    the test run (cpkit.children.popen_tied); on a timeout kill the whole session (torchrun and
+    its ranks) and fail with the output so far. Returns the finished process, whatever its exit
+    status (the launch time is recorded with cpkit.launch_times)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                               "MASTER_PORT")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
@@ -95,14 +105,21 @@ def _run(cmd: list[str], *, hide_gpus: bool, gpus: str | None = None) -> str:
     started = time.time()
     proc = popen_tied(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
+        out, err = proc.communicate(timeout=timeout)
         record_times([dict(example=" ".join(cmd[2:]), gpus=gpus, seconds=round(time.time() - started, 2),
                            t0=round(started, 2), t1=round(time.time(), 2), ok=proc.returncode == 0)])
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"{' '.join(cmd[2:])} ran past {TIMEOUT_S} s:\n{out}\n{err[-6000:]}")
-    assert proc.returncode == 0, f"{' '.join(cmd[2:])} exited {proc.returncode}:\n{out}\n{err[-6000:]}"
+        pytest.fail(f"{' '.join(cmd[2:])} ran past {timeout} s:\n{out}\n{err[-6000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _run(cmd: list[str], *, hide_gpus: bool, gpus: str | None = None) -> str:
+    """launch_example, failing with stdout and stderr on a non-zero exit. Returns stdout."""
+    done = launch_example(cmd, hide_gpus=hide_gpus, gpus=gpus)
+    out, err = done.stdout, done.stderr
+    assert done.returncode == 0, f"{' '.join(cmd[2:])} exited {done.returncode}:\n{out}\n{err[-6000:]}"
     # An example a user copies prints what it checked, not notices they cannot act on.
     from cpkit.notices import KNOWN_NOTICES
 

@@ -146,8 +146,9 @@ CHANGE_MAP: tuple[Row, ...] = (
         "unit, dist, gpu4; with CPKIT_BRIDGE_SRC set the Bridge side runs, else it skips with the reason"),
     Row(("src/cpkit/devices.py",), ("tests/test_devices.py", "tests/test_cards.py"), ("functional/test_examples.py",),
         "unit, dist, gpu2, gpu4: the examples start their ranks with it (NCCL on GPUs under torchrun)"),
-    Row(("examples/",), ("tests/test_skills.py",), ("functional/test_examples.py",),
-        "dist, gpu2, gpu4: each example under torchrun at every size it names (a changed module selects the test when an example imports it)"),
+    Row(("examples/",), ("tests/test_skills.py",), ("functional/test_examples.py", "functional/test_example_faults.py"),
+        "dist, gpu2, gpu4: each example under torchrun at every size it names, and failing on a fault planted in "
+        "the path its skill names (a changed module selects both when an example imports it)"),
     Row(("src/cpkit/testing/thread_ring.py",), ("tests/test_ring_threads.py",), (), "unit"),
     Row(("src/cpkit/testing/mlm_probes.py",), ("tests/test_dynamic_mlm.py",), (),
         "unit (with CPKIT_MLM_SRC set: the probes run in a Megatron-LM checkout's worker)"),

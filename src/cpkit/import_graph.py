@@ -18,8 +18,9 @@ __all__ = ["module_name", "imports", "package_modules", "cpkit_imports", "transi
 
 #: The folders of test files (test_*.py) whose imports select them.
 TEST_FOLDERS = ("tests", "functional")
-#: Scripts a test runs in a subprocess (so its own imports do not show them): folder -> that test.
-SCRIPT_RUNNERS = {"examples": "functional/test_examples.py"}
+#: Scripts tests run in a subprocess (so their own imports do not show them): folder -> those tests
+#: (the examples as written, and with a fault planted in the path each one's skill names).
+SCRIPT_RUNNERS = {"examples": ("functional/test_examples.py", "functional/test_example_faults.py")}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -111,10 +112,10 @@ def _tests_by_module(root: Path) -> dict[str, frozenset[str]]:
         for test in sorted((root / folder).glob("test_*.py")):
             for m in transitive_cpkit_imports(test, root, src):
                 out.setdefault(files[m], set()).add(test.relative_to(root).as_posix())
-    for folder, runner in SCRIPT_RUNNERS.items():
+    for folder, runners in SCRIPT_RUNNERS.items():
         for script in sorted((root / folder).glob("*.py")):
             for m in transitive_cpkit_imports(script, root, src):
-                out.setdefault(files[m], set()).add(runner)
+                out.setdefault(files[m], set()).update(runners)
     return {path: frozenset(tests) for path, tests in out.items()}
 
 

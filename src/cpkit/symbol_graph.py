@@ -155,24 +155,24 @@ def _resolve(target: tuple[str, str], files: dict[str, _File]) -> tuple[set[tupl
 
 
 @lru_cache(maxsize=4)
-def _graph(root: Path, package: str = "cpkit") -> tuple[dict[str, _File], dict[str, str]]:
-    """(module or test path -> parsed file, test or script path -> what selects it)."""
+def _graph(root: Path, package: str = "cpkit") -> tuple[dict[str, _File], dict[str, tuple[str, ...]]]:
+    """(module or test path -> parsed file, test or script path -> the test files it selects)."""
     src = root / "src"
     paths = package_modules(src, package)
     modules = set(paths)
     files = {m: _parse(p, m, m if p.name == "__init__.py" else m.rsplit(".", 1)[0], modules)
              for m, p in paths.items()}
-    selects: dict[str, str] = {}
+    selects: dict[str, tuple[str, ...]] = {}
     for folder in TEST_FOLDERS:
         for test in sorted((root / folder).glob("test_*.py")):
             rel = test.relative_to(root).as_posix()
             files[rel] = _parse(test, module_name(test, root), folder, modules)
-            selects[rel] = rel
-    for folder, runner in SCRIPT_RUNNERS.items():
+            selects[rel] = (rel,)
+    for folder, runners in SCRIPT_RUNNERS.items():
         for script in sorted((root / folder).glob("*.py")):
             rel = script.relative_to(root).as_posix()
             files[rel] = _parse(script, module_name(script, root), folder, modules)
-            selects[rel] = runner
+            selects[rel] = tuple(runners)
     return files, selects
 
 
@@ -223,4 +223,4 @@ def affected_tests(changed: dict[str, set[str]], root: Path,
                 hit.add(key)
                 touched.add(key[0])
                 grew = True
-    return sorted({selects[f] for f, _ in hit if f in selects})
+    return sorted({t for f, _ in hit if f in selects for t in selects[f]})
