@@ -53,3 +53,10 @@ def test_every_bench_json_records_the_upstream_checkouts(tmp_path, monkeypatch):
     monkeypatch.setenv("CPKIT_MLM_SRC", str(tree))
     monkeypatch.delenv("CPKIT_BRIDGE_SRC", raising=False)
     assert machine_info()["upstream"] == {"megatron_lm": f"content-{content_fingerprint(tree)}"}
+
+
+def test_a_bridge_copy_without_git_is_named_by_content_not_unknown(tmp_path):
+    from cpkit.bridge import bridge_commit
+
+    src = _tree(tmp_path / "bridge") / "megatron"
+    assert bridge_commit(src) == f"content-{content_fingerprint(src)}"

@@ -84,9 +84,10 @@ def bridge_src(marker: Path = _MARKER) -> tuple[Optional[Path], str]:
 
 
 def bridge_commit(src: Path) -> str:
-    """The short git commit of the checkout holding `src`, or "unknown" (a released package).
-    Without git, or for a tree whose .git holds only HEAD (an archive unpacked with its commit,
-    as scripts/gpu-proof.sh does), the commit is read from .git/HEAD."""
+    """The short git commit of the checkout holding `src`; without git, or for a tree whose .git
+    holds only HEAD (an archive unpacked with its commit, as scripts/upstream-unpack.sh does),
+    cpkit.checkouts.checkout_identity: the commit read from .git, else "content-<hash>" of a
+    copy's Python files."""
     try:
         out = subprocess.run(["git", "-C", str(src), "rev-parse", "--short", "HEAD"],
                              capture_output=True, text=True, timeout=10, check=False)
@@ -95,13 +96,10 @@ def bridge_commit(src: Path) -> str:
         found = ""
     if found:
         return found
-    from cpkit.dynamic.mlm import checkout_commit
+    from cpkit.checkouts import checkout_identity
 
-    for root in (Path(src), Path(src).parent):
-        commit = checkout_commit(root)
-        if commit != "unknown":
-            return commit[:9]
-    return "unknown"
+    identity = checkout_identity(src)
+    return identity if identity.startswith("content-") else identity[:9]
 
 
 class MissingImport:
