@@ -8,6 +8,8 @@
 #   comparison is the point.
 # - attention-full: the longer sweep (32K, 64K, 128K at 8 and 32 KV heads), A/Bs of the ring's
 #   batching and of the a2a head chunks, p2p kv8 at cp=2, a profile of p2p / a2a / a2a+p2p at kv32.
+# - attention-profile: cpkit and TE side by side at cp=4, kv8, 32K and 128K, every comm type,
+#   profiled: kernel tables, traces and their timelines (compute / exposed comm / idle per cell).
 # - eval_cp: the default model, a 4096-wide one at TP1 PP2, a profile of TP1 PP2 16K.
 # - window: one rank's sliding-window compute (one GPU).
 # - dynamic_step: real dynamic-CP training steps of every plan family (cpkit, static CP, MCore's,
@@ -15,7 +17,7 @@
 #   (4 layers, hidden 4096, an 8B-class width: GPU-bound) and 8 layers at hidden 2048 (more
 #   host-bound), each within ${DYNAMIC_STEP_BUDGET_S:-300} s; tables, JSON and per-micro-batch
 #   timelines under $OUT.
-# Usage: bash scripts/gpu-bench.sh attention|attention-full|eval_cp|window|dynamic_step
+# Usage: bash scripts/gpu-bench.sh attention|attention-full|attention-profile|eval_cp|window|dynamic_step
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-results}; mkdir -p "$out"
@@ -55,6 +57,11 @@ case "${1:-}" in
       --out "$out/attention_cp2.json" 2>&1 | quiet | tee "$out/attention_cp2.txt" || rc=1
     profiled attention --cp 4 --seq 32K --kv-heads 32 --comm p2p,a2a,a2a+p2p --backends cpkit,te --warmup 2 --iters 3
     ;;
+  attention-profile)
+    if [ -f .te/te-bundle.tar.xz ]; then bash scripts/te-install.sh .te/te-bundle.tar.xz || exit 1; fi
+    profiled attention --cp 4 --seq 32K,128K --kv-heads 8 --backends cpkit,te --warmup 2 --iters 3 \
+      --timeout "${ATTENTION_BUDGET_S:-300}"
+    ;;
   eval_cp)
     python3 -m cpkit.bench eval_cp --out "$out/eval_cp.json" 2>&1 | quiet | tee "$out/eval_cp.txt" || rc=1
     # The default model (hidden 2048) is host-bound in the eval layout; a 4096-wide one (an 8B-class
@@ -74,6 +81,6 @@ case "${1:-}" in
     python3 -m cpkit.bench dynamic_step --budget-s "$budget" --hidden 2048 --ffn 7168 --heads 16 --kv-heads 4 \
       --layers 8 --out "$out/dynamic_step_h2048.json" 2>&1 | quiet | tee "$out/dynamic_step_h2048.txt" || rc=1
     ;;
-  *) echo "usage: bash scripts/gpu-bench.sh attention|attention-full|eval_cp|window|dynamic_step" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu-bench.sh attention|attention-full|attention-profile|eval_cp|window|dynamic_step" >&2; exit 2 ;;
 esac
 exit $rc
