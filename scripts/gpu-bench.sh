@@ -5,7 +5,8 @@
 #   heads, with torch's CP and single-GPU SDPA), the table with its cpkit/TE and /sdpa ratios, in
 #   at most ${ATTENTION_BUDGET_S:-300} s (the launch's timeout). TE comes from .te/te-bundle.tar.xz
 #   through scripts/te-install.sh (quick when installed already); without TE it stops, since the
-#   comparison is the point.
+#   comparison is the point. Then the model features (sliding window causal and two-sided,
+#   learnable sinks, MLA 192/128) for cpkit and TE at cp=4, 32K and 128K.
 # - attention-full: the longer sweep (32K, 64K, 128K at 8 and 32 KV heads), A/Bs of the ring's
 #   batching and of the a2a head chunks, p2p kv8 at cp=2, a profile of p2p / a2a / a2a+p2p at kv32.
 # - attention-profile: cpkit and TE side by side at cp=4, kv8, 32K and 128K, every comm type,
@@ -43,6 +44,10 @@ case "${1:-}" in
     fi
     python3 -m cpkit.bench attention --cp 4 --seq 32K,128K --kv-heads 8 --backends cpkit,te,torch,sdpa \
       --timeout "${ATTENTION_BUDGET_S:-300}" --out "$out/attention_cp4.json" 2>&1 | quiet | tee "$out/attention_cp4.txt" || rc=1
+    # The model features at cp=4 against TE (a cell TE refuses shows TE's error).
+    python3 -m cpkit.bench attention --cp 4 --seq 32K,128K --kv-heads 8 --backends cpkit,te \
+      --features window,window2,sink,mla --timeout "${ATTENTION_BUDGET_S:-300}" \
+      --out "$out/attention_features_cp4.json" 2>&1 | quiet | tee "$out/attention_features_cp4.txt" || rc=1
     ;;
   attention-full)
     python3 -m cpkit.bench attention --cp 4 --seq 32K,64K,128K --kv-heads 8,32 --backends cpkit,te,torch,sdpa \

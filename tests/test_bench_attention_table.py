@@ -52,3 +52,64 @@ def test_render_without_te_or_sdpa_has_no_ratio_columns():
     table = render([cell("cpkit", "p2p", 1024, 12.34)], [1024])
     assert table.splitlines()[0].split() == ["TFLOP/s", "per", "GPU", "1K"]
     assert "12.3" in table and "cpkit/TE" not in table
+
+
+# ------------------------------------------------------------------------------- features
+
+
+def test_feature_cells_pair_with_te_of_the_same_feature_and_have_no_sdpa_ratio():
+    results = RESULTS + [
+        dict(cell("cpkit", "a2a", 32768, 300.0), feature="window"),
+        dict(cell("te", "a2a", 32768, 250.0), feature="window"),
+        dict(cell("cpkit", "p2p", 32768, 200.0), feature="window"),
+        dict(cell("te", "p2p", 32768, 0.0, error="error: AssertionError: window needs a2a"), feature="window"),
+    ]
+    te = te_ratios(results)
+    assert te[("cpkit a2a window kv8 cp4", 32768)] == 300.0 / 250.0
+    assert ("cpkit p2p window kv8 cp4", 32768) not in te  # TE refused: no ratio, its error shows
+    assert not any("window" in row for row, _ in sdpa_ratios(results))
+    table = render(results, [32768, 131072])
+    assert "te p2p window kv8 cp4" in table and "error: AssertionError" in table
+
+
+def test_attended_pairs_count_every_query_key_pair_of_the_band():
+    from cpkit.bench.attention_features import attended_pairs
+
+    for seq, causal, window in [(10, True, (3, 0)), (10, False, (3, 2)), (7, False, (9, 9)),
+                                (12, True, (11, 5)), (5, False, (0, 0))]:
+        left, right = window
+        brute = sum(1 for i in range(seq) for j in range(seq)
+                    if i - left <= j <= i + (0 if causal else right))
+        assert attended_pairs(seq, causal, window) == brute, (seq, causal, window)
+    assert attended_pairs(8, True, None) == 32 and attended_pairs(8, False, None) == 64
+
+
+def test_dense_feature_flops_are_the_causal_formula_and_mla_counts_both_head_dims():
+    from cpkit.bench.attention import causal_fwd_bwd_flops
+    from cpkit.bench.attention_features import feature, fwd_bwd_flops
+
+    assert fwd_bwd_flops(1, 32, 4096, 128, feature("dense", 64)) == causal_fwd_bwd_flops(1, 32, 4096, 128)
+    mla = feature("mla", 64)
+    assert fwd_bwd_flops(1, 32, 4096, 128, mla) == causal_fwd_bwd_flops(1, 32, 4096, 128) * (192 + 128) / 256
+    assert mla.kv_heads(32, 8) == 32 and feature("sink", 64).kv_heads(32, 8) == 8
+    with pytest.raises(ValueError, match="must be one of"):
+        feature("windows", 64)
+
+
+def test_build_cases_runs_features_on_cpkit_and_te_and_dense_only_on_sdpa_and_torch():
+    from cpkit.bench.attention import build_cases
+
+    cases = build_cases(["cpkit", "te", "sdpa", "torch"], ["a2a"], [8], [4], [1024], 2, te_ok=True,
+                        features=("dense", "sink"))
+    assert [(c.backend, c.feature) for c in cases] == [
+        ("sdpa", "dense"), ("cpkit", "dense"), ("te", "dense"), ("cpkit", "sink"),
+        ("te", "sink"), ("torch", "dense")]
+    only = build_cases(["cpkit", "sdpa"], ["a2a"], [8], [4], [1024], 2, te_ok=False, features=("window",))
+    assert [(c.backend, c.feature) for c in only] == [("cpkit", "window")]
+
+
+def test_bench_refuses_an_unknown_feature(capsys):
+    from cpkit.bench.attention import main
+
+    assert main(["--device", "cpu", "--features", "dense,windw"]) == 2
+    assert "--features ['windw']: each must be one of" in capsys.readouterr().err

@@ -1,7 +1,9 @@
 """`python -m cpkit.bench attention`: CP attention forward + backward throughput.
 
 One launch over max(--cp) ranks (NCCL, one GPU per rank; or gloo with `--device cpu`) times,
-for each total sequence length, causal attention forward + backward with b=1:
+for each total sequence length, attention forward + backward with b=1, causal and dense by
+default; `--features` adds sliding windows, sinks and MLA head dims to the cpkit and TE cells
+(`attention_features.py`; TE's refusal of a feature on a comm type is that cell's error):
 
 - `cpkit`: `cpkit.attention.context_parallel_attention` for every comm type and CP size
   (`a2a+p2p` with a2a groups of `--hcp-a2a` contiguous ranks, where both levels are > 1);
@@ -11,8 +13,9 @@ for each total sequence length, causal attention forward + backward with b=1:
   the CP ranks;
 - `sdpa`: single-device SDPA (cuDNN on GPUs) on the full sequence, the per-GPU reference.
 
-TFLOP/s per GPU = 3.5 * (2 * b * heads * s^2 * head_dim) / cp / time (causal forward FLOPs,
-x3.5 for forward + backward). Time is the median over `--iters` iterations after `--warmup`
+TFLOP/s per GPU = 3.5 * (2 * b * heads * s^2 * head_dim) / cp / time for the dense cells (causal
+forward FLOPs, x3.5 for forward + backward; a feature's cells count the pairs and head dims it
+attends, `attention_features.fwd_bwd_flops`). Time is the median over `--iters` iterations after `--warmup`
 (CUDA events, barrier before each), the slowest rank's median. Every cell runs in its own
 try/except: a failure prints "error: ..." in its cell. Prints a table with the cpkit/TE and
 /sdpa ratios (`cpkit.bench.attention_table`), writes JSON.
@@ -30,6 +33,8 @@ from typing import Optional
 
 import torch
 
+from cpkit.bench.attention_features import FEATURES, feature, fwd_bwd_flops
+from cpkit.bench.attention_steps import TorchCP, step_cpkit, step_sdpa, step_te
 from cpkit.bench.attention_table import render, row_label
 from cpkit.bench.common import (
     DEFAULT_RESULTS_DIR,
@@ -61,6 +66,7 @@ class Case:
     kv_heads: int
     cp: int
     seq: int
+    feature: str = "dense"  # `attention_features.FEATURES`; sdpa and torch run dense only
 
     @property
     def row(self) -> str:
@@ -77,6 +83,7 @@ class Settings:
     warmup: int
     iters: int
     hcp_a2a: int
+    window: int = 4096  # keys on a side of the window features
     partial_path: Optional[str] = None
     profile_path: Optional[str] = None
     world_size: int = 1
@@ -88,32 +95,32 @@ def causal_fwd_bwd_flops(batch: int, heads: int, seq: int, head_dim: int) -> flo
     return 3.5 * 2.0 * batch * heads * float(seq) ** 2 * head_dim
 
 
-def build_cases(backends, comms, kv_heads, cps, seqs, hcp_a2a: int, te_ok: bool) -> list[Case]:
-    """The ordered list of cells to run (sdpa first: it is the reference)."""
+def build_cases(backends, comms, kv_heads, cps, seqs, hcp_a2a: int, te_ok: bool,
+                features=("dense",)) -> list[Case]:
+    """The ordered list of cells to run (sdpa first: it is the reference); cpkit and TE run
+    every feature, sdpa and torch the dense cells only."""
     cases = []
     for kvh in kv_heads:
         for seq in seqs:
-            if "sdpa" in backends:
+            if "sdpa" in backends and "dense" in features:
                 cases.append(Case("sdpa", "-", kvh, 1, seq))
     for cp in cps:
         for kvh in kv_heads:
             for comm in comms:
                 if comm == A2A_P2P and not (1 < hcp_a2a < cp and cp % hcp_a2a == 0):
                     continue  # a degenerate hierarchy is plain a2a or p2p
-                for backend in ("cpkit", "te"):
-                    if backend in backends and (backend != "te" or te_ok):
-                        for seq in seqs:
-                            cases.append(Case(backend, comm, kvh, cp, seq))
-            if "torch" in backends:
+                for feat in features:
+                    for backend in ("cpkit", "te"):
+                        if backend in backends and (backend != "te" or te_ok):
+                            for seq in seqs:
+                                cases.append(Case(backend, comm, kvh, cp, seq, feat))
+            if "torch" in backends and "dense" in features:
                 for seq in seqs:
                     cases.append(Case("torch", "-", kvh, cp, seq))
     return cases
 
 
 # ------------------------------------------------------------------------------------ workers
-
-
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _make_groups(cps, hcp_a2a: int) -> dict:
@@ -145,133 +152,6 @@ def _make_groups(cps, hcp_a2a: int) -> dict:
     return groups
 
 
-def _rand(shape, s: Settings, dev, grad=True):
-    t = torch.randn(*shape, device=dev, dtype=_DTYPES[s.dtype])
-    return t.requires_grad_(grad)
-
-
-def _step_cpkit(case: Case, s: Settings, dev, groups):
-    from cpkit.attention import context_parallel_attention
-
-    local = case.seq // case.cp
-    q = _rand((local, s.batch, s.heads, s.head_dim), s, dev)
-    k = _rand((local, s.batch, case.kv_heads, s.head_dim), s, dev)
-    v = _rand((local, s.batch, case.kv_heads, s.head_dim), s, dev)
-    dout = _rand((local, s.batch, s.heads, s.head_dim), s, dev, grad=False)
-    group = groups[("hcp", case.cp)] if case.comm == A2A_P2P else groups[("cp", case.cp)]
-
-    def step():
-        out = context_parallel_attention(
-            q, k, v, cp_group=group, cp_comm_type=case.comm, causal=True
-        )
-        torch.autograd.grad(out, (q, k, v), dout)
-
-    return step
-
-
-def _step_te(case: Case, s: Settings, dev, groups):
-    import torch.distributed as dist
-    import transformer_engine.pytorch as te
-
-    local = case.seq // case.cp
-    cp_group = groups[("cp", case.cp)]
-    group = groups[("hcp", case.cp)] if case.comm == A2A_P2P else cp_group
-    attn = te.DotProductAttention(
-        num_attention_heads=s.heads,
-        kv_channels=s.head_dim,
-        num_gqa_groups=case.kv_heads,
-        attention_dropout=0.0,
-        qkv_format="sbhd",
-        attn_mask_type="causal",
-    )
-    attn.set_context_parallel_group(
-        group, dist.get_process_group_ranks(cp_group), torch.cuda.Stream(), case.comm
-    )
-    q = _rand((local, s.batch, s.heads, s.head_dim), s, dev)
-    k = _rand((local, s.batch, case.kv_heads, s.head_dim), s, dev)
-    v = _rand((local, s.batch, case.kv_heads, s.head_dim), s, dev)
-    dout = _rand((local, s.batch, s.heads * s.head_dim), s, dev, grad=False)
-
-    def step():
-        out = attn(q, k, v)
-        torch.autograd.grad(out, (q, k, v), dout)
-
-    return step
-
-
-def _sdpa_inputs(case: Case, s: Settings, dev, seq: int, expand_kv: bool):
-    kvh = s.heads if expand_kv else case.kv_heads
-    q = _rand((s.batch, s.heads, seq, s.head_dim), s, dev)
-    k = _rand((s.batch, kvh, seq, s.head_dim), s, dev)
-    v = _rand((s.batch, kvh, seq, s.head_dim), s, dev)
-    return q, k, v
-
-
-def _step_sdpa(case: Case, s: Settings, dev, groups, expand_kv: bool = False):
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    q, k, v = _sdpa_inputs(case, s, dev, case.seq, expand_kv)
-    dout = torch.randn_like(q)
-    gqa = k.shape[1] != q.shape[1]
-    backends = [SDPBackend.CUDNN_ATTENTION] if dev.type == "cuda" else None
-
-    def step():
-        if backends is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            with sdpa_kernel(backends):
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        torch.autograd.grad(out, (q, k, v), dout)
-
-    return step
-
-
-class _TorchCP:
-    """torch's experimental context_parallel (allgather rotation), entered around the timing."""
-
-    def __init__(self, case: Case, s: Settings, dev, groups, expand_kv: bool = False):
-        from torch.distributed.device_mesh import DeviceMesh
-
-        self.case, self.s, self.dev, self.expand_kv = case, s, dev, expand_kv
-        self.mesh = DeviceMesh.from_group(groups[("cp", case.cp)], device_type=dev.type)
-
-    def __enter__(self):
-        import torch.nn.functional as F
-        from torch.distributed.tensor.experimental import context_parallel
-        from torch.distributed.tensor.experimental import _attention as cp_attention
-
-        self._options = cp_attention._cp_options
-        self._old_rotate = self._options.rotate_method
-        cp_attention.set_rotate_method("allgather")
-        try:
-            q, k, v = (t.detach() for t in _sdpa_inputs(self.case, self.s, self.dev, self.case.seq, self.expand_kv))
-            self._ctx = context_parallel(
-                self.mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2], no_restore_buffers={q, k, v}
-            )
-            self._ctx.__enter__()
-        except BaseException:
-            self._options.rotate_method = self._old_rotate
-            raise
-        # The buffers are now this rank's shards; differentiate with respect to them.
-        q, k, v = (t.requires_grad_() for t in (q, k, v))
-        dout = torch.randn_like(q)
-        gqa = k.shape[1] != q.shape[1]
-
-        def step():
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-            torch.autograd.grad(out, (q, k, v), dout)
-
-        return step
-
-    def __exit__(self, *exc):
-        try:
-            self._ctx.__exit__(*exc)
-        finally:
-            self._options.rotate_method = self._old_rotate
-        return False
-
-
 def _time_case(case: Case, s: Settings, dev, groups) -> tuple[float, Optional[str]]:
     """(median ms on this rank, None) or (nan, error text); runs only on the case's ranks."""
     import torch.distributed as dist
@@ -287,17 +167,17 @@ def _time_case(case: Case, s: Settings, dev, groups) -> tuple[float, Optional[st
 
     try:
         if case.backend == "cpkit":
-            return run(_step_cpkit(case, s, dev, groups)), None
+            return run(step_cpkit(case, s, dev, groups)), None
         if case.backend == "te":
-            return run(_step_te(case, s, dev, groups)), None
+            return run(step_te(case, s, dev, groups)), None
         # sdpa / torch: native GQA first; expanded KV heads when the kernel refuses GQA.
         last = None
         for expand in ([False, True] if case.kv_heads != s.heads else [False]):
             try:
                 if case.backend == "sdpa":
-                    ms = run(_step_sdpa(case, s, dev, groups, expand))
+                    ms = run(step_sdpa(case, s, dev, groups, expand))
                 else:
-                    with _TorchCP(case, s, dev, groups, expand) as step:
+                    with TorchCP(case, s, dev, groups, expand) as step:
                         ms = run(step)
                 return ms, ("note: kv heads expanded" if expand else None)
             except Exception as exc:  # noqa: BLE001 - retried once with expanded KV
@@ -350,12 +230,14 @@ def _summarize(case: Case, s: Settings, per_rank: list) -> dict:
     entry = asdict(case) | {"heads": s.heads, "head_dim": s.head_dim, "batch": s.batch,
                             "dtype": s.dtype, "ms": None, "tflops_per_gpu": None,
                             "error": None, "notes": notes}
+    entry["kv_heads"] = feature(case.feature, s.window).kv_heads(s.heads, case.kv_heads)  # MLA: heads
     if errors:
         entry["error"] = errors[0]
         return entry
     ms = max(m for m, _ in per_rank)  # the slowest rank sets the pace
     entry["ms"] = ms
-    entry["tflops_per_gpu"] = causal_fwd_bwd_flops(s.batch, s.heads, case.seq, s.head_dim) / case.cp / (ms * 1e-3) / 1e12
+    flops = fwd_bwd_flops(s.batch, s.heads, case.seq, s.head_dim, feature(case.feature, s.window))
+    entry["tflops_per_gpu"] = flops / case.cp / (ms * 1e-3) / 1e12
     return entry
 
 
@@ -373,6 +255,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=int, default=None, help="head dim (default 128; 16 on cpu)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
                    help="default bf16 on cuda, fp32 on cpu")
+    p.add_argument("--features", default="dense",
+                   help=f"model features of the cpkit and TE cells ({','.join(FEATURES)}; default dense)")
+    p.add_argument("--window", type=int, default=4096, help="keys on a side of the window features (default 4096)")
     p.add_argument("--hcp-a2a", type=int, default=2, help="a2a group size for a2a+p2p (default 2: [2,2] at cp=4)")
     p.add_argument("--timeout", type=float, default=None, help="seconds for the whole launch")
     add_common_args(p, profile=True)
@@ -388,6 +273,7 @@ def _defaults(args) -> None:
     args.kv_heads = parse_int_list(pick(args.kv_heads, "8,32", "8", "2" if args.quick else "2,4"))
     args.backends = parse_str_list(pick(args.backends, "cpkit,te,torch,sdpa", "cpkit,te,torch,sdpa", "cpkit,sdpa"))
     args.comm = parse_str_list(args.comm)
+    args.features = parse_str_list(args.features)
     args.heads = args.heads or (4 if cpu else 32)
     args.head_dim = args.head_dim or (16 if cpu else 128)
     args.dtype = args.dtype or ("fp32" if cpu else "bf16")
@@ -400,6 +286,11 @@ def _check_args(args) -> Optional[str]:
     bad = [c for c in args.comm if c not in COMM_TYPES]
     if bad:
         return f"--comm {bad}: each must be one of {list(COMM_TYPES)}"
+    bad = [f for f in args.features if f not in FEATURES]
+    if bad:
+        return f"--features {bad}: each must be one of {list(FEATURES)}"
+    if args.window < 1:
+        return f"--window {args.window}: must be >= 1 (keys on a side of the window)"
     bad = [b for b in args.backends if b not in BACKENDS]
     if bad:
         return f"--backends {bad}: each must be one of {list(BACKENDS)}"
@@ -431,7 +322,8 @@ def main(argv=None) -> int:
     te_ok = "te" in args.backends and args.device == "cuda" and te_available()
     if "te" in args.backends and not te_ok:
         print("note: te backend skipped (Transformer Engine not importable, or --device cpu)")
-    cases = build_cases(args.backends, args.comm, args.kv_heads, args.cp, args.seq, args.hcp_a2a, te_ok)
+    cases = build_cases(args.backends, args.comm, args.kv_heads, args.cp, args.seq, args.hcp_a2a, te_ok,
+                        args.features)
     world = max([c.cp for c in cases] + [1])
     out_path = Path(args.out) if args.out else Path(DEFAULT_RESULTS_DIR) / f"{NAME}.json"
     partial = out_path.with_suffix(".partial.jsonl")
@@ -439,11 +331,12 @@ def main(argv=None) -> int:
     partial.unlink(missing_ok=True)
     settings = Settings(
         heads=args.heads, head_dim=args.head_dim, batch=1, dtype=args.dtype, device=args.device,
-        warmup=args.warmup, iters=args.iters, hcp_a2a=args.hcp_a2a,
+        warmup=args.warmup, iters=args.iters, hcp_a2a=args.hcp_a2a, window=args.window,
         partial_path=str(partial), profile_path=args.profile, world_size=world,
     )
     print(f"attention bench: {len(cases)} cells on {world} rank(s), {args.device}, {args.dtype}, "
-          f"heads={args.heads} head_dim={args.head_dim} b=1 causal fwd+bwd", flush=True)
+          f"heads={args.heads} head_dim={args.head_dim} b=1 fwd+bwd, features {','.join(args.features)}"
+          f"{f' (window {args.window})' if any(f.startswith('window') for f in args.features) else ''}", flush=True)
     failure = None
     try:
         results = launch(
@@ -461,7 +354,7 @@ def main(argv=None) -> int:
         "settings": {k: v for k, v in asdict(settings).items()
                      if k not in ("partial_path", "profile_path", "notes")},
         "args": {k: v for k, v in vars(args).items() if k != "out"},
-        "flops": "causal fwd+bwd = 3.5 * 2*b*h*s^2*d; per GPU = total / cp",
+        "flops": "fwd+bwd = 3.5 * 2*b*h*pairs*(d_qk + d_v), pairs = s^2/2 causal (attention_features); per GPU = total / cp",
         "results": results,
         "failure": failure,
     }

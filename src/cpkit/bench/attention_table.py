@@ -19,8 +19,13 @@ __all__ = ["row_label", "seq_label", "render", "te_ratios", "sdpa_ratios"]
 
 
 def row_label(r: dict) -> str:
-    """A result's row: backend, comm type, KV heads, CP size."""
-    return f"{r['backend']} {r['comm']} kv{r['kv_heads']} cp{r['cp']}"
+    """A result's row: backend, comm type, feature (when not dense), KV heads, CP size."""
+    feat = r.get("feature", "dense")
+    return f"{r['backend']} {r['comm']}{'' if feat == 'dense' else ' ' + feat} kv{r['kv_heads']} cp{r['cp']}"
+
+
+def _cell(r: dict) -> tuple:
+    return (r["comm"], r.get("feature", "dense"), r["kv_heads"], r["cp"], r["seq"])
 
 
 def seq_label(seq: int) -> str:
@@ -33,22 +38,23 @@ def _tflops(r: dict) -> Optional[float]:
 
 def te_ratios(results: list[dict]) -> dict[tuple[str, int], float]:
     """(cpkit row label, seq) -> cpkit TFLOP/s / TE TFLOP/s, for every cell both ran without error."""
-    te = {(r["comm"], r["kv_heads"], r["cp"], r["seq"]): _tflops(r) for r in results if r["backend"] == "te"}
+    te = {_cell(r): _tflops(r) for r in results if r["backend"] == "te"}
     out = {}
     for r in results:
-        other = te.get((r["comm"], r["kv_heads"], r["cp"], r["seq"]))
+        other = te.get(_cell(r))
         if r["backend"] == "cpkit" and _tflops(r) and other:
             out[(row_label(r), r["seq"])] = _tflops(r) / other
     return out
 
 
 def sdpa_ratios(results: list[dict]) -> dict[tuple[str, int], float]:
-    """(row label, seq) -> TFLOP/s per GPU / single-GPU SDPA's, for every CP row with an SDPA cell."""
+    """(row label, seq) -> TFLOP/s per GPU / single-GPU SDPA's, for every dense CP row with an
+    SDPA cell (SDPA runs the dense cells only)."""
     sdpa = {(r["kv_heads"], r["seq"]): _tflops(r) for r in results if r["backend"] == "sdpa"}
     out = {}
     for r in results:
         other = sdpa.get((r["kv_heads"], r["seq"]))
-        if r["backend"] != "sdpa" and _tflops(r) and other:
+        if r["backend"] != "sdpa" and r.get("feature", "dense") == "dense" and _tflops(r) and other:
             out[(row_label(r), r["seq"])] = _tflops(r) / other
     return out
 
