@@ -31,7 +31,7 @@ profiled() {
   local dir; dir=$(mktemp -d)
   python3 -m cpkit.bench "$name" "$@" --out "$dir/$name.json" --profile "$dir/${name}_profile.txt" 2>&1 | quiet | tail -4
   cp "$dir/${name}_profile.txt" "$out/" 2>/dev/null
-  python3 -m cpkit.bench.timeline "$dir"/*.trace.json > "$out/${name}_timeline.txt" 2>&1
+  python3 -m cpkit.bench.timeline --kernels "$dir"/*.trace.json > "$out/${name}_timeline.txt" 2>&1
   tar czf "$out/${name}_traces.tgz" -C "$dir" . 2>/dev/null
 }
 rc=0

@@ -538,6 +538,30 @@ def test_timeline_splits_compute_exposed_comm_and_idle():
     assert summarize({"traceEvents": []}).kernels == 0
 
 
+def test_kernel_split_names_the_time_outside_the_attention_kernels_per_iteration():
+    from cpkit.bench.timeline import kernel_split
+
+    def k(name, dur):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": 0, "dur": dur}
+
+    trace = {"traceEvents": [
+        k("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob", 3000),
+        k("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob", 6000),
+        k("void cudnn::fusion::compute_dot_do_o_specialized<true, 128>(void const*)", 300),
+        k("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 900),
+        k("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl<"
+          "at::native::addcmul_cuda_kernel(at::TensorIteratorBase&)>", 600),
+        k("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<float>>", 150),
+        k("triton_poi_fused_add_exp_0", 60),
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 0, "dur": 99999},
+    ]}
+    split, others = kernel_split(trace, iters=3, top=2)
+    assert split == pytest.approx({"attn fwd": 1.0, "attn bwd": 2.0, "attn helpers": 0.1, "comm": 0.3,
+                                   "other": 0.27})
+    assert others == [("elementwise_kernel[addcmul_cuda_kernel]", pytest.approx(0.2)),
+                      ("vectorized_elementwise_kernel[CUDAFunctor_add]", pytest.approx(0.05))]
+
+
 def test_machine_info_records_the_comm_knobs(monkeypatch):
     from cpkit.bench.common import machine_info
 
