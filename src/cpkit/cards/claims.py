@@ -293,7 +293,7 @@ def _unbacked_in(path: str, blocks: Iterable[tuple[Block, set[str]]], raw: str, 
     raw_lines = raw.splitlines()
     out = []
     for block, extra in blocks:
-        held = _backing(block.text, claims) | extra
+        held = extra | _backing(block.text, claims)
         for m in measured_numbers(block.text):
             if all(n in held for n in m.numbers):
                 continue
