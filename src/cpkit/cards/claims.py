@@ -32,7 +32,9 @@ their numbers must be backed. A number is *backed* when the same block (a card's
 in markdown a paragraph, a list item, a table row or a heading) names a claim by its id (in
 backticks, `claim-id`) whose `value` contains it, or when it stands in a generated block of
 claims (RENDER_BEGIN ... RENDER_END, written by `python -m cpkit.cards.render`). A follow-up's
-`last_result.detail` is the record of a run, backed by its own `evidence` folder when it names one.
+`last_result.detail` is the record of its run: its test counts are backed by the last_result
+itself (outcome, commit, machine, date, per-test outcomes), every other number by the
+last_result's `evidence` folder when it names one.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import yaml
+
+from cpkit.strict_yaml import load_strict_yaml
 
 __all__ = [
     "Measured", "Block", "Unbacked", "RENDER_BEGIN", "RENDER_END", "measured_numbers", "numbers_of",
@@ -87,6 +91,8 @@ class Measured:
     text: str
     start: int
     numbers: tuple[str, ...]
+    #: pct, rate, ratio, time, count (`5 passed`), of (`27 of 28`), or decimal (no unit).
+    kind: str = "decimal"
 
 
 @dataclass(frozen=True)
@@ -163,7 +169,7 @@ def measured_numbers(text: str) -> list[Measured]:
             continue  # torch 2.11, cuDNN 9.14
         if kind == "of":
             numbers += (unit.group("of").split()[-1].replace(",", ""),)
-        found.append(Measured(chain + (unit.group(0) if kind else ""), match.start(), numbers))
+        found.append(Measured(chain + (unit.group(0) if kind else ""), match.start(), numbers, kind or "decimal"))
         used = end + (unit.end() if kind else 0)
     return found
 
@@ -293,9 +299,10 @@ def _unbacked_in(path: str, blocks: Iterable[tuple[Block, set[str]]], raw: str, 
     raw_lines = raw.splitlines()
     out = []
     for block, extra in blocks:
-        held = extra | _backing(block.text, claims)
+        counts = extra is _COUNTS
+        held = (set() if counts else extra) | _backing(block.text, claims)
         for m in measured_numbers(block.text):
-            if all(n in held for n in m.numbers):
+            if all(n in held for n in m.numbers) or (counts and m.kind in ("count", "of")):
                 continue
             token = _NUMBER.search(m.text).group(0)
             line, text = _line_of(block, raw_lines, token, scalar)
@@ -319,27 +326,29 @@ def unbacked_numbers(root: Path, cards, files: Iterable[str] | None = None) -> l
         if rel.endswith((".yaml", ".yml")):
             try:
                 blocks = list(card_blocks(raw))
-            except yaml.YAMLError:
+                data = load_strict_yaml(raw)
+            except (yaml.YAMLError, ValueError):
                 continue  # the schema check reports it
-            out += _unbacked_in(rel, [(b, _result_backing(root, raw, path)) for b, path in blocks], raw, claims, True)
+            out += _unbacked_in(rel, [(b, _result_backing(root, data, path)) for b, path in blocks], raw, claims, True)
         else:
             out += _unbacked_in(rel, [(b, set()) for b in markdown_blocks(raw)], raw, claims, False)
     return out
 
 
-def _result_backing(root: Path, raw: str, path: tuple) -> set[str]:
-    """A last_result's detail is backed by the run it records when the result names an existing
-    evidence folder: every number in it then holds."""
+def _result_backing(root: Path, data, path: tuple) -> set[str]:
+    """A last_result's detail is the record of the run it describes: every number in it holds
+    when the result names an existing evidence folder; without one, its test counts (`5 passed`,
+    `1 of 3`: what `cpkit cards record` writes, the per-test outcomes beside it) hold, and any
+    other measured number needs the folder or a claim."""
     if "last_result" not in path or path[-1] != "detail":
         return set()
-    data = yaml.safe_load(raw)
     node = data
     for part in path[:-1]:
         node = node[part]
     folder = node.get("evidence") if isinstance(node, dict) else None
     if isinstance(folder, str) and folder.startswith("evidence/") and (root / folder).exists():
         return _ALL
-    return set()
+    return _COUNTS
 
 
 class _All(set):
@@ -353,6 +362,8 @@ class _All(set):
 
 
 _ALL = _All()
+#: A last_result detail without an evidence folder: its test counts hold, nothing else.
+_COUNTS: set[str] = set()
 
 
 # ----------------------------------------------------------------------------- rendering

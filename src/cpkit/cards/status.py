@@ -222,7 +222,7 @@ def _claim_lines(claim: dict, width: int) -> list[str]:
     mark = {FRESH: "fresh", STALE: "STALE"}.get(state, "staleness unknown")
     out = [f"  measured claim {claim['id']}: {mark}"]
     texts = [claim["value"],
-             f"on {claim['machine']} at {claim['commit']}, {claim['date']}: {claim['evidence']}"
+             f"measured at {claim['commit']}, {claim['date']}, on {claim['machine']}; evidence: {claim['evidence']}"
              + ("" if claim.get("evidence_exists", True) else " (MISSING)"),
              f"command: {claim['command']}"]
     if state == STALE:
