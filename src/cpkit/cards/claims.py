@@ -373,8 +373,8 @@ def render_claims(card) -> str:
     """The markdown block of one card's claims, between its begin and end markers."""
     lines = [RENDER_BEGIN.format(feature=card.feature)]
     for claim in card.claims:
-        lines.append(f"- `{claim.id}`: {claim.value} ({claim.machine}, {claim.commit}, {claim.date.isoformat()}; "
-                     f"`{claim.evidence}`)")
+        lines.append(f"- `{claim.id}`: {claim.value}. Measured at {claim.commit} on {claim.date.isoformat()}, "
+                     f"{claim.machine}: `{claim.evidence}`")
     lines.append(RENDER_END)
     return "\n".join(lines)
 
