@@ -54,6 +54,7 @@ def texts(text: str) -> list[str]:
     ("27 of 28 mutants killed", ["27 of 28"]),
     ("a ratio of 0.968", ["0.968"]),
     ("token fill 0.86-0.87", ["0.86-0.87"]),
+    ("-0.4% to +4.2% against the previous ring", ["0.4%", "4.2%"]),
 ])
 def test_a_measured_number_is_flagged(text, expected):
     assert texts(text) == expected

@@ -56,7 +56,7 @@ __all__ = [
 
 _NUM = r"\d+(?:,\d{3})*(?:\.\d+)?"
 #: A number, or a range or list of them (`1.04-1.12`, `469.5/508.3/518.7`, `459.3 / 521.9`).
-_CHAIN = re.compile(rf"(?<![\w.,/\-]){_NUM}(?:\s?[-\u2013/]\s?{_NUM})*")
+_CHAIN = re.compile(rf"(?<![\w.,/])(?<!\w-){_NUM}(?:\s?[-\u2013/]\s?{_NUM})*")
 _NUMBER = re.compile(_NUM)
 _TIME = r"(?:ms|us|\u00b5s|ns|s|sec|secs|seconds?|min|mins|minutes?|h|hours?)"
 _RATE = r"(?:[TGM]FLOP/s|[TGM]FLOPS|[KMGT]i?B/s|tokens/s|tok/s|samples/s|it/s|steps/s)"
