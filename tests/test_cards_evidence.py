@@ -98,14 +98,20 @@ def test_the_snapshot_agrees_with_git_diff_on_this_repository():
 
 def test_every_commit_a_card_names_has_its_snapshot():
     """A copy without history judges freshness only from snapshots: `cpkit cards record` keeps
-    one per recorded commit and none besides."""
+    one per commit a result or a measured claim names and none besides; a claim's commit that
+    git no longer has (the run's tree was never committed) has none, and its staleness is unknown."""
     from cpkit.cards.schema import load_cards
 
     cards, problems = load_cards(ROOT)
     assert problems == []
-    named = {i.last_result.commit for c in cards for i in c.follow_up_validation if i.last_result}
+    results = {i.last_result.commit for c in cards for i in c.follow_up_validation if i.last_result}
+    claims = {claim.commit for c in cards for claim in c.claims}
     have = {p.stem for p in (ROOT / SNAPSHOT_DIR).glob("*.json")}
-    assert named == have
+    assert results <= have and have <= results | claims
+    if shutil.which("git") and (ROOT / ".git").exists():
+        unknown = {c for c in claims - have
+                   if subprocess.run(["git", "cat-file", "-e", f"{c}^{{commit}}"], cwd=ROOT).returncode != 0}
+        assert claims - have == unknown, "write their snapshots with cpkit.cards.record.keep_snapshots(root)"
 
 
 def test_cluster_log_and_evidence_folder_are_read(tmp_path):

@@ -1,6 +1,7 @@
-"""`check_cards`: every card loads, has its skill, its evidence anchors resolve and every
+"""`check_cards`: every card loads, has its skill, its evidence anchors resolve, every
 covering pytest node id is collected (one `pytest --collect-only` run through
-cpkit.pytest_runner)."""
+cpkit.pytest_runner), every measured claim's evidence folder and code exist, and no measured
+number in a card, a skill or the README goes without a claim (cpkit.cards.claims)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 from cpkit.anchors import resolve_anchor
+from cpkit.cards.claims import rendered_block_problems, unbacked_numbers
 from cpkit.cards.nodes import CLUSTER_PREFIX, node_matches
 from cpkit.cards.schema import card_dirs, load_cards
 from cpkit.cards.upstream import check_upstream_maps
 from cpkit.pytest_runner import run_pytest
 
-__all__ = ["Collected", "Collector", "collect_node_ids", "ast_collect_node_ids", "check_cards"]
+__all__ = ["Collected", "Collector", "collect_node_ids", "ast_collect_node_ids", "claim_problems", "check_cards"]
 
 _PARAMS = re.compile(r"\[.*\]$")
 
@@ -86,6 +88,43 @@ def _cluster_entry_problems(where: str, entry: str) -> list[str]:
             f"{', '.join(CHECKS)}); e.g. {CLUSTER_PREFIX}{CHECKS[0]}"]
 
 
+def claim_problems(root: Path, cards) -> list[str]:
+    """Measured claims and the numbers around them: each claim's evidence folder exists and its
+    `about` entries resolve, ids are unique over all cards, every last_result's evidence folder
+    exists, generated claim blocks match the cards, and no card, skill or README quotes a
+    measured number that no claim backs (cpkit.cards.claims)."""
+    problems: list[str] = []
+    seen: dict[str, str] = {}
+    for card in cards:
+        for i, claim in enumerate(card.claims):
+            where = f"{card.path}: claims[{i}] ({claim.id})"
+            if claim.id in seen:
+                problems.append(f"{where}: id {claim.id!r} is also a claim of {seen[claim.id]}; claim ids are unique "
+                                "over all cards, as skills name them")
+            seen.setdefault(claim.id, card.path)
+            if not (root / claim.evidence).exists():
+                problems.append(f"{where}.evidence: {claim.evidence!r} does not exist; a claim names the evidence "
+                                "folder its raw output was committed to (evidence/<date>-<machine>-<commit>/, "
+                                "indexed in evidence/README.md)")
+            for j, entry in enumerate(claim.about):
+                if entry.startswith(CLUSTER_PREFIX):
+                    problems += _cluster_entry_problems(f"{where}.about[{j}]", entry)
+                    continue
+                reason = resolve_anchor(root, entry)
+                if reason:
+                    problems.append(f"{where}.about[{j}]: {entry!r} {reason}")
+        for i, item in enumerate(card.follow_up_validation):
+            last = item.last_result
+            if last is not None and last.evidence and not (root / last.evidence).exists():
+                problems.append(f"{card.path}: follow_up_validation[{i}].last_result.evidence: {last.evidence!r} "
+                                "does not exist")
+    markdown = [p.relative_to(root).as_posix() for p in sorted((root / "skills").rglob("*.md"))]
+    markdown += ["README.md"] if (root / "README.md").is_file() else []
+    problems += rendered_block_problems(root, cards, markdown)
+    problems += [u.problem() for u in unbacked_numbers(root, cards)]
+    return problems
+
+
 def check_cards(
     root: str | Path,
     *,
@@ -96,7 +135,8 @@ def check_cards(
     """Check every card under `root/cards`; returns problems, one line each, empty when all hold.
 
     Checks the schema (see cards/README.md), that each card has a matching skill folder, that every
-    `evidence` anchor resolves, and that every `covered_by` node id is collected by pytest
+    `evidence` anchor resolves, the measured claims and the numbers around them (claim_problems),
+    and that every `covered_by` node id is collected by pytest
     (one collection subprocess over the named files; `collect` replaces it, e.g. in tests, and
     None skips it when no test file or card changed since the ids were last collected).
     Informational notes (such as an ast fallback) are appended to `notes` when given.
@@ -110,6 +150,7 @@ def check_cards(
         if (folder / "card.yaml").is_file() and not (root / "skills" / folder.name / "SKILL.md").is_file():
             problems.append(f"cards/{folder.name}/card.yaml: no matching skill skills/{folder.name}/SKILL.md")
     problems += check_upstream_maps(root)
+    problems += claim_problems(root, cards)
     pending: list[tuple[str, str]] = []  # (where, node id) waiting for collection
     for card in cards:
         for i, anchor in enumerate(card.evidence):

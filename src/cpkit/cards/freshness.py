@@ -3,6 +3,9 @@ measured at; it is stale when a file its covering tests cover changed since that
 "cover" is what `cpkit validate --changed` runs for a changed path: the change map's rows and the
 import graph (src/cpkit/change_map.py::select_tests).
 
+A measured claim (a card's `claims:`) is judged the same way from its commit and its `about`
+entries: a test's selection as above, a source path by itself (ChangeIndex.claim_freshness).
+
 "Changed since the commit" comes from the commit's content snapshot (src/cpkit/cards/snapshot.py,
 written by `cpkit cards record`) compared with the files on disk, so a copy without git history
 gets a definite answer; where the clone also has the commit, `git diff --name-only COMMIT`
@@ -15,11 +18,11 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from cpkit.cards.nodes import node_file
+from cpkit.cards.nodes import CLUSTER_PREFIX, node_file
 from cpkit.cards.snapshot import changed_on_disk, find_snapshot
 from cpkit.change_map import select_tests
 
-__all__ = ["FRESH", "STALE", "UNKNOWN", "Freshness", "ChangeIndex", "head_commit"]
+__all__ = ["FRESH", "STALE", "UNKNOWN", "TEST_ROOTS", "Freshness", "ChangeIndex", "head_commit"]
 
 FRESH, STALE, UNKNOWN = "fresh", "stale", "unknown"
 
@@ -98,14 +101,33 @@ class ChangeIndex:
         files, everything = self._selected(path)
         return everything or test_file in files or any(f.endswith("/") and test_file.startswith(f) for f in files)
 
-    def freshness(self, commit: str, nodes: list[str] | tuple[str, ...]) -> Freshness:
-        """Whether a result measured at `commit` for the tests `nodes` (node ids or files) still holds."""
+    def freshness(self, commit: str, nodes: list[str] | tuple[str, ...], paths: tuple[str, ...] = ()) -> Freshness:
+        """Whether a result measured at `commit` for the tests `nodes` (node ids or files) still
+        holds; `paths` (files, or folders ending in `/`) are code it also stands on directly."""
         changed, why = self.changed_since(commit)
         if changed is None:
             return Freshness(UNKNOWN, why)
         files = sorted({node_file(n) for n in nodes})
-        under = tuple(p for p in changed if any(self.covers(p, f) for f in files))
+        under = tuple(p for p in changed if any(self.covers(p, f) for f in files) or any(_within(p, s) for s in paths))
+        what = "its code" if paths else "its tests"
         if under:
-            return Freshness(STALE, f"{len(under)} file{'s' * (len(under) != 1)} under its tests changed since {commit}",
+            return Freshness(STALE, f"{len(under)} file{'s' * (len(under) != 1)} under {what} changed since {commit}",
                              under)
-        return Freshness(FRESH, f"nothing under its tests changed since {commit}")
+        return Freshness(FRESH, f"nothing under {what} changed since {commit}")
+
+    def claim_freshness(self, commit: str, about: tuple[str, ...] | list[str]) -> Freshness:
+        """Whether a claim measured at `commit` still holds: stale when a file its `about` entries
+        name changed (a source file or folder itself; a test node id or file through what a
+        change of the path selects, as for a follow-up's covering tests)."""
+        tests = tuple(a for a in about if a.startswith(TEST_ROOTS) or a.startswith(CLUSTER_PREFIX))
+        paths = tuple(a.split("::", 1)[0] for a in about if a not in tests)
+        return self.freshness(commit, tests, paths)
+
+
+#: Where test files live: an `about` entry under these is a test, any other a path of code.
+TEST_ROOTS = ("tests/", "functional/")
+
+
+def _within(path: str, anchor_path: str) -> bool:
+    """True when `path` is the file `anchor_path` or lies under the folder it names."""
+    return path == anchor_path or path.startswith(anchor_path.rstrip("/") + "/")

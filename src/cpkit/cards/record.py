@@ -175,10 +175,11 @@ def _ran(result: LastResult, covered_by: tuple[str, ...]) -> set[str]:
 
 
 def keep_snapshots(root: Path) -> list[str]:
-    """Give every commit a card's result names a content snapshot (where git still has the
-    commit) and delete the snapshots no result names; returns the commits left without one."""
+    """Give every commit a card's result or measured claim names a content snapshot (where git
+    still has the commit) and delete the snapshots none names; returns the commits left without one."""
     cards, _ = load_cards(root)
     commits = {i.last_result.commit for c in cards for i in c.follow_up_validation if i.last_result}
+    commits |= {claim.commit for c in cards for claim in c.claims}
     missing = []
     for commit in sorted(commits):
         if find_snapshot(root, commit) is None:

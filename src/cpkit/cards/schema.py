@@ -22,9 +22,11 @@ __all__ = [
     "CARD_KEYS",
     "FOLLOW_UP_KEYS",
     "LAST_RESULT_KEYS",
+    "CLAIM_KEYS",
     "OUTCOMES",
     "TEST_OUTCOMES",
     "LastResult",
+    "Claim",
     "FollowUp",
     "Card",
     "CardError",
@@ -58,7 +60,10 @@ CARD_KEYS = {
     "known_limitations": "list[str]",
     "evidence": "list[str]",
     "follow_up_validation": "list[follow_up]",
+    "claims": "list[claim]",
 }
+#: Top-level keys a card may leave out (a card that quotes no measurement has no claims).
+_CARD_OPTIONAL = {"claims"}
 FOLLOW_UP_KEYS = {"id": "str", "text": "str", "status": "str", "covered_by": "list[str]", "needs": "str",
                   "last_result": "last_result"}
 # An open item may have no coverage yet. `last_result` records the last measured run of the
@@ -73,6 +78,11 @@ OUTCOMES = ("passed", "failed", "partial")
 #: The outcome of one covering test (a covered_by entry) in `last_result.tests`.
 TEST_OUTCOMES = ("passed", "failed", "skipped", "not run")
 _COMMIT = re.compile(r"^[0-9a-f]{7,40}$")
+#: Keys of one measured claim (all required): what was measured and how, where the raw output is,
+#: at which commit, on what, when, and the code it is about (test node ids or files, source paths
+#: or `path::symbol` anchors, `cluster:<check>`), which `cpkit cards status` holds it to.
+CLAIM_KEYS = {"id": "str", "value": "str", "command": "str", "evidence": "str", "commit": "str",
+              "machine": "str", "date": "date", "about": "list[str]"}
 
 _SLUG = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
 _DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
@@ -114,6 +124,28 @@ class LastResult:
 
 
 @dataclass(frozen=True)
+class Claim:
+    """One measured statement as data: `value` (a number with its unit, or a short result) as
+    `command` measured it on `machine` at `commit` on `date`, its raw output in the `evidence`
+    folder, and `about`, the code it is about (test node ids or files, source paths, anchors)."""
+
+    id: str
+    value: str
+    command: str
+    evidence: str
+    commit: str
+    machine: str
+    date: _dt.date
+    about: tuple[str, ...]
+
+    def to_dict(self) -> dict:
+        """The mapping as written in card.yaml (JSON-able)."""
+        return {"id": self.id, "value": self.value, "command": self.command, "evidence": self.evidence,
+                "commit": self.commit, "machine": self.machine, "date": self.date.isoformat(),
+                "about": list(self.about)}
+
+
+@dataclass(frozen=True)
 class FollowUp:
     """One follow-up validation of a card and the pytest node ids that cover it."""
 
@@ -141,6 +173,7 @@ class Card:
     known_limitations: tuple[str, ...]
     evidence: tuple[str, ...]
     follow_up_validation: tuple[FollowUp, ...]
+    claims: tuple[Claim, ...] = ()
 
 
 class CardError(ValueError):
@@ -251,12 +284,46 @@ def _last_result_problems(value: Any, covered_by: Any, where: str, today: _dt.da
     return problems
 
 
+def _claim_problems(value: Any, today: _dt.date) -> list[str]:
+    """Problems of a card's `claims` list (CLAIM_KEYS per item, ids unique and kebab case)."""
+    if not isinstance(value, list):
+        return [f"claims: expected a list of claims (keys {', '.join(CLAIM_KEYS)}), got {type(value).__name__}"]
+    problems = []
+    for i, item in enumerate(value):
+        where = f"claims[{i}]"
+        if not isinstance(item, dict):
+            problems.append(f"{where}: expected a mapping with keys {', '.join(CLAIM_KEYS)}, got {type(item).__name__}")
+            continue
+
+        def value_problem(v, kind):
+            if kind == "date":
+                return _date_problem(v, today)
+            if kind == "list[str]" and isinstance(v, list) and not v:
+                return "expected at least one test node id, test file or source path"
+            return _type_problem(v, kind)
+
+        problems += _key_problems(item, CLAIM_KEYS, set(), where, value_problem)
+        cid, commit, evidence = item.get("id"), item.get("commit"), item.get("evidence")
+        if isinstance(cid, str) and not _SLUG.match(cid):
+            problems.append(f"{where}.id: {cid!r} is not a kebab-case id (e.g. attention-cp4-vs-te)")
+        if isinstance(commit, str) and not _COMMIT.match(commit):
+            problems.append(f"{where}.commit: {commit!r} is not a git commit (7 to 40 hex digits)")
+        if isinstance(evidence, str) and not evidence.startswith("evidence/"):
+            problems.append(f"{where}.evidence: {evidence!r} is not under evidence/ "
+                            "(an evidence/<date>-<machine>-<commit> folder, or a file in one)")
+    ids = [item.get("id") for item in value if isinstance(item, dict)]
+    dupes = sorted({i for i in ids if isinstance(i, str) and ids.count(i) > 1})
+    if dupes:
+        problems.append(f"claims: duplicate claim ids: {', '.join(dupes)}")
+    return problems
+
+
 def _schema_problems(data: Any, today: _dt.date) -> list[str]:
     """Every schema problem of a parsed card, each as `key.path: message`."""
     if not isinstance(data, dict):
         return [f"top level: expected a mapping of card keys, got {type(data).__name__}"]
     problems = [f"{k}: unknown key (allowed: {', '.join(CARD_KEYS)})" for k in data if k not in CARD_KEYS]
-    problems += [f"{k}: missing required key" for k in CARD_KEYS if k not in data]
+    problems += [f"{k}: missing required key" for k in CARD_KEYS if k not in data and k not in _CARD_OPTIONAL]
     for key, kind in CARD_KEYS.items():
         if key not in data:
             continue
@@ -266,6 +333,9 @@ def _schema_problems(data: Any, today: _dt.date) -> list[str]:
         elif kind == "status":
             ok = isinstance(value, str) and value in VALIDATION_STATUSES
             problem = None if ok else f"{value!r} is not one of {', '.join(VALIDATION_STATUSES)}"
+        elif kind == "list[claim]":
+            problems += _claim_problems(value, today)
+            problem = None
         elif kind == "list[follow_up]":
             if not isinstance(value, list):
                 problem = f"expected a list of follow-up items, got {type(value).__name__}"
@@ -347,6 +417,11 @@ def load_card(path: str | Path, root: str | Path | None = None, *, today: _dt.da
         known_limitations=tuple(data["known_limitations"]),
         evidence=tuple(data["evidence"]),
         follow_up_validation=follow_ups,
+        claims=tuple(
+            Claim(id=c["id"], value=c["value"], command=c["command"], evidence=c["evidence"], commit=c["commit"],
+                  machine=c["machine"], date=_dt.date.fromisoformat(c["date"]), about=tuple(c["about"]))
+            for c in data.get("claims") or ()
+        ),
     )
 
 

@@ -16,7 +16,8 @@ from cpkit.cards.schema import GPUS_NEEDED, CardError, FollowUp, card_dirs, load
 from cpkit.devices import cuda_device_count
 from cpkit.pytest_runner import run_pytest
 
-__all__ = ["FAILING_RESULTS", "verdict", "node_result", "status_report", "card_status", "format_status_table", "write_report"]
+__all__ = ["FAILING_RESULTS", "verdict", "node_result", "claim_rows", "status_report", "card_status",
+           "format_status_table", "write_report"]
 
 #: Display width of `cpkit cards status`.
 WIDTH = 100
@@ -60,6 +61,19 @@ def verdict(row: dict) -> str:
         return f"not run ({row['result']})" if row.get("result") else "not run"
     state = (fresh or {}).get("state", UNKNOWN)
     return last["outcome"] + {FRESH: "", STALE: ", stale"}.get(state, ", staleness unknown")
+
+
+def claim_rows(root: Path, cards, changes: ChangeIndex | None) -> list[dict]:
+    """One row per measured claim of `cards`: the claim as written, whether its evidence folder
+    exists, and its freshness (stale when code under its `about` entries changed since its
+    commit; see ChangeIndex.claim_freshness)."""
+    rows = []
+    for card in cards:
+        for claim in card.claims:
+            fresh = changes.claim_freshness(claim.commit, claim.about).to_dict() if changes is not None else None
+            rows.append({"feature": card.feature, **claim.to_dict(),
+                         "evidence_exists": (Path(root) / claim.evidence).exists(), "freshness": fresh})
+    return rows
 
 
 def status_report(
@@ -133,6 +147,9 @@ def status_report(
         "host": platform.node(),
         "pytest": None,
         "rows": rows,
+        # Measured claims (value, command, evidence, commit, machine, date) and their staleness;
+        # with `ids`, only follow-ups are asked for.
+        "claims": claim_rows(root, cards, changes) if ids is None else [],
     }
     # A cluster check (cluster:<name>) runs under torchrun, not pytest: recorded from its log only.
     nodes = list(dict.fromkeys(n for r in rows if r["_run"] for n in r["covered_by"]
@@ -169,25 +186,54 @@ def card_status(root: str | Path, feature: str | None = None, run: bool = False)
     return status_report(root, feature, run)["rows"]
 
 
-def format_status_table(rows: list[dict], width: int = WIDTH) -> str:
+def format_status_table(rows: list[dict], width: int = WIDTH, claims: list[dict] | None = None) -> str:
     """Human-readable status within `width` columns: per card a heading; per follow-up its id,
     the card's claim and needs, then what was measured (this run's result, or the last recorded
     one: outcome, machine, commit, date, and "STALE" naming the changed files under its tests,
-    or why the staleness is unknown), then each covering test with its own result."""
+    or why the staleness is unknown), then each covering test with its own result; then the
+    card's measured claims (`claims`, status_report's), each fresh, STALE or of unknown staleness."""
     lines: list[str] = []
     by_card: dict[str, list[dict]] = {}
     for row in rows:
         by_card.setdefault(row["feature"], []).append(row)
+    claims_by_card: dict[str, list[dict]] = {}
+    for claim in claims or ():
+        claims_by_card.setdefault(claim["feature"], []).append(claim)
+        by_card.setdefault(claim["feature"], [])
     for feature, card_rows in by_card.items():
         if lines:
             lines.append("")
-        lines.append(f"{feature}  [{card_rows[0]['validation_status']}]")
+        status = f"  [{card_rows[0]['validation_status']}]" if card_rows else ""
+        lines.append(f"{feature}{status}")
         for row in card_rows:
             lines.append(f"  {row['id']}  claim: {row['status']}, needs {row['needs']}")
             for text in _measured_lines(row):
                 lines += _wrap(text, width, 6)
             lines += _node_lines(row, width)
+        for claim in claims_by_card.get(feature, ()):
+            lines += _claim_lines(claim, width)
     return "\n".join(lines) if lines else "no cards"
+
+
+def _claim_lines(claim: dict, width: int) -> list[str]:
+    """A measured claim: its id and freshness, its value, where and how it was measured."""
+    fresh = claim.get("freshness") or {}
+    state = fresh.get("state", UNKNOWN)
+    mark = {FRESH: "fresh", STALE: "STALE"}.get(state, "staleness unknown")
+    out = [f"  measured claim {claim['id']}: {mark}"]
+    texts = [claim["value"],
+             f"measured at {claim['commit']}, {claim['date']}, on {claim['machine']}; evidence: {claim['evidence']}"
+             + ("" if claim.get("evidence_exists", True) else " (MISSING)"),
+             f"command: {claim['command']}"]
+    if state == STALE:
+        changed = fresh["changed"]
+        shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
+        texts.append(f"stale: {fresh['why']}: {shown}")
+    elif state != FRESH:
+        texts.append(f"staleness unknown: {fresh.get('why') or 'no staleness check'}")
+    for text in texts:
+        out += _wrap(text, width, 6)
+    return out
 
 
 def _wrap(text: str, width: int, indent: int) -> list[str]:

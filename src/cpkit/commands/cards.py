@@ -113,7 +113,7 @@ def run_status(args) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(format_status_table(report["rows"]))
+        print(format_status_table(report["rows"], claims=report.get("claims")))
     failed = [r for r in report["rows"] if r["result"] in FAILING_RESULTS]
     return 1 if failed else 0
 

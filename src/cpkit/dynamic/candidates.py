@@ -8,8 +8,10 @@ fastest, cpkit takes the most robust (fewest runtime micro-batches, then CP swit
 reference before its own, then the fastest (`choose_plan`).
 
 References:
-- `fill_to_capacity_plan`: fewer, fuller micro-batches, the trait of Megatron-LM dev's plans
-  that won real steps at 0f7f3d4 (token fill 0.86-0.87 against cpkit's 0.70-0.74). cpkit's own
+- `fill_to_capacity_plan`: fewer, fuller micro-batches, the trait of Megatron-LM dev's plans,
+  which beat cpkit's emptier ones in an early real-step run that kept no evidence folder; in the
+  recorded real steps cpkit chose this plan or Megatron-LM's in every batch (claim
+  `dynamic-real-step` in cards/dynamic-context-parallel/card.yaml). cpkit's own
   first-fit packing, not a port: samples, widest need first, then longest, each into the first
   micro-batch with an aligned block of its need that has room (a free block, or a group of the
   same block with room for its tokens), taking the option that leaves the fewest tokens on the
@@ -153,7 +155,7 @@ def choose_plan(own: tuple[float, str, Plan], references: Mapping[str, Plan], st
 
     The model cannot rank plans within its error `band` of the fastest, so among those: the
     most robust (`robustness`: fewest runtime micro-batches, then fewest CP switches), then a
-    reference before cpkit's own (Megatron-LM's fuller plans won real steps at 0f7f3d4), then
+    reference before cpkit's own (fuller plans; see fill_to_capacity_plan's reasons), then
     the fastest modeled. Outside the band the model's ranking stands."""
     timed = [(step_time(p), name, p) for name, p in references.items() if p is not None]
     eligible = [(*own, 1)] + [(t, name, p, 0) for t, name, p in timed if t <= static_time]

@@ -1,8 +1,9 @@
 """A model of the real training step of a dynamic-CP plan: kernels plus what the host pays.
 
 cpkit.dynamic.cost.CostModel times the kernels (GEMM, attention, exposed ring communication).
-The real step (cpkit.dynamic.runtime through MCore) was measured 1.4-1.7x longer than that
-model at 0f7f3d4 on 4x H200. A reading of the code (op and sync counts checked on CPU with
+The real step (cpkit.dynamic.runtime through MCore) takes longer than that model (an early
+4-GPU run that kept no evidence folder; the recorded one is claim `dynamic-real-step` in
+cards/dynamic-context-parallel/card.yaml). A reading of the code (op and sync counts checked on CPU with
 MCore 0.19.2; their times inferred, not measured) names what it adds: host-launched operations
 (hundreds per micro-batch, ~300 more per packed sample at 4 layers: MCore's per-sequence THD
 RoPE loop), host syncs, the CP group switch, memory-bound layers (norms, residual adds, RoPE,

@@ -1,0 +1,420 @@
+"""Measured claims and the numbers prose may quote: a card's `claims:` (the schema is in
+src/cpkit/cards/schema.py::CLAIM_KEYS) carry every measured statement as data (the value, the
+command that measured it, its evidence folder, commit, machine, date and the code it is about),
+and the text around them (cards' prose, skills, the README) may quote a measured number only
+where it names the claim that holds it, or inside a block rendered from the claims.
+
+A *measured number* is a number in prose (outside inline code spans, fenced code blocks and HTML
+comments, and not part of a word, a path or a version) that is one of:
+
+- a ratio: a decimal followed by `x` (`1.07x`), or any number followed by `x faster`/`x slower`;
+- a percentage (`2.8%`);
+- a time: followed by `ms`, `us`, `µs`, `ns`, `s`, `sec`, `seconds`, `min`, `minutes`, `h` or
+  `hours` (`39.5 s`, `100 ms`);
+- a rate: followed by `TFLOP/s`, `GFLOP/s`, `TFLOPS`, `GB/s`, `MB/s`, `GiB/s`, `tokens/s`,
+  `samples/s`, `it/s` or `steps/s`;
+- a result count: followed by `passed`, `failed`, `skipped`, `xfailed`, `xpassed`, `error(s)`,
+  `killed`, `survived` or `caught` (`5 passed`), or `N of M` (`27 of 28`);
+- any other decimal with three or more digits after the point (`0.968`, `1.007`), and a range or
+  list of decimals (`0.86-0.87`, `1.02/0.99`); not a version (`0.19.2`; `0.16`, `0.19` have two
+  digits; a decimal right after Python, torch, MCore, megatron-core, TE, Transformer Engine, CUDA,
+  cuDNN, NCCL, Triton or `version`) and not scientific notation (`1e-5`).
+
+A threshold or a setting is not a measurement: a number right after `<`, `>`, `<=`, `>=`,
+`under`, `within`, `below`, `above`, `at most`, `at least`, `up to`, `less than`, `more than`,
+`budget`, `timeout`, `default` or `defaults to`, or followed by `by default`, is not one. Configuration values
+(`cp=4`, `32K`, `8 KV heads`, `hidden 4096`, `2 GPUs`, `500 lines`, a tolerance `5e-3`, a
+dropout of `0.1`) are integers without a result unit or short decimals, and are never measured
+numbers; a setting that would read as one goes in a code span.
+
+Ranges and lists (`1.04-1.12x`, `469.5/508.3/518.7 TFLOP/s`) are one measured number; each of
+their numbers must be backed. A number is *backed* when the same block (a card's string value;
+in markdown a paragraph, a list item, a table row or a heading) names a claim by its id (in
+backticks, `claim-id`) whose `value` contains it, or when it stands in a generated block of
+claims (RENDER_BEGIN ... RENDER_END, written by `python -m cpkit.cards.render`). A follow-up's
+`last_result.detail` is the record of its run: its test counts are backed by the last_result
+itself (outcome, commit, machine, date, per-test outcomes), every other number by the
+last_result's `evidence` folder when it names one.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import yaml
+
+from cpkit.strict_yaml import load_strict_yaml
+
+__all__ = [
+    "Measured", "Block", "Unbacked", "RENDER_BEGIN", "RENDER_END", "measured_numbers", "numbers_of",
+    "markdown_blocks", "card_blocks", "claim_texts", "unbacked_numbers", "render_claims", "rendered_block_problems",
+    "replace_rendered_blocks",
+]
+
+_NUM = r"\d+(?:,\d{3})*(?:\.\d+)?"
+#: A number, or a range or list of them (`1.04-1.12`, `469.5/508.3/518.7`, `459.3 / 521.9`).
+_CHAIN = re.compile(rf"(?<![\w.,/])(?<!\w-){_NUM}(?:\s?[-\u2013/]\s?{_NUM})*")
+_NUMBER = re.compile(_NUM)
+_TIME = r"(?:ms|us|\u00b5s|ns|s|sec|secs|seconds?|min|mins|minutes?|h|hours?)"
+_RATE = r"(?:[TGM]FLOP/s|[TGM]FLOPS|[KMGT]i?B/s|tokens/s|tok/s|samples/s|it/s|steps/s)"
+_COUNT = r"(?:passed|failed|skipped|xfailed|xpassed|errors?|killed|survived|caught)"
+_UNIT = re.compile(
+    rf"(?P<pct>\s?%)|(?P<rate>\s?{_RATE})(?![\w/])|(?P<ratio>\s?[x\u00d7](?P<faster>\s+(?:faster|slower))?)(?![\w])"
+    rf"|(?P<time>\s?{_TIME})(?![\w/])|(?P<count>\s{_COUNT})\b|(?P<of>\sof\s{_NUM})(?![\w.])")
+_VERSION = re.compile(r"\d+(?:\.\d+){2,}")
+_PRODUCT = re.compile(r"(?i)(?:python|torch|pytorch|mcore|megatron-core|te|transformer engine|cuda|cudnn|nccl|"
+                      r"triton|version|v)\s*$")
+_THRESHOLD = re.compile(r"(?i)(?:[<>\u2264\u2265]=?|\bunder|\bwithin|\bbelow|\babove|\bat most|\bat least|\bup to|"
+                        r"\bless than|\bmore than|\bbudget|\btimeout|\bdefault|\bdefaults to)\s*$")
+_BY_DEFAULT = re.compile(r"\s*by default\b")
+_SCIENTIFIC = re.compile(r"[eE][-+]?\d")
+_CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1", re.S)
+_COMMENT = re.compile(r"<!--.*?-->", re.S)
+#: Paths and file names: their digits are names, not numbers.
+_PATH = re.compile(r"(?<![\w/])[A-Za-z_.][\w.\-]*/(?!s\b)[\w./\-]*|\b[\w\-]+\.(?:py|md|txt|json|yaml|yml|gz|xml|sh|toml|log)\b")
+
+#: A generated block of claims in markdown (`python -m cpkit.cards.render` writes it).
+RENDER_BEGIN = "<!-- claims of cards/{feature}/card.yaml: generated by python -m cpkit.cards.render; do not edit -->"
+RENDER_END = "<!-- end of generated claims -->"
+_RENDER_BEGIN = re.compile(r"<!-- claims of cards/([a-z0-9-]+)/card\.yaml: generated by python -m "
+                           r"cpkit\.cards\.render; do not edit -->")
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One measured number in a text: as written (`469.5/508.3/518.7 TFLOP/s`), where, and its
+    numbers (`469.5`, `508.3`, `518.7`)."""
+
+    text: str
+    start: int
+    numbers: tuple[str, ...]
+    #: pct, rate, ratio, time, count (`5 passed`), of (`27 of 28`), or decimal (no unit).
+    kind: str = "decimal"
+
+
+@dataclass(frozen=True)
+class Block:
+    """A unit of prose that a claim reference covers: its text and the file line it starts on."""
+
+    text: str
+    line: int
+
+
+@dataclass(frozen=True)
+class Unbacked:
+    """A measured number no claim backs: the file, the line, the line's text and the number."""
+
+    path: str
+    line: int
+    line_text: str
+    number: str
+
+    def problem(self) -> str:
+        """One line: file:line, the number, the line's text and the fix."""
+        line = self.line_text.strip()
+        at = max(0, line.find(self.number))
+        start, end = max(0, at - 70), min(len(line), at + len(self.number) + 70)
+        shown = ("..." if start else "") + line[start:end] + ("..." if end < len(line) else "")
+        return (f"{self.path}:{self.line}: measured number {self.number!r} that no claim backs: {shown!r}; "
+                "fix: name the claim that holds it in backticks in the same paragraph or item (a card's claims: "
+                "entry whose value has the number, with its command, evidence folder, commit, machine and date), "
+                "or remove the number; a setting goes in a code span")
+
+
+def numbers_of(text: str) -> set[str]:
+    """Every number written in `text`, thousands separators dropped (`1,024` -> `1024`)."""
+    return {n.replace(",", "") for n in _NUMBER.findall(text)}
+
+
+def _blank(match: re.Match) -> str:
+    return re.sub(r"[^\n]", " ", match.group(0))
+
+
+def prose_of(text: str) -> str:
+    """`text` with code spans, HTML comments, paths and versions blanked (offsets kept)."""
+    for pattern in (_COMMENT, _CODE_SPAN, _PATH, _VERSION):
+        text = pattern.sub(_blank, text)
+    return text
+
+
+def measured_numbers(text: str) -> list[Measured]:
+    """The measured numbers of one prose text (the module docstring's rule)."""
+    prose = prose_of(text)
+    found = []
+    used = 0  # the end of the last measured number with its unit (`27 of 28` holds `28`)
+    for match in _CHAIN.finditer(prose):
+        chain, end = match.group(0), match.end()
+        if match.start() < used:
+            continue
+        after, before = prose[end:end + 40], prose[max(0, match.start() - 40):match.start()]
+        if after[:1].isalnum() and not _UNIT.match(after) or after[:1] == "_":
+            continue  # part of a word (`0405c0d`, `4xH200`)
+        if _SCIENTIFIC.match(after) or _THRESHOLD.search(before):
+            continue
+        numbers = tuple(n.replace(",", "") for n in _NUMBER.findall(chain))
+        decimal = any("." in n for n in numbers)
+        unit = _UNIT.match(after)
+        kind = next((k for k, v in unit.groupdict().items() if v and k != "faster"), None) if unit else None
+        if kind == "ratio" and not (decimal or unit.group("faster")):
+            kind = None  # `4x H200` is a machine, `2x` alone no result
+        if unit and _BY_DEFAULT.match(after[unit.end():]):
+            continue
+        if kind is None and not (any(len(n.partition(".")[2]) >= 3 for n in numbers)
+                                 or (len(numbers) > 1 and all("." in n for n in numbers))):
+            continue
+        if kind is None and _PRODUCT.search(before):
+            continue  # torch 2.11, cuDNN 9.14
+        if kind == "of":
+            numbers += (unit.group("of").split()[-1].replace(",", ""),)
+        found.append(Measured(chain + (unit.group(0) if kind else ""), match.start(), numbers, kind or "decimal"))
+        used = end + (unit.end() if kind else 0)
+    return found
+
+
+# ----------------------------------------------------------------------------- blocks
+
+
+def markdown_blocks(text: str) -> Iterator[Block]:
+    """Paragraphs, list items, table rows and headings of a markdown text, with the line each
+    starts on; fenced code blocks and generated claim blocks are left out."""
+    lines = text.splitlines()
+    current: list[str] = []
+    start = 0
+    fence = None
+    rendered = False
+
+    def flush():
+        nonlocal current
+        if current:
+            yield Block("\n".join(current), start)
+        current = []
+
+    for i, line in enumerate(lines, 1):
+        stripped = line.strip()
+        if fence is not None:
+            if stripped.startswith(fence):
+                fence = None
+            continue
+        if rendered:
+            rendered = stripped != RENDER_END
+            continue
+        if _RENDER_BEGIN.search(stripped):
+            yield from flush()
+            rendered = True
+            continue
+        if stripped.startswith(("```", "~~~")):
+            yield from flush()
+            fence = stripped[:3]
+            continue
+        new_item = re.match(r"([-*+]|\d+\.)\s", stripped) or stripped.startswith(("|", "#"))
+        if not stripped or new_item:
+            yield from flush()
+        if stripped:
+            if not current:
+                start = i
+            current.append(line)
+            if stripped.startswith(("|", "#")):
+                yield from flush()
+    yield from flush()
+
+
+#: Top-level card keys and follow-up keys whose strings are not prose: dates, vocabularies, node
+#: ids, anchors and the claims themselves.
+_NOT_PROSE = {"validated_on", "validation_status", "evidence", "claims"}
+_NOT_PROSE_ITEM = {"id", "status", "needs", "covered_by"}
+
+
+def _strings(node, path) -> Iterator[tuple[Block, tuple]]:
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            yield from _strings(value, path + (key.value,))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            yield from _strings(item, path + (i,))
+    elif isinstance(node, yaml.ScalarNode) and isinstance(node.value, str) and node.value.strip():
+        yield Block(node.value, node.start_mark.line + 1), path
+
+
+def card_blocks(text: str) -> Iterator[tuple[Block, tuple]]:
+    """The prose strings of a card.yaml text as blocks (line = the scalar's first line), each
+    with its key path; dates, vocabularies, ids, node ids, anchors, claims and a last_result's
+    fields but `detail` are left out."""
+    top = yaml.compose(text, Loader=yaml.SafeLoader)
+    if not isinstance(top, yaml.MappingNode):
+        return
+    for key, value in top.value:
+        if key.value in _NOT_PROSE:
+            continue
+        if key.value != "follow_up_validation" or not isinstance(value, yaml.SequenceNode):
+            yield from _strings(value, (key.value,))
+            continue
+        for i, item in enumerate(value.value):
+            for field, v in item.value if isinstance(item, yaml.MappingNode) else ():
+                where = (key.value, i, field.value)
+                if field.value in _NOT_PROSE_ITEM:
+                    continue
+                if field.value == "last_result" and isinstance(v, yaml.MappingNode):
+                    for k, detail in v.value:
+                        if k.value == "detail":
+                            yield from _strings(detail, where + ("detail",))
+                    continue
+                yield from _strings(v, where)
+
+
+def _line_of(block: Block, raw_lines: list[str], token: str, scalar: bool) -> tuple[int, str]:
+    """(line number, line text) of `token` in the file: the first line at or after the block's
+    start that holds it (a folded YAML scalar spans lines), else the block's first line."""
+    span = block.text.count("\n") + 1 if not scalar else len(block.text) // 20 + 2
+    for n in range(block.line, min(len(raw_lines), block.line + span) + 1):
+        if token in raw_lines[n - 1]:
+            return n, raw_lines[n - 1]
+    first = raw_lines[block.line - 1] if 0 < block.line <= len(raw_lines) else block.text.splitlines()[0]
+    return block.line, first
+
+
+# ----------------------------------------------------------------------------- backing
+
+
+def claim_texts(cards) -> dict[str, set[str]]:
+    """{claim id: the numbers of its value} over `cards` (loaded Card objects)."""
+    return {claim.id: numbers_of(claim.value) for card in cards for claim in card.claims}
+
+
+_ID_REF = re.compile(r"`([a-z0-9]+(?:-[a-z0-9]+)*)`")
+
+
+def _backing(block_text: str, claims: dict[str, set[str]]) -> set[str]:
+    """The numbers the claims a block names (`claim-id` in backticks) hold."""
+    held: set[str] = set()
+    for ref in _ID_REF.findall(block_text):
+        held |= claims.get(ref, set())
+    return held
+
+
+def _unbacked_in(path: str, blocks: Iterable[tuple[Block, set[str]]], raw: str, claims: dict[str, set[str]],
+                 scalar: bool) -> list[Unbacked]:
+    raw_lines = raw.splitlines()
+    out = []
+    for block, extra in blocks:
+        counts = extra is _COUNTS
+        held = (set() if counts else extra) | _backing(block.text, claims)
+        for m in measured_numbers(block.text):
+            if all(n in held for n in m.numbers) or (counts and m.kind in ("count", "of")):
+                continue
+            token = _NUMBER.search(m.text).group(0)
+            line, text = _line_of(block, raw_lines, token, scalar)
+            out.append(Unbacked(path, line, text, m.text))
+    return out
+
+
+def unbacked_numbers(root: Path, cards, files: Iterable[str] | None = None) -> list[Unbacked]:
+    """Measured numbers no claim backs in the cards (cards/*/card.yaml), the skills
+    (skills/**/*.md) and README.md under `root`; `cards` are the loaded cards whose claims back
+    numbers. `files` (repo-relative) narrows the scan."""
+    root = Path(root)
+    claims = claim_texts(cards)
+    if files is None:
+        files = [p.relative_to(root).as_posix() for p in sorted((root / "cards").glob("*/card.yaml"))]
+        files += [p.relative_to(root).as_posix() for p in sorted((root / "skills").rglob("*.md"))]
+        files += ["README.md"] if (root / "README.md").is_file() else []
+    out: list[Unbacked] = []
+    for rel in files:
+        raw = (root / rel).read_text(encoding="utf-8")
+        if rel.endswith((".yaml", ".yml")):
+            try:
+                blocks = list(card_blocks(raw))
+                data = load_strict_yaml(raw)
+            except (yaml.YAMLError, ValueError):
+                continue  # the schema check reports it
+            out += _unbacked_in(rel, [(b, _result_backing(root, data, path)) for b, path in blocks], raw, claims, True)
+        else:
+            out += _unbacked_in(rel, [(b, set()) for b in markdown_blocks(raw)], raw, claims, False)
+    return out
+
+
+def _result_backing(root: Path, data, path: tuple) -> set[str]:
+    """A last_result's detail is the record of the run it describes: every number in it holds
+    when the result names an existing evidence folder; without one, its test counts (`5 passed`,
+    `1 of 3`: what `cpkit cards record` writes, the per-test outcomes beside it) hold, and any
+    other measured number needs the folder or a claim."""
+    if "last_result" not in path or path[-1] != "detail":
+        return set()
+    node = data
+    for part in path[:-1]:
+        node = node[part]
+    folder = node.get("evidence") if isinstance(node, dict) else None
+    if isinstance(folder, str) and folder.startswith("evidence/") and (root / folder).exists():
+        return _ALL
+    return _COUNTS
+
+
+class _All(set):
+    """Holds every number (a result backed by its evidence folder)."""
+
+    def __contains__(self, item) -> bool:
+        return True
+
+    def __or__(self, other):
+        return self
+
+
+_ALL = _All()
+#: A last_result detail without an evidence folder: its test counts hold, nothing else.
+_COUNTS: set[str] = set()
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+def render_claims(card) -> str:
+    """The markdown block of one card's claims, between its begin and end markers."""
+    lines = [RENDER_BEGIN.format(feature=card.feature)]
+    for claim in card.claims:
+        lines.append(f"- `{claim.id}`: {claim.value}. Measured at {claim.commit} on {claim.date.isoformat()}, "
+                     f"{claim.machine}: `{claim.evidence}`")
+    lines.append(RENDER_END)
+    return "\n".join(lines)
+
+
+def _rendered_spans(text: str) -> Iterator[tuple[str, int, int]]:
+    """(feature, start, end) of each generated claim block in a markdown text."""
+    for match in _RENDER_BEGIN.finditer(text):
+        end = text.find(RENDER_END, match.end())
+        if end < 0:
+            yield match.group(1), match.start(), -1
+        else:
+            yield match.group(1), match.start(), end + len(RENDER_END)
+
+
+def replace_rendered_blocks(text: str, cards) -> str:
+    """`text` with every generated claim block rewritten from `cards` (blocks of unknown cards and
+    unterminated ones are left as they are)."""
+    by_feature = {card.feature: card for card in cards}
+    out, pos = [], 0
+    for feature, start, end in list(_rendered_spans(text)):
+        if end < 0 or feature not in by_feature:
+            continue
+        out += [text[pos:start], render_claims(by_feature[feature])]
+        pos = end
+    return "".join(out) + text[pos:]
+
+
+def rendered_block_problems(root: Path, cards, files: Iterable[str]) -> list[str]:
+    """Generated claim blocks that name no card, lack their end marker, or differ from the cards."""
+    by_feature = {card.feature: card for card in cards}
+    problems = []
+    for rel in files:
+        text = (Path(root) / rel).read_text(encoding="utf-8")
+        for feature, start, end in _rendered_spans(text):
+            line = text.count("\n", 0, start) + 1
+            if end < 0:
+                problems.append(f"{rel}:{line}: generated claims of {feature} have no end marker {RENDER_END!r}")
+            elif feature not in by_feature:
+                problems.append(f"{rel}:{line}: generated claims of cards/{feature}/card.yaml, which is no card")
+            elif text[start:end] != render_claims(by_feature[feature]):
+                problems.append(f"{rel}:{line}: generated claims of cards/{feature}/card.yaml differ from the card; "
+                                "fix: python -m cpkit.cards.render")
+    return problems
