@@ -81,8 +81,8 @@ _FE_BAND_THD = ("cuDNN frontend for a2a and no CP; FlexAttention for p2p, all_ga
 _FE_SINK = ("folded into the cuDNN frontend's forward for a2a and no CP; elsewhere applied after "
             "the last merge; the sink gradient from the LSE")
 KERNEL_TABLE = {
-    "mla": dict.fromkeys(("sbhd", "thd"), "cuDNN frontend, v as it is, for a2a and no CP; p2p, all_gather, "
-                         "a2a+p2p pad v (one KV tensor); without it padded copies"),
+    "mla": dict.fromkeys(("sbhd", "thd"), "cuDNN frontend, v as it is, for p2p, a2a, a2a+p2p and no CP; "
+                         "all_gather pads v (one gathered KV tensor); without it padded copies"),
     "sink-off-by-one": dict.fromkeys(("sbhd", "thd"), _FE_SINK),
     "sink-learnable": dict.fromkeys(("sbhd", "thd"), _FE_SINK),
     "window-causal": {"sbhd": _FE_BAND, "thd": _FE_BAND_THD},

@@ -339,18 +339,23 @@ def test_options_reach_the_module_and_the_functional_entry(monkeypatch):
     assert seen and set(seen) == {"math"}
 
 
-def test_ring_forward_rejects_k_and_v_of_different_shapes():
-    """The ring packs k and v into one buffer per exchange: unequal shapes get a clear error,
-    not torch.stack's."""
-    from cpkit.attention.chunks import local_seq
-    from cpkit.attention.p2p import ring_forward
+def test_ring_kv_packs_k_and_v_of_their_own_head_dims_in_one_flat_buffer():
+    """The ring's exchange buffer (`RingKV`): k then v (then dk, dv), each read back as a view
+    of its own shape, so MLA's k and v travel without padding."""
+    from cpkit.attention.p2p import RingKV, kv_from_saved, kv_to_save
 
-    class TwoRanks:  # the check runs before any exchange
-        size, rank = 2, 0
-
-    q, k = torch.randn(8, 1, 4, 16), torch.randn(8, 1, 2, 16)
-    with pytest.raises(ValueError, match=r"k.shape \(8, 1, 2, 16\) and v.shape \(8, 1, 2, 8\) must be equal"):
-        ring_forward(q, k, torch.randn(8, 1, 2, 8), TwoRanks(), True, 0.25, local_seq(8, 2))
+    k, v = torch.randn(8, 1, 2, 16), torch.randn(8, 1, 2, 8)
+    kv = RingKV.pack(k, v)
+    assert kv.buf.shape == (k.numel() + v.numel(),)
+    assert torch.equal(kv[0], k) and torch.equal(kv[1], v)
+    grads = kv.empty(with_grads=True)
+    assert grads.buf.numel() == 2 * kv.buf.numel() and grads[3].shape == v.shape
+    grads[2].fill_(1.0)
+    grads[3].fill_(2.0)
+    assert torch.equal(grads.segments(2, 4), torch.cat((torch.ones(k.numel()), torch.full((v.numel(),), 2.0))))
+    tensors, layout = kv_to_save(kv)
+    again = kv_from_saved(tensors, layout)
+    assert torch.equal(again[1], v) and kv_from_saved(*kv_to_save((k, v))) == (k, v)
 
 
 def test_merge_rejects_lists_of_different_lengths():

@@ -23,7 +23,7 @@ from cpkit.attention.band import Band, check_window
 from cpkit.attention.chunks import local_seq
 from cpkit.attention.kernels import attn_fwd
 from cpkit.attention.merge import merge
-from cpkit.attention.p2p import ring_backward, ring_forward
+from cpkit.attention.p2p import RingKV, ring_backward, ring_forward
 from cpkit.sharding import pad_cu_seqlens, shard_seq, shard_thd
 from cpkit.testing.reference import masked_sink_reference, reference_shard
 from cpkit.testing.thread_ring import ThreadRing
@@ -40,7 +40,7 @@ VARIANTS = {
 }
 
 
-def _inputs(case_id: str, fmt: str, n: int, dtype=torch.float32):
+def _inputs(case_id: str, fmt: str, n: int, dtype=torch.float32, v_dim=DIM):
     gen = torch.Generator().manual_seed(zlib.crc32(case_id.encode()))
     cu = None
     if fmt == "sbhd":
@@ -48,8 +48,8 @@ def _inputs(case_id: str, fmt: str, n: int, dtype=torch.float32):
     else:
         cu = pad_cu_seqlens([13, 5, 21, 9], n)
         lead = (int(cu[-1]),)
-    q, dout = (torch.randn(*lead, HEADS, DIM, generator=gen) for _ in range(2))
-    k, v = (torch.randn(*lead, KV_HEADS, DIM, generator=gen) for _ in range(2))
+    q, dout = torch.randn(*lead, HEADS, DIM, generator=gen), torch.randn(*lead, HEADS, v_dim, generator=gen)
+    k, v = torch.randn(*lead, KV_HEADS, DIM, generator=gen), torch.randn(*lead, KV_HEADS, v_dim, generator=gen)
     sink = torch.randn(HEADS, generator=gen)
     return [x.to(dtype) for x in (q, k, v, dout)], sink, cu
 
@@ -64,12 +64,15 @@ def _seq(tokens, n, cu):
     return local_seq(tokens, n, cu, int((cu[1:] - cu[:-1]).max()))
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", list(VARIANTS) + ["mla"])
 @pytest.mark.parametrize("fmt", ["sbhd", "thd"])
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_ring_matches_the_reference(n, fmt, variant):
-    causal, window_size, with_sink = VARIANTS[variant]
-    (q, k, v, dout), sink, cu = _inputs(f"{n}-{fmt}-{variant}", fmt, n)
+    """"mla": v of its own head dim (8 against q/k's 16), carried in the ring's flat KV buffer
+    as it is, not padded."""
+    causal, window_size, with_sink = VARIANTS.get(variant, VARIANTS["causal"])
+    v_dim = DIM // 2 if variant == "mla" else DIM
+    (q, k, v, dout), sink, cu = _inputs(f"{n}-{fmt}-{variant}", fmt, n, v_dim=v_dim)
     sink = sink if with_sink else None
     scale = DIM ** -0.5
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -118,9 +121,9 @@ def test_16bit_ring_output_is_the_fp32_merge_of_its_blocks_rounded_once(n, dtype
         return ring_forward(q_l, k_l, v_l, comm, False, scale, local_seq(q_l.shape[0], n))[:2]
 
     for rank, (out, lse) in enumerate(ThreadRing(n).run(rank_fn)):
-        # Each block's KV as the ring holds it (k and v stacked in one buffer): the kernel then
+        # Each block's KV as the ring holds it (k and v flat in one buffer): the kernel then
         # sees the ring's memory layout and gives the ring's block output bit for bit.
-        kvs = [torch.stack(shards[(rank - i) % n][1:]) for i in range(n)]
+        kvs = [RingKV.pack(*shards[(rank - i) % n][1:]) for i in range(n)]
         blocks = [attn_fwd(shards[rank][0], kv[0], kv[1], False, scale) for kv in kvs]
         want_out, want_lse = merge([o for o, _ in blocks], [l for _, l in blocks])
         assert out.dtype == dtype
@@ -134,12 +137,13 @@ def test_16bit_ring_output_is_the_fp32_merge_of_its_blocks_rounded_once(n, dtype
         torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("v_dim", [DIM, DIM // 2], ids=["one-head-dim", "mla"])
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_ring_sends_only_what_the_next_step_needs(n):
+def test_ring_sends_only_what_the_next_step_needs(n, v_dim):
     """Forward: [k, v] at every step but the last. Backward: [k, v] at the first step (no dKV
     yet), [k, v, dk, dv] in between, [dk, dv] at the last (no KV is needed after it); each
-    exchange's send and receive of one shape."""
-    (q, k, v, dout), _, _ = _inputs(f"{n}-sends", "sbhd", n)
+    exchange's send and receive of one shape, flat, with v at its own head dim (no padding)."""
+    (q, k, v, dout), _, _ = _inputs(f"{n}-sends", "sbhd", n, v_dim=v_dim)
     scale = DIM ** -0.5
     ring = ThreadRing(n)
 
@@ -150,9 +154,9 @@ def test_ring_sends_only_what_the_next_step_needs(n):
         ring_backward(dout_l, q_l, kv, out, lse, comm, True, scale, seq)
 
     ring.run(rank_fn)
-    kv_shape = tuple(shard_seq(k, 0, n, seq_dim=0).shape)
-    forward = [((2, *kv_shape), False)] * (n - 1)
-    backward = [((2, *kv_shape), True)] + [((4, *kv_shape), True)] * (n - 2) + [((2, *kv_shape), True)]
+    kv = shard_seq(k, 0, n, seq_dim=0).numel() + shard_seq(v, 0, n, seq_dim=0).numel()
+    forward = [((kv,), False)] * (n - 1)
+    backward = [((kv,), True)] + [((2 * kv,), True)] * (n - 2) + [((kv,), True)]
     for rank in range(n):
         assert ring.sent[rank] == forward + backward, f"rank {rank}"
 

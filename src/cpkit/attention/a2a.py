@@ -109,12 +109,12 @@ class _UlyssesAttention(torch.autograd.Function):
             oc, lse, kv = ring_forward(qc, kc, vc, comm, causal, scale, seq, options.kernel, band, sink_c,
                                       options.fused_merge)
             outbound.append(_to_seq([oc], rows, a, a2a_group))
-            kv_tensors, kv_packed = kv_to_save(kv)  # the same kind for every chunk
+            kv_tensors, kv_layout = kv_to_save(kv)  # the same kind for every chunk
             saved += [qc, oc, lse, *kv_tensors]
         for c, exchange in enumerate(outbound):
             _arrived_seq(exchange, [out], a, chunks, c)
         ctx.save_for_backward(sink, *saved)
-        ctx.kv_packed = kv_packed
+        ctx.kv_layout = kv_layout
         ctx.setup = (a2a_group, comm, causal, scale, rows, seq, chunks, widths, options.kernel, band, first)
         ctx.shapes = [x.shape for x in (q, k, v)]
         return out
@@ -133,7 +133,7 @@ class _UlyssesAttention(torch.autograd.Function):
         for c in range(chunks):
             qc, oc, lse, *kv_tensors = saved[per * c:per * (c + 1)]
             (dc,) = _arrived_heads(inbound[c], rows, [(widths[0], ctx.shapes[2][-1])])
-            kv = kv_from_saved(kv_tensors, ctx.kv_packed)
+            kv = kv_from_saved(kv_tensors, ctx.kv_layout)
             dq, dk, dv = ring_backward(dc, qc, kv, oc, lse, comm, causal, scale, seq, kernel, band)
             if want_dsink:
                 heads = slice(first + c * widths[0], first + (c + 1) * widths[0])

@@ -165,12 +165,13 @@ def context_parallel_attention(
 
     Shapes (sequence-first, MCore's): q [s_local, b, heads, dim], k/v [s_local, b, kv_heads, dim]
     (GQA when kv_heads < heads); or THD q [t_local, heads, dim] with `cu_seqlens`. v may have
-    its own head dim (MLA: MCore's v_channels); the output then has v's head dim. Under p2p,
-    all_gather and a2a+p2p the smaller of the two is zero-padded to the larger inside (exact:
-    zero value columns add zero output columns, zero q/k columns add zero scores), at the cost
-    of the padding's bytes, as they move k and v as one tensor; a2a's all-to-alls pack each
-    tensor's heads flat and, like no CP, send and compute v as it is (the cuDNN frontend takes
-    it natively, the other kernels get padded copies per call). Every input
+    its own head dim (MLA: MCore's v_channels); the output then has v's head dim. Under
+    all_gather the smaller of the two is zero-padded to the larger inside (exact: zero value
+    columns add zero output columns, zero q/k columns add zero scores), at the cost of the
+    padding's bytes, as it gathers k and v as one tensor; the ring (p2p, a2a+p2p) packs k and v
+    flat in one buffer and a2a's all-to-alls pack each tensor's heads flat, so they send and
+    compute v as it is (the cuDNN frontend takes it natively, the other kernels get padded
+    copies per call). Every input
     is this rank's shard in the load-balanced layout (`cpkit.sharding`: chunks r and 2cp-1-r).
 
     cu_seqlens: THD only, the GLOBAL padded offsets (int32 [n + 1], every length a multiple of
@@ -227,8 +228,8 @@ def context_parallel_attention(
     _check_sink(softmax_offset, q)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     v_dim = v.shape[-1]
-    if cp > 1 and comm != A2A:  # the ring and all_gather move k and v as one tensor; a2a packs
-        q, k, v = _pad_head_dims(q, k, v)  # flat heads, and one rank's kernels take v as it is
+    if cp > 1 and comm == ALL_GATHER:  # it gathers k and v as one tensor; the ring packs them
+        q, k, v = _pad_head_dims(q, k, v)  # flat (RingKV) and a2a packs flat heads: v as it is
     # The kernels need a unit stride on the head dim; anything else is fine as a view.
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     cu = None

@@ -15,8 +15,9 @@ is complete on its owner after the last step with no extra transfer. dQ is accum
 in fp32; dKV travels and accumulates in the input dtype, as in TE's ring (half the bytes of
 fp32; a bf16 dKV is rounded once per hop, cp - 1 times in all). Every exchange moves one packed
 buffer, posted before the previous block's merge or dQ add: [k, v] forward, [k, v, dk, dv]
-backward, stacked on a new leading dim (k and v have one shape; the entry point checks it).
-One buffer is one NCCL send and one receive kernel: sent as separate tensors, the second
+backward, flat one after the other (`RingKV`), so k and v keep their own head dims (MLA's
+192 / 128 travel and compute as they are, not padded to one dim: padded, p2p MLA ran at
+0.84-0.86x TE on 4x H100). One buffer is one NCCL send and one receive kernel: sent as separate tensors, the second
 tensor's kernel queued behind the first and could not start until the attention kernel, which
 fills every SM, was nearly done; the next step then waited for it (4x H200 profile, README).
 
@@ -38,7 +39,32 @@ from cpkit.attention.merge import merge_
 from cpkit.attention.options import CPAttentionOptions
 from cpkit.attention.sink import apply_sink, sink_grad
 
-__all__ = ["ring_attention", "ring_forward", "ring_backward", "kv_to_save", "kv_from_saved"]
+__all__ = ["RingKV", "ring_attention", "ring_forward", "ring_backward", "kv_to_save", "kv_from_saved"]
+
+
+class RingKV:
+    """One flat buffer of k and v, and in backward their gradients: segments [k, v(, dk, dv)],
+    each read as a view of its own shape (`kv[0]` is k, `kv[1]` v, `kv[2]` dk, `kv[3]` dv)."""
+
+    def __init__(self, buf: torch.Tensor, k_shape: torch.Size, v_shape: torch.Size):
+        nk, nv = k_shape.numel(), v_shape.numel()
+        self.buf, self.k_shape, self.v_shape = buf, k_shape, v_shape
+        self.bounds = (0, nk, nk + nv, 2 * nk + nv, 2 * (nk + nv))
+
+    @classmethod
+    def pack(cls, k: torch.Tensor, v: torch.Tensor) -> "RingKV":
+        return cls(torch.cat((k.reshape(-1), v.reshape(-1))), k.shape, v.shape)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.buf[self.bounds[i]:self.bounds[i + 1]].view(self.v_shape if i % 2 else self.k_shape)
+
+    def segments(self, lo: int, hi: int) -> torch.Tensor:
+        """Segments lo..hi-1 as one contiguous tensor (what one exchange sends)."""
+        return self.buf[self.bounds[lo]:self.bounds[hi]]
+
+    def empty(self, with_grads: bool = False) -> "RingKV":
+        """A buffer of the same layout: [k, v], or [k, v, dk, dv] `with_grads`."""
+        return RingKV(self.buf.new_empty(self.bounds[4 if with_grads else 2]), self.k_shape, self.v_shape)
 
 
 def _block_case(src: int, rank: int, causal: bool, band: Optional[Band] = None):
@@ -103,7 +129,7 @@ def ring_forward(q, k, v, comm: Optional[RingComm], causal: bool, scale: float, 
                  kernel: Optional[str] = None, band: Optional[Band] = None,
                  sink: Optional[torch.Tensor] = None, fused_merge: bool = True):
     """The ring's forward (no autograd): (output like q, fp32 LSE, what `ring_backward` needs
-    of k and v: the packed [2, ...] KV the forward ended with (the next rank's), or (k, v)
+    of k and v: the packed `RingKV` the forward ended with (the next rank's), or (k, v)
     without a ring). `comm` None: local attention. `kernel`: `CPAttentionOptions.kernel`.
     `band`: sliding-window masks of this level (blocks outside the window are skipped).
     `sink`: per-head sink logits of q's heads, applied once after the last merge (the output
@@ -116,16 +142,13 @@ def ring_forward(q, k, v, comm: Optional[RingComm], causal: bool, scale: float, 
         else:
             out, lse = attn_fwd(q, k, v, causal, scale, kernel=kernel, sink=sink, **seq.kw("full", "full"))
         return out.to(q.dtype), lse.float().contiguous(), (k, v)
-    if k.shape != v.shape:  # one packed buffer per exchange holds k and v alike
-        raise ValueError(f"ring_forward: k.shape {tuple(k.shape)} and v.shape {tuple(v.shape)} must "
-                         "be equal (the ring packs them into one buffer); pass k and v of one head dim")
-    kv = torch.stack((k, v))  # one kernel packs what the first exchange sends
+    kv = RingKV.pack(k, v)  # one kernel packs what the first exchange sends
     out = lse = block = None
     for step in range(n):
         pending = None
         if step + 1 < n:
-            nxt = torch.empty_like(kv)
-            pending = comm.exchange(kv, nxt)
+            nxt = kv.empty()
+            pending = comm.exchange(kv.buf, nxt.buf)
         if block is not None:  # after the post: the exchange starts while this merge runs
             if out.dtype != torch.float32:  # more merges to come: accumulate in fp32
                 out = out.float()
@@ -172,13 +195,13 @@ def ring_backward(dout, q, kv, out, lse, comm: Optional[RingComm], causal: bool,
         if band is not None:
             return band_bwd(dout, q, kv[0], kv[1], out, lse, band.block(rank), scale, kernel)
         return attn_bwd(dout, q, kv[0], kv[1], out, lse, causal, scale, kernel=kernel, **seq.kw("full", "full"))
-    buf = kv  # [k, v] now; [k, v, dk, dv] from the first exchange on
+    buf = kv  # [k, v] now (a RingKV); [k, v, dk, dv] from the first exchange on
     dq = dq_block = None  # dq float32: local, so accumulating it exactly costs no communication
     for step in range(n):
         # KV for the next step but not at the last one; dKV from the second step on.
         lo, hi = (0 if step + 1 < n else 2), (4 if step > 0 else 2)
-        nxt = kv.new_empty((4, *kv.shape[1:]))
-        pending = comm.exchange(buf[lo:hi], nxt[lo:hi], reverse=True)
+        nxt = kv.empty(with_grads=True)
+        pending = comm.exchange(buf.segments(lo, hi), nxt.segments(lo, hi), reverse=True)
         if dq_block is not None:  # after the post: the exchange starts while this add runs
             _add_block(dq, *dq_block, seq, "q")
         case = _block_case((rank + step + 1) % n, rank, causal, band)
@@ -212,16 +235,17 @@ def ring_backward(dout, q, kv, out, lse, comm: Optional[RingComm], causal: bool,
     return dq.to(q.dtype), dk_acc, dv_acc
 
 
-def kv_to_save(kv) -> tuple[list[torch.Tensor], bool]:
-    """`ring_forward`'s KV result as (tensors for save_for_backward, whether it is packed)."""
-    if isinstance(kv, torch.Tensor):
-        return [kv], True
-    return list(kv), False
+def kv_to_save(kv) -> tuple[list[torch.Tensor], Optional[tuple]]:
+    """`ring_forward`'s KV result as (tensors for save_for_backward, the packed layout: (k shape,
+    v shape) of a RingKV, None for a plain (k, v))."""
+    if isinstance(kv, RingKV):
+        return [kv.buf], (kv.k_shape, kv.v_shape)
+    return list(kv), None
 
 
-def kv_from_saved(tensors, packed: bool):
+def kv_from_saved(tensors, layout: Optional[tuple]):
     """The inverse of `kv_to_save`."""
-    return tensors[0] if packed else tuple(tensors)
+    return RingKV(tensors[0], *layout) if layout is not None else tuple(tensors)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -232,7 +256,7 @@ class _RingAttention(torch.autograd.Function):
         band = None if window is None else Band(window, causal, seq, comm.rank if comm else 0, q.device)
         out, lse, kv = ring_forward(q, k, v, comm, causal, scale, seq, options.kernel, band, sink,
                                    options.fused_merge)
-        kv_tensors, ctx.kv_packed = kv_to_save(kv)
+        kv_tensors, ctx.kv_layout = kv_to_save(kv)
         ctx.save_for_backward(q, out, lse, sink, *kv_tensors)
         ctx.setup = (comm, causal, scale, seq, options.kernel, band)
         return out
@@ -240,7 +264,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, out, lse, sink, *kv_tensors = ctx.saved_tensors
-        kv = kv_from_saved(kv_tensors, ctx.kv_packed)
+        kv = kv_from_saved(kv_tensors, ctx.kv_layout)
         comm, causal, scale, seq, kernel, band = ctx.setup
         dq, dk, dv = ring_backward(dout, q, kv, out, lse, comm, causal, scale, seq, kernel, band)
         dsink = None

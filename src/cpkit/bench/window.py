@@ -18,7 +18,7 @@ extra `cpkit[kernels]`; its rows hold an error where it is not installed):
   `ring_backward`, what a2a runs per head chunk) with a learnable sink, and without it: the
   sink's cost (`sink.sink_grad` included);
 - `a2a, window, MLA`: q/k head dim `--mla-qk-dim`, v `--mla-v-dim` (DeepSeek's 192/128), as
-  many kv heads as query heads: v zero-padded to the q/k head dim (what the comm types send)
+  many kv heads as query heads: v zero-padded to the q/k head dim (what all_gather sends)
   vs v as it is;
 - `TE a2a, window`: Transformer Engine's DotProductAttention with `window_size` on the same
   per-rank shape (when TE imports; its fused attention is cuDNN's SDPA too).
