@@ -63,6 +63,8 @@ def test_feature_cells_pair_with_te_of_the_same_feature_and_have_no_sdpa_ratio()
         dict(cell("te", "a2a", 32768, 250.0), feature="window"),
         dict(cell("cpkit", "p2p", 32768, 200.0), feature="window"),
         dict(cell("te", "p2p", 32768, 0.0, error="error: AssertionError: window needs a2a"), feature="window"),
+        dict(cell("te", "p2p", 32768, 0.0, error="error: ValueError: No dot product attention backend is av..."),
+             feature="sink"),
     ]
     te = te_ratios(results)
     assert te[("cpkit a2a window kv8 cp4", 32768)] == 300.0 / 250.0
@@ -70,6 +72,8 @@ def test_feature_cells_pair_with_te_of_the_same_feature_and_have_no_sdpa_ratio()
     assert not any("window" in row for row, _ in sdpa_ratios(results))
     table = render(results, [32768, 131072])
     assert "te p2p window kv8 cp4" in table and "error: AssertionError" in table
+    sink_row = next(line for line in table.splitlines() if line.startswith("te p2p sink"))
+    assert sink_row.split()[5:7] == ["TE", "refuses"]
 
 
 def test_attended_pairs_count_every_query_key_pair_of_the_band():

@@ -6,7 +6,9 @@ are stated in (measured, from the same run):
 - `/sdpa <seq>`, on every CP row: TFLOP/s per GPU over single-GPU SDPA's at the same KV heads and
   total sequence (the per-GPU limit a CP method approaches).
 
-A ratio column appears only where the run has both sides; a cell with an error has no ratio.
+A ratio column appears only where the run has both sides; a cell with an error has no ratio. A
+cell TE has no attention backend for (a feature it does not run on that comm type) says "TE
+refuses".
 """
 
 from __future__ import annotations
@@ -30,6 +32,18 @@ def _cell(r: dict) -> tuple:
 
 def seq_label(seq: int) -> str:
     return f"{seq // 1024}K" if seq % 1024 == 0 else str(seq)
+
+
+# TE's words when it has no attention backend for a cell's features (TE 2.20: ValueError).
+_TE_REFUSAL = "No dot product attention backend"
+
+
+def _error_cell(r: dict) -> str:
+    """A failed cell: "TE refuses" where TE has no backend for the cell's feature and comm
+    type (the JSON keeps the whole error), else the error's first line."""
+    if r["backend"] == "te" and _TE_REFUSAL in r["error"]:
+        return "TE refuses"
+    return r["error"].splitlines()[0]
 
 
 def _tflops(r: dict) -> Optional[float]:
@@ -75,7 +89,7 @@ def render(results: list[dict], seqs: list[int], device: str = "cuda") -> str:
         if label not in rows:
             rows.append(label)
         if r["error"]:
-            text = r["error"].splitlines()[0]
+            text = _error_cell(r)
         else:
             text = f"{r['tflops_per_gpu']:.1f}" if r["tflops_per_gpu"] >= 1 else f"{r['tflops_per_gpu']:.3g}"
             if r.get("notes"):
