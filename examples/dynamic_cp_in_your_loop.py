@@ -122,6 +122,6 @@ if __name__ == "__main__":
             print(report)
         dist.destroy_process_group()
     else:  # spawn 2 gloo ranks on CPU; a rank that fails or hangs past the timeout stops them all
-        from cpkit.launch import launch
+        from cpkit.harness.launch import launch
 
         print(launch(main, 2, timeout=300)[0])

@@ -32,7 +32,7 @@ import torch
 import pytest
 
 from cpkit.attention.options import CPAttentionOptions
-from cpkit.grid import GridSpec, default_pools
+from cpkit.harness.grid import GridSpec, default_pools
 from cpkit.testing import dist_params
 from cpkit.testing.scenarios.attention import HEADS, attention_case as _scenario, cases as _cases
 

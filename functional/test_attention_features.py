@@ -150,7 +150,7 @@ def _cp_group(case):
         return dist.group.WORLD
     a2a = case["a2a"]
     # Built over WORLD in order (CP position = global rank); a rank pool hands the groups of an
-    # earlier case out again (cpkit.pool_groups), so asking each case costs no new groups.
+    # earlier case out again (cpkit.harness.pool_groups), so asking each case costs no new groups.
     return list(new_hierarchical_groups(list(range(dist.get_world_size())), a2a))
 
 

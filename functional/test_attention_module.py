@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cpkit.grid import GridSpec, default_pools
+from cpkit.harness.grid import GridSpec, default_pools
 from cpkit.testing import device, dist_params
 from cpkit.testing.reference import attention_inputs, reference_shard, sdpa_reference
 
@@ -35,7 +35,7 @@ def _pg_collection(world: int, comm: str):
     from cpkit.groups import build_pg_collection
     from cpkit.layout import CPLayout
 
-    # A rank pool hands the groups of an earlier case out again (cpkit.pool_groups).
+    # A rank pool hands the groups of an earlier case out again (cpkit.harness.pool_groups).
     hier = [2, world // 2] if comm == "a2a+p2p" else None
     layout = CPLayout(world_size=world, cp=world, cp_comm_type=comm, hierarchical_context_parallel_sizes=hier)
     return build_pg_collection(layout)

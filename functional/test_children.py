@@ -1,6 +1,6 @@
 """Everything a test run starts ends with it, whichever of the four ways it stops: Ctrl-C
 (SIGINT), SIGTERM, the `timeout` command, SIGKILL. The tree here is the examples' own shape: a
-torchrun launch of two ranks started through cpkit.children.popen_tied, as
+torchrun launch of two ranks started through cpkit.harness.children.popen_tied, as
 functional/test_examples.py and functional/test_cluster.py start theirs. Two example ranks once
 outlived a timed-out run by 50 minutes."""
 
@@ -29,7 +29,7 @@ time.sleep(600)
 
 _RUN = """
 import os, sys, time
-from cpkit.children import popen_tied
+from cpkit.harness.children import popen_tied
 
 def test_starts_a_torchrun_tree():
     out = {out!r}
@@ -43,7 +43,7 @@ def test_starts_a_torchrun_tree():
 
 _POOL = """
 import os, sys, threading, time
-from cpkit.grid import run_cases
+from cpkit.harness.grid import run_cases
 
 def test_starts_a_rank_pool():
     sys.path.insert(0, {out!r})
@@ -73,7 +73,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize("tree,stop", [("torchrun", s) for s in ("ctrl-c", "sigterm", "timeout", "sigkill")]
                          + [("pool", "sigkill")])
 def test_a_stopped_run_leaves_no_launch_behind(tmp_path, tree, stop):
-    """torchrun and its ranks, or a rank pool's ranks (their guard: cpkit.rank_worker.die_with_parent)."""
+    """torchrun and its ranks, or a rank pool's ranks (their guard: cpkit.harness.rank_worker.die_with_parent)."""
     (tmp_path / "rank.py").write_text(_RANK)
     (tmp_path / "pool_case.py").write_text(_POOL_CASE.format(out=str(tmp_path)))
     (tmp_path / "test_tree.py").write_text(textwrap.dedent((_RUN if tree == "torchrun" else _POOL).format(out=str(tmp_path))))

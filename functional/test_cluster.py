@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from cpkit.children import popen_tied
+from cpkit.harness.children import popen_tied
 
 from cpkit.cluster.checks import CHECKS, FAULT_ENV
 

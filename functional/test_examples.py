@@ -6,7 +6,7 @@ ranks itself. Each example asserts its own numbers (loss and gradients against C
 tolerances per dtype it states; a failed assert exits non-zero); the test checks the exit status,
 that every rank used the expected backend and device, and the printed lines. A launch that runs
 past the timeout is killed with all its ranks, and its output is reported; a launch dies with the
-test run however it stops (cpkit.children).
+test run however it stops (cpkit.harness.children).
 
     python -m pytest -m "gpu2 or gpu4" functional/test_examples.py -rP   # NCCL, with each run's output
 """
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from cpkit.children import popen_tied
-from cpkit.launch_times import record_times
+from cpkit.harness.children import popen_tied
+from cpkit.harness.launch_times import record_times
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300
@@ -92,9 +92,9 @@ def _skip_without_bridge(name: str) -> None:
 def launch_example(cmd: list[str], *, hide_gpus: bool, gpus: str | None = None,
                    timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
     """Run `cmd` from the repository root (src/ on PYTHONPATH) in a session of its own, tied to
-    the test run (cpkit.children.popen_tied); on a timeout kill the whole session (torchrun and
+    the test run (cpkit.harness.children.popen_tied); on a timeout kill the whole session (torchrun and
     its ranks) and fail with the output so far. Returns the finished process, whatever its exit
-    status (the launch time is recorded with cpkit.launch_times)."""
+    status (the launch time is recorded with cpkit.harness.launch_times)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                               "MASTER_PORT")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
@@ -200,7 +200,7 @@ def test_example_under_torchrun_on_nccl(name, n):
 
 @pytest.mark.dist
 def test_example_spawns_its_own_gloo_ranks():
-    """`python examples/<name>.py` without torchrun: the example's own launch (cpkit.launch) of
+    """`python examples/<name>.py` without torchrun: the example's own launch (cpkit.harness.launch) of
     gloo ranks on CPU, the same in every example."""
     name = "cp_attention_in_your_gpt.py"
     out = _run([sys.executable, f"examples/{name}"], hide_gpus=False)

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import cpkit.launch as launch_mod
+import cpkit.harness.launch as launch_mod
 from cpkit.testing import LaunchTimeout, RankFailure, device, dist_params, launch, run_cases
 
 
@@ -320,7 +320,7 @@ def test_ranks_print_no_mcore_notices_and_keep_other_warnings(tmp_path):
 
 @pytest.mark.dist
 def test_a_rank_failing_to_join_is_marked_joining_and_not_retried(monkeypatch):
-    """A joining failure that is not gloo's mesh flake (cpkit.rendezvous) is reported at once."""
+    """A joining failure that is not gloo's mesh flake (cpkit.harness.rendezvous) is reported at once."""
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "cpkit-no-such-interface")
     attempts = []
     real_once = launch_mod._launch_once

@@ -1,4 +1,4 @@
-"""The persistent rank pools themselves (cpkit.rank_pool, cpkit.grid) on gloo: what a failing,
+"""The persistent rank pools themselves (cpkit.harness.rank_pool, cpkit.harness.grid) on gloo: what a failing,
 dying, hanging, skipping, noisy or leaking case does to its own result and to the cases after it.
 Each test fails on a pool that lacks the property it names."""
 
@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cpkit.grid import CaseFailed, GridSpec, PoolSet, run_cases
-from cpkit.rank_pool import RankPool
+from cpkit.harness.grid import CaseFailed, GridSpec, PoolSet, run_cases
+from cpkit.harness.rank_pool import RankPool
 
 pytestmark = pytest.mark.dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -169,7 +169,7 @@ def test_random_order_gives_the_same_results(pools):
 def _leaky_case(case):
     """'leak' makes the clean-up find 1 GiB more held than before the case (what a module-level
     list of CUDA tensors looks like to it; CPU ranks hold no GPU memory to leak for real)."""
-    import cpkit.rank_worker as worker
+    import cpkit.harness.rank_worker as worker
 
     if case == "leak":
         worker._held_bytes = lambda device: 1 << 30
@@ -188,7 +188,7 @@ def test_a_leak_fails_the_case_that_leaked_and_retires_the_pool(pools):
 _STALE_OWNER = """
 import sys, time
 sys.path.insert(0, {root!r})
-from cpkit.grid import GridSpec, PoolSet
+from cpkit.harness.grid import GridSpec, PoolSet
 from functional.test_rank_pool import _sum_case
 pools = PoolSet()
 pools.run_grid(GridSpec(_sum_case, ("ok",), "gloo", 2, 120.0))
@@ -217,7 +217,7 @@ def test_a_pool_starts_cleanly_after_another_owner_was_killed(tmp_path):
 
 _HUNG_SESSION = """
 import time
-from cpkit.grid import GridSpec, default_pools
+from cpkit.harness.grid import GridSpec, default_pools
 from functional.test_rank_pool import _sum_case
 
 def test_leaves_a_hung_grid_behind():
@@ -251,7 +251,7 @@ def _threads_and_groups() -> dict:
     """This rank's threads (all, and those running now but this one), live and kept groups."""
     import threading
 
-    from cpkit.pool_groups import live_groups
+    from cpkit.harness.pool_groups import live_groups
 
     tasks = os.listdir("/proc/self/task")
     running = 0

@@ -9,7 +9,7 @@
 #   bash scripts/gpu-suites.sh -m "gpu2 or gpu4" --ignore=functional/test_te_backend.py   # no TE
 #   bash scripts/gpu-suites.sh -m "gpu2 or gpu4" functional/test_te_backend.py            # TE suite
 # How it is fast (no flags needed; plain pytest does the same): every NCCL grid runs on a
-# persistent rank pool (src/cpkit/grid.py, src/cpkit/rank_pool.py) started once per world size and
+# persistent rank pool (src/cpkit/harness/grid.py, src/cpkit/harness/rank_pool.py) started once per world size and
 # GPU slice; at the session's first test all NCCL grids start in the background, two 2-GPU pools
 # side by side on disjoint GPU pairs (four on 8 GPUs), then the 3- and 4-GPU pools; the NCCL
 # examples run side by side under torchrun meanwhile. Budgets: functional/GPU_TIER.md.
@@ -27,7 +27,7 @@ try:
 except Exception as e:
     print("transformer-engine: not importable:", type(e).__name__)
 PY
-export CPKIT_CASE_TIMES="$out/case-times.jsonl"; rm -f "$CPKIT_CASE_TIMES"  # src/cpkit/launch_times.py
+export CPKIT_CASE_TIMES="$out/case-times.jsonl"; rm -f "$CPKIT_CASE_TIMES"  # src/cpkit/harness/launch_times.py
 start=$(date +%s)
 python3 -m pytest -p no:cacheprovider -q -rfEs --durations=40 --junitxml="$out/junit.xml" "$@" 2>&1 \
   | tee "$out/pytest.log" | tail -60

@@ -124,7 +124,7 @@ def test_docs_only_change_selects_only_the_text_check():
     assert all("text check only" in reason for reason in selection.reasons.values())
 
 
-@pytest.mark.parametrize("harness", ["src/cpkit/launch.py", "src/cpkit/compat.py", "pyproject.toml",
+@pytest.mark.parametrize("harness", ["src/cpkit/harness/launch.py", "src/cpkit/compat.py", "pyproject.toml",
                                      "tests/conftest.py"])
 def test_harness_change_selects_everything(harness):
     selection = select_tests(["README.md", "src/cpkit/eval_cp.py", harness])

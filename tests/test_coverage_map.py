@@ -308,7 +308,7 @@ def test_a_pooled_case_runs_under_the_id_of_the_test_that_sent_it(monkeypatch):
 POOL_SCRIPT = textwrap.dedent('''\
     import os
     from cpkit.coverage_map import CONTEXT_ENV
-    from cpkit.rank_pool import RankPool
+    from cpkit.harness.rank_pool import RankPool
 
     if __name__ == "__main__":  # a spawned rank imports this file too
         os.environ[CONTEXT_ENV] = "tests/test_first.py::t"  # the test that starts the pool

@@ -1,4 +1,4 @@
-"""GPU claims (cpkit.gpu_claim) and the xdist groups of GPU tests: the parts of the parallel GPU
+"""GPU claims (cpkit.harness.gpu_claim) and the xdist groups of GPU tests: the parts of the parallel GPU
 tier that run without a GPU. Lock files live in tmp_path (flock conflicts between two open()s
 of one file in one process too, so one process can play several launches)."""
 
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from cpkit.gpu_claim import LOCK_DIR_ENV, claim_gpus, visible_gpu_ids
+from cpkit.harness.gpu_claim import LOCK_DIR_ENV, claim_gpus, visible_gpu_ids
 from cpkit.testing.pytest_plugin import xdist_group_of
 
 GPUS = ["0", "1", "2", "3"]
@@ -63,7 +63,7 @@ def test_visible_ids_follow_cuda_visible_devices(monkeypatch):
 
 
 def test_nccl_launch_without_gpus_fails_before_starting_ranks(monkeypatch):
-    from cpkit.launch import launch
+    from cpkit.harness.launch import launch
 
     monkeypatch.setattr("cpkit.devices.cuda_device_count", lambda: 0)
     with pytest.raises(ValueError, match="needs 2 GPUs, found 0"):
@@ -80,8 +80,8 @@ def test_xdist_groups_put_every_nccl_test_with_the_worker_that_owns_the_pools():
 def test_timing_table_lines(tmp_path, monkeypatch):
     import json
 
-    from cpkit.launch import CaseResult
-    from cpkit.launch_times import TIMES_ENV, record_grid_times
+    from cpkit.harness.launch import CaseResult
+    from cpkit.harness.launch_times import TIMES_ENV, record_grid_times
 
     path = tmp_path / "times.jsonl"
     monkeypatch.setenv(TIMES_ENV, str(path))
@@ -94,7 +94,7 @@ def test_timing_table_lines(tmp_path, monkeypatch):
 
 
 def test_an_unwritable_timing_log_warns_and_never_fails_the_run(tmp_path, monkeypatch):
-    from cpkit.launch_times import TIMES_ENV, record_times
+    from cpkit.harness.launch_times import TIMES_ENV, record_times
 
     monkeypatch.setenv(TIMES_ENV, str(tmp_path / "missing-dir" / "times.jsonl"))
     with pytest.warns(UserWarning, match="cannot be written"):

@@ -53,7 +53,7 @@ def test_library_module_imports_no_test_support(path):
 
 def test_the_benchmarks_and_their_model_are_library():
     """Users run `python -m cpkit.bench`: no benchmark module imports test scaffolding (its model
-    is `cpkit.models`, its launcher `cpkit.launch`)."""
+    is `cpkit.models`, its launcher `cpkit.harness.launch`)."""
     names = {_module_name(p) for p in LIBRARY}
     assert "cpkit.bench.attention" in names and "cpkit.bench.eval_cp" in names and "cpkit.models" in names
 

@@ -83,8 +83,8 @@ def test_a_prefetched_grid_credits_its_cases_to_the_first_test_that_reads_it(mon
     not to whichever test happens to be current while the grid runs."""
     import threading
 
-    from cpkit.grid import GridSpec, PoolSet
-    from cpkit.rank_pool import CaseRun
+    from cpkit.harness.grid import GridSpec, PoolSet
+    from cpkit.harness.rank_pool import CaseRun
     from cpkit.testing import params
 
     sent = []
@@ -102,7 +102,7 @@ def test_a_prefetched_grid_credits_its_cases_to_the_first_test_that_reads_it(mon
     prefetched = []
     monkeypatch.setattr(pytest_plugin, "_will_skip", lambda item: False)
     monkeypatch.setattr(params, "grid_spec_of", lambda item: spec)
-    monkeypatch.setattr("cpkit.grid.default_pools", lambda: SimpleNamespace(prefetch=prefetched.extend))
+    monkeypatch.setattr("cpkit.harness.grid.default_pools", lambda: SimpleNamespace(prefetch=prefetched.extend))
     assert pytest_plugin.prefetch_grids(items) == 1
     assert [s.test_id for s in prefetched] == [items[0].nodeid] and prefetched[0].key == spec.key
 
@@ -120,8 +120,8 @@ def test_prefetch_spreads_the_cases_of_a_grid_over_every_pool_of_its_size(monkey
     import threading
     import time
 
-    from cpkit.grid import GridSpec, PoolSet
-    from cpkit.rank_pool import CaseRun
+    from cpkit.harness.grid import GridSpec, PoolSet
+    from cpkit.harness.rank_pool import CaseRun
 
     ran: dict = {}
     closed: list = []
@@ -172,7 +172,7 @@ def test_prefetch_spreads_the_cases_of_a_grid_over_every_pool_of_its_size(monkey
 
 
 def test_pools_per_slice_refuses_a_bad_value_with_the_fix(monkeypatch):
-    from cpkit.grid import pools_per_slice
+    from cpkit.harness.grid import pools_per_slice
 
     monkeypatch.setenv("CPKIT_POOLS_PER_SLICE", "0")
     with pytest.raises(ValueError, match=r"CPKIT_POOLS_PER_SLICE='0': must be a whole number >= 1; e.g. CPKIT_POOLS_PER_SLICE=1"):
@@ -189,7 +189,7 @@ def test_pools_per_slice_refuses_a_bad_value_with_the_fix(monkeypatch):
     (3, 96, 4),   # 32 cores a GPU, world sizes 2 and 3: capped at MAX_POOLS_PER_SLICE
 ])
 def test_pools_per_slice_follows_the_cores_left_per_world_size(monkeypatch, gpus, cpus, expected):
-    import cpkit.grid as grid
+    import cpkit.harness.grid as grid
 
     monkeypatch.delenv("CPKIT_POOLS_PER_SLICE", raising=False)
     monkeypatch.setattr(grid, "cuda_device_count", lambda: gpus)
@@ -200,7 +200,7 @@ def test_pools_per_slice_follows_the_cores_left_per_world_size(monkeypatch, gpus
 def test_closing_several_pools_waits_one_grace_not_one_per_pool(monkeypatch):
     """close_pools asks every pool's ranks to leave first, then joins them against one shared
     deadline: ranks that never leave cost one grace in all, then a kill."""
-    import cpkit.rank_pool as rank_pool
+    import cpkit.harness.rank_pool as rank_pool
 
     clock = [0.0]
     monkeypatch.setattr(rank_pool.time, "monotonic", lambda: clock[0])

@@ -1,4 +1,4 @@
-"""A gloo mesh failure while ranks join is retried once (cpkit.rendezvous); nothing else is.
+"""A gloo mesh failure while ranks join is retried once (cpkit.harness.rendezvous); nothing else is.
 
 The launcher's and the pool's one-attempt functions are replaced by fakes here: gloo's mesh
 failure cannot be provoked on demand. functional/test_launcher.py checks on real ranks that a
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-import cpkit.launch as launch_mod
-from cpkit.launch import RankFailure, launch
-from cpkit.rank_pool import PoolStartError, RankPool
-from cpkit.rendezvous import START_ATTEMPTS, is_transient_rendezvous
+import cpkit.harness.launch as launch_mod
+from cpkit.harness.launch import RankFailure, launch
+from cpkit.harness.rank_pool import PoolStartError, RankPool
+from cpkit.harness.rendezvous import START_ATTEMPTS, is_transient_rendezvous
 
 MESH = ("RuntimeError: Gloo connectFullMesh failed with [third_party/gloo/gloo/transport/tcp/pair.cc:553] "
         "Connection closed by peer [127.0.0.1]:1771.")

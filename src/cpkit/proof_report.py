@@ -1,5 +1,5 @@
 """The GPU proof's report (scripts/gpu-proof.sh): counts from the junit file, the wall of each
-stage from the timing lines (cpkit.launch_times), how busy the GPUs were, and each budget with
+stage from the timing lines (cpkit.harness.launch_times), how busy the GPUs were, and each budget with
 its verdict; written as the evidence folder's README.md and printed.
 
     python -m cpkit.proof_report EVIDENCE_DIR --gpus 4 --setup-s 41 --pytest-s 250 --total-s 300

@@ -196,7 +196,7 @@ def run_cells(cases: list, settings: Settings) -> Optional[list]:
     rank 0). Returns one result dict per cell on rank 0 (errors in its "error"), None elsewhere."""
     import torch.distributed as dist
 
-    from cpkit.launch import device
+    from cpkit.harness.launch import device
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = device()
@@ -311,7 +311,7 @@ def _check_args(args) -> Optional[str]:
 def main(argv=None) -> int:
     """Run the benchmark; print the table; write JSON. Returns the process exit code."""
     from cpkit.attention.te import te_available
-    from cpkit.launch import RankFailure, launch
+    from cpkit.harness.launch import RankFailure, launch
 
     args = _parser().parse_args(argv)
     _defaults(args)

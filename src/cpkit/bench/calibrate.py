@@ -114,9 +114,9 @@ def measure_gemm(tokens, hidden, heads, kv_heads, head_dim, device, warmup, iter
 
 
 def measure_ring(nbytes, cps, warmup, iters) -> dict:
-    """Per rank (run under cpkit.launch.launch): {"cp<k>_<mode>": [[bytes, seconds]]} of one
+    """Per rank (run under cpkit.harness.launch.launch): {"cp<k>_<mode>": [[bytes, seconds]]} of one
     ring exchange (send to the next rank of the group, receive from the previous)."""
-    from cpkit.launch import device as rank_device
+    from cpkit.harness.launch import device as rank_device
 
     dev = rank_device()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -155,7 +155,7 @@ def measure_ring(nbytes, cps, warmup, iters) -> dict:
 def main(argv=None) -> int:
     """Measure, write the calibration JSON, print a summary. Returns the exit code."""
     from cpkit.dynamic.cost import load_calibration
-    from cpkit.launch import launch
+    from cpkit.harness.launch import launch
 
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m cpkit.bench calibrate",
                                 description=__doc__.splitlines()[0])

@@ -45,7 +45,7 @@ __all__ = ["FOCUS", "sample_mutants", "probe_source", "selected_share", "main"]
 
 #: Code reached mostly through scenarios and ranks: half the sample comes from here.
 FOCUS = ("src/cpkit/rebind.py", "src/cpkit/eval_loop.py", "src/cpkit/eval_cp.py", "src/cpkit/dynamic/runtime.py",
-         "src/cpkit/loss.py", "src/cpkit/launch.py", "src/cpkit/attention/p2p.py", "src/cpkit/attention/a2a.py",
+         "src/cpkit/loss.py", "src/cpkit/harness/launch.py", "src/cpkit/attention/p2p.py", "src/cpkit/attention/a2a.py",
          "src/cpkit/attention/all_gather.py", "src/cpkit/attention/hierarchical.py", "src/cpkit/groups.py")
 _PROBE_ENV = "CPKIT_RECALL_PROBE"
 #: Prints the --changed selection of the tree in the current directory against HEAD (as JSON).

@@ -8,7 +8,7 @@ BalancedCPScheduler and Megatron-LM dev's scheduler (with CPKIT_MLM_SRC; skipped
 without it). Each plan drives a real MCore GPTModel training step through cpkit's dynamic-CP
 runtime (forward and backward with the per-micro-batch CP switch, the DPxCP gradient all-reduce,
 the optimizer step) on N ranks over NCCL (`--device cpu`: gloo, a smoke run), spawned with
-cpkit.launch.launch under a timeout. What each rank does: cpkit.bench.dynamic_step_rank.
+cpkit.harness.launch.launch under a timeout. What each rank does: cpkit.bench.dynamic_step_rank.
 
 The prediction is the step model's (cpkit.dynamic.step_model: kernels, counted host ops, syncs,
 memory-bound work, preparation, gradient reduce and optimizer), calibrated from micro-benchmarks
@@ -241,7 +241,7 @@ def _print_calibration(res: dict) -> None:
 
 def main(argv=None) -> int:
     """Run the bench; 0 (1: a rank failed, or --strict and a target missed; 2: too few GPUs)."""
-    from cpkit.launch import RankFailure, launch
+    from cpkit.harness.launch import RankFailure, launch
 
     argv = list(sys.argv[2:] if argv is None else argv)
     args = _parser().parse_args(argv)

@@ -1,4 +1,4 @@
-"""What every rank of `python -m cpkit.bench dynamic_step` runs (cpkit.launch.launch starts them).
+"""What every rank of `python -m cpkit.bench dynamic_step` runs (cpkit.harness.launch.launch starts them).
 
 1. Rank 0 starts Megatron-LM's scheduler worker in a thread (CPKIT_MLM_SRC), so no batch waits
    for it to load.
@@ -277,7 +277,7 @@ def run_rank(spec: StepSpec) -> Optional[dict]:
     from cpkit.compat import get_pg
     from cpkit.dynamic.cost import Calibration
     from cpkit.dynamic.step_model import StepModel
-    from cpkit.launch import device as launcher_device
+    from cpkit.harness.launch import device as launcher_device
 
     device = launcher_device()
     if device.type == "cpu":

@@ -208,7 +208,7 @@ def _cell(tp, pp, seq, s: Settings, groups, dev) -> dict:
 def _worker(s: Settings):
     import torch.distributed as dist
 
-    from cpkit.launch import device
+    from cpkit.harness.launch import device
 
     if s.device == "cpu":
         from cpkit.models import prepare_cpu
@@ -257,7 +257,7 @@ def render(results: list[dict], s: Settings) -> str:
 
 def main(argv=None) -> int:
     """Run the benchmark; print the table; write JSON. Returns the process exit code."""
-    from cpkit.launch import RankFailure, launch
+    from cpkit.harness.launch import RankFailure, launch
 
     args = _parser().parse_args(argv)
     try:

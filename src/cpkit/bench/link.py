@@ -115,7 +115,7 @@ def update_calibration(path: str, table: dict) -> None:
 
 
 def _rank(nbytes, cps, warmup, iters):
-    from cpkit.launch import device
+    from cpkit.harness.launch import device
 
     return measure_ring_exchange(nbytes, cps, warmup, iters, device())
 
@@ -138,7 +138,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     """Measure and write the link table; 0 on success, 2 without enough GPUs."""
-    from cpkit.launch import launch
+    from cpkit.harness.launch import launch
 
     args = _parser().parse_args(list(sys.argv[2:] if argv is None else argv))
     bad = [Violation(f"--{n.replace('_', '-')}", getattr(args, n), f"must be >= {low}",

@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     from cpkit.cluster.checks import CHECKS, JobShape, build_check, run_check
     from cpkit.cluster.coordinator import Coordinator, store_barrier
     from cpkit.cluster.report import Report, merge_outcomes
-    from cpkit.launch import _BACKEND_ENV
+    from cpkit.harness.launch import _BACKEND_ENV
 
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl" and torch.cuda.device_count() < nproc:

@@ -8,8 +8,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from cpkit.harness.pool_groups import GroupReuse
 from cpkit.layout import CPLayout
-from cpkit.pool_groups import GroupReuse
 
 __all__ = ["CHECKS", "FAULT_ENV", "JobShape", "Check", "build_check", "run_check"]
 

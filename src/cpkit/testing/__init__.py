@@ -1,11 +1,11 @@
 """Test support: pytest integration, the scenarios (`cpkit.testing.scenarios`) that both the
-functional tests and `python -m cpkit.cluster` run, and the public launcher (`cpkit.launch`)
+functional tests and `python -m cpkit.cluster` run, and the public launcher (`cpkit.harness.launch`)
 re-exported for them. MCore is patched only by `cpkit.mcore_cpu` (CPU runs), never elsewhere. The
 pytest helpers (dist_params, grid_params, grid_result) are imported on first use, so that the
 launcher and the scenarios work where pytest is not installed (a cluster's training image).
 """
 
-from cpkit.launch import (
+from cpkit.harness.launch import (
     CaseResult,
     LaunchTimeout,
     RankFailure,

@@ -6,7 +6,7 @@ from typing import Any, Callable, Iterable
 
 import pytest
 
-from cpkit.grid import CaseResult, GridSpec, case_id_of, default_pools
+from cpkit.harness.grid import CaseResult, GridSpec, case_id_of, default_pools
 
 __all__ = ["GRID_MARK", "dist_params", "grid_params", "grid_result", "grid_spec_of"]
 

@@ -47,7 +47,7 @@ def pytest_cmdline_main(config):
     README's plain `python3 -m pytest` is not slower there than on CI's 2 cores: one xdist group
     per test file (a file's case grid shares one launch), per file and GPU count for the NCCL
     tests (xdist_group_of, by GridScheduling), so that a 2-GPU grid runs beside another file's on the other GPUs
-    (each NCCL launch claims its GPUs: cpkit.gpu_claim). `-n N` (`-n 0`: none) overrides."""
+    (each NCCL launch claims its GPUs: cpkit.harness.gpu_claim). `-n N` (`-n 0`: none) overrides."""
     if os.environ.get("PYTEST_XDIST_WORKER") or not config.pluginmanager.hasplugin("xdist"):
         return
     if config.option.numprocesses is not None or config.getoption("usepdb", False):
@@ -101,7 +101,7 @@ def xdist_group_of(nodeid: str, gpu_markers: list[str]) -> str:
     """The xdist group of a test: its file; every gpu1 test in one group (they run in the
     worker's own process, on its first GPU); every gpu2/gpu4 test in one group too, so that one
     worker owns the host's rank pools and spreads the grids over the GPUs itself
-    (cpkit.grid.PoolSet: disjoint GPU slices, no claims between workers)."""
+    (cpkit.harness.grid.PoolSet: disjoint GPU slices, no claims between workers)."""
     path = nodeid.split("::")[0]
     if "gpu1" in gpu_markers:
         return "gpu1"
@@ -128,7 +128,7 @@ def _will_skip(item) -> bool:
 
 def prefetch_grids(items) -> int:
     """Start the NCCL grids of `items` that will run (not skipped) in the background; how many."""
-    from cpkit.grid import default_pools
+    from cpkit.harness.grid import default_pools
     from cpkit.testing.params import grid_spec_of
 
     specs = {}
@@ -169,17 +169,17 @@ def pytest_runtest_setup(item):
 
 def pytest_sessionfinish(session):
     """End every launch the run started (torchrun examples and clusters, Ctrl-C included: the
-    launches' own guard covers a killed run, cpkit.children), close this process's rank pools
+    launches' own guard covers a killed run, cpkit.harness.children), close this process's rank pools
     (bounded) and log their start-ups into the timing table."""
     import sys
 
-    children = sys.modules.get("cpkit.children")
+    children = sys.modules.get("cpkit.harness.children")
     if children is not None:
         children.kill_all()
-    grid = sys.modules.get("cpkit.grid")
+    grid = sys.modules.get("cpkit.harness.grid")
     if grid is None or grid._default is None:
         return
-    from cpkit.launch_times import record_times
+    from cpkit.harness.launch_times import record_times
 
     record_times([dict(pool=True, **s) for s in grid._default.stats()])
     grid._default.close()

@@ -22,7 +22,7 @@ from cpkit.attention.options import CPAttentionOptions
 from cpkit.errors import CPConfigError
 from cpkit.sharding import pad_cu_seqlens, shard_seq, shard_thd
 from cpkit.testing.groups import new_hierarchical_groups
-from cpkit.launch import device
+from cpkit.harness.launch import device
 from cpkit.testing.reference import reference_shard
 
 __all__ = ["DTYPES", "HEADS", "TOLERANCE", "attention_case", "cases", "cluster_cases"]
@@ -83,7 +83,7 @@ def _cp_group(case):
         return dist.group.WORLD, dist.get_rank()
     # With groups built over WORLD in order, position p2p_rank * A + a2a_rank is the global rank.
     # Every case asks for them: a rank pool or the cluster runner hands out the groups of an
-    # earlier case again (cpkit.pool_groups.GroupReuse), so no case adds groups.
+    # earlier case again (cpkit.harness.pool_groups.GroupReuse), so no case adds groups.
     return list(new_hierarchical_groups(list(range(world)), case["a2a"])), dist.get_rank()
 
 

@@ -67,7 +67,7 @@ def bridge_hcp_case(case):
     from cpkit.bridge import DistInit, bridge_model_config, bridge_modules
     from cpkit.testing.compare import assert_grads_close
     from cpkit.mcore_cpu import install_mcore_cpu_shim
-    from cpkit.launch import device
+    from cpkit.harness.launch import device
     from cpkit.testing.models import FEATURE_MODELS, GPTConfig, build_gpt, eval_step, make_batch, named_gradients, train_step
     from cpkit.testing.reference import single_rank_pg_collection
 

@@ -15,7 +15,7 @@ from cpkit.groups import build_pg_collection
 from cpkit.layout import CPLayout
 from cpkit.testing.compare import assert_grads_close
 from cpkit.mcore_cpu import install_mcore_cpu_shim
-from cpkit.launch import device
+from cpkit.harness.launch import device
 from cpkit.testing.models import GPTConfig, build_gpt, named_gradients
 from cpkit.testing.reference import per_sequence_reference, single_rank_pg_collection, token_sample
 

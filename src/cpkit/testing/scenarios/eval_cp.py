@@ -14,7 +14,7 @@ from cpkit.groups import build_pg_collection
 from cpkit.layout import CPLayout
 from cpkit.sharding import shard_batch
 from cpkit.mcore_cpu import install_mcore_cpu_shim
-from cpkit.launch import device
+from cpkit.harness.launch import device
 from cpkit.testing.models import GPTConfig, build_gpt, eval_step, make_batch, train_step
 from cpkit.testing.reference import single_rank_pg_collection
 

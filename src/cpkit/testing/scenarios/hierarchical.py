@@ -19,7 +19,7 @@ from cpkit.layout import CPLayout
 from cpkit.sharding import shard_batch
 from cpkit.testing.compare import assert_grads_close, first_layer_name, max_rel_diff
 from cpkit.mcore_cpu import install_mcore_cpu_shim
-from cpkit.launch import device
+from cpkit.harness.launch import device
 from cpkit.testing.models import GPTConfig, build_gpt, eval_step, make_batch, named_gradients, train_step
 from cpkit.testing.reference import single_rank_pg_collection
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from cpkit.compat import get_pg, schedule_pg_collection
 from cpkit.group_info import group_size
 from cpkit.groups import build_pg_collection
-from cpkit.launch import device
+from cpkit.harness.launch import device
 from cpkit.layout import CPLayout
 from cpkit.loss import attach_grad_sync, reduce_group, reduce_reported_losses
 from cpkit.mcore_cpu import install_mcore_cpu_shim

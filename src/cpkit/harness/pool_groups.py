@@ -1,4 +1,4 @@
-"""Process groups that a pool rank (cpkit.rank_worker) keeps across cases and hands out again.
+"""Process groups that a pool rank (cpkit.harness.rank_worker) keeps across cases and hands out again.
 
 A persistent rank runs hundreds of cases; each builds the groups of its layout through
 `torch.distributed.new_group` (cpkit's builders, MCore's `initialize_model_parallel`,

@@ -9,7 +9,7 @@ cluster runner, the Megatron-LM worker. Two guards, for the four ways a run stop
 - `kill_all` ends every child still running (SIGTERM to its session, SIGKILL after `grace_s`);
   the pytest plugin calls it when the session finishes, Ctrl-C included.
 
-Rank pools and `cpkit.launch` ranks have their own guard (cpkit.rank_worker.die_with_parent).
+Rank pools and `cpkit.harness.launch` ranks have their own guard (cpkit.harness.rank_worker.die_with_parent).
 """
 
 from __future__ import annotations

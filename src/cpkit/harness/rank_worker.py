@@ -1,4 +1,4 @@
-"""The rank side of a persistent rank pool (cpkit.rank_pool): one process per rank that joins the
+"""The rank side of a persistent rank pool (cpkit.harness.rank_pool): one process per rank that joins the
 pool's process group once, then runs case after case sent to it by importable name.
 
 Each case runs from the same state: RNG seeded, the environment and torch's global switches as
@@ -8,7 +8,7 @@ model-parallel state, RNG tracker and microbatch calculator, compiled-graph cach
 environment and torch's global switches.
 A case after which more GPU memory is held than before it is reported as a leak, which fails
 that case and retires the pool. Process groups are kept and handed out again to later cases
-that ask for the same ranks (cpkit.pool_groups), so their number follows the layouts used, not
+that ask for the same ranks (cpkit.harness.pool_groups), so their number follows the layouts used, not
 the cases; a pool whose groups still grow past MAX_KEPT_GROUPS is retired, and so is one whose
 ranks made different numbers of groups (a case that failed on some ranks half-way).
 
@@ -30,19 +30,19 @@ import time
 import traceback
 
 from cpkit.coverage_map import rank_case_context
-from cpkit.pool_groups import GroupReuse, group_count, live_groups
-from cpkit.rank_stderr import capture_stderr
+from cpkit.harness.pool_groups import GroupReuse, group_count, live_groups
+from cpkit.harness.rank_stderr import capture_stderr
 
 __all__ = ["BACKEND_ENV", "GPU_LEAK_SLACK_BYTES", "MAX_KEPT_GROUPS", "die_with_parent", "rank_main", "resolve"]
 
 BACKEND_ENV = "CPKIT_LAUNCH_BACKEND"
-"""The backend of a rank's process group, read by cpkit.launch.device()."""
+"""The backend of a rank's process group, read by cpkit.harness.launch.device()."""
 GPU_LEAK_SLACK_BYTES = 512 << 20
 """GPU memory a rank may hold above its start-up level after a case's clean-up (cuBLAS and cuDNN
 workspaces, allocator rounding); more than this is a leak of the case that left it."""
 SEED = 1234
 MAX_KEPT_GROUPS = 512
-"""Process groups a pool rank may keep for its cases (cpkit.pool_groups) before the pool is
+"""Process groups a pool rank may keep for its cases (cpkit.harness.pool_groups) before the pool is
 retired (respawned, not failed). Reused groups follow the layouts a tier runs (the 4x H200
 proof at abc9a09 retired no pool for them): past this bound cases make groups they never ask
 for again, which is a leak."""
@@ -147,7 +147,7 @@ def _clean_up(before_bytes: int, baseline_groups: int, device) -> tuple[str | No
     """Reset what a case may leave behind; return (leak or None, why the pool retires or None,
     bytes held).
 
-    Process groups stay alive for later cases (cpkit.pool_groups); only more of them than
+    Process groups stay alive for later cases (cpkit.harness.pool_groups); only more of them than
     MAX_KEPT_GROUPS retires the pool."""
     _reset_upstream_state()
     held = _held_bytes(device)

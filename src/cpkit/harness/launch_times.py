@@ -1,4 +1,4 @@
-"""The timing table of multi-rank runs: with CPKIT_CASE_TIMES=<file>, cpkit.launch appends one
+"""The timing table of multi-rank runs: with CPKIT_CASE_TIMES=<file>, cpkit.harness.launch appends one
 JSON line per GPU claim wait, per case and per grid (wall time against the cases' own time: the
 rest is start-up: spawning, imports, CUDA and NCCL initialization). scripts/gpu-suites.sh sets it,
 so that a slow tier shows which case, which grid's start-up or which wait for GPUs costs what."""

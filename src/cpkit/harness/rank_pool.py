@@ -7,14 +7,14 @@ every wait), each rank has its own pipe (no shared queue to desync), teardown is
 message, then SIGKILL of each rank's process group), and one failure never mutes later cases:
 
 - a case that raises on some ranks while the rest finish is a failure of that case only; the
-  ranks resynchronize through the store (cpkit.rank_worker) and the pool carries on;
+  ranks resynchronize through the store (cpkit.harness.rank_worker) and the pool carries on;
 - a rank that dies, or ranks still running `fail_grace_s` after another rank failed (stuck in a
   collective the failed rank never joined), or a case past its deadline: every rank's state is
   reported (result, traceback, exit, stack dump, stderr tail), the pool is killed and the next
   case starts a fresh one;
 - a case after which its ranks hold more GPU memory than before fails with the leak and retires
   the pool; a pool is retired (nothing fails) when its ranks keep more process groups than a
-  leak-free tier makes, or made different numbers of them (cpkit.pool_groups: groups are reused
+  leak-free tier makes, or made different numbers of them (cpkit.harness.pool_groups: groups are reused
   across cases). `RankPool.retired` counts each reason.
 """
 
@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from cpkit.coverage_map import current_test_id
+from cpkit.harness.rank_stderr import StderrFollower, describe_exit
+from cpkit.harness.rank_worker import rank_main
+from cpkit.harness.rendezvous import START_ATTEMPTS, is_transient_rendezvous, note_retry
 from cpkit.notices import child_warnoptions
-from cpkit.rank_stderr import StderrFollower, describe_exit
-from cpkit.rank_worker import rank_main
-from cpkit.rendezvous import START_ATTEMPTS, is_transient_rendezvous, note_retry
 
 __all__ = ["PoolStartError", "RankPool", "CaseRun", "close_pools", "function_ref"]
 
@@ -117,7 +117,7 @@ class RankPool:
     # -- life cycle ------------------------------------------------------------------------
     def start(self) -> None:
         """Spawn the ranks and wait until every one has joined the process group (once more
-        after a gloo mesh failure while joining: cpkit.rendezvous)."""
+        after a gloo mesh failure while joining: cpkit.harness.rendezvous)."""
         for attempt in range(1, START_ATTEMPTS + 1):
             try:
                 return self._start_once()

@@ -21,12 +21,12 @@ import time
 import traceback
 from typing import Any, Callable, Sequence
 
-from cpkit.gpu_claim import CLAIM_ENV, claim_gpus, cuda_device_count, visible_gpu_ids
-from cpkit.launch_times import record_times
+from cpkit.harness.gpu_claim import CLAIM_ENV, claim_gpus, cuda_device_count, visible_gpu_ids
+from cpkit.harness.launch_times import record_times
+from cpkit.harness.rank_stderr import StderrFollower, capture_stderr, describe_exit
+from cpkit.harness.rank_worker import BACKEND_ENV, die_with_parent
+from cpkit.harness.rendezvous import START_ATTEMPTS, is_transient_rendezvous, note_retry
 from cpkit.notices import child_warnoptions
-from cpkit.rank_stderr import StderrFollower, capture_stderr, describe_exit
-from cpkit.rank_worker import BACKEND_ENV, die_with_parent
-from cpkit.rendezvous import START_ATTEMPTS, is_transient_rendezvous, note_retry
 
 __all__ = [
     "LaunchTimeout",
@@ -81,7 +81,7 @@ def _worker(rank, world_size, backend, store_path, dump_dir, pg_timeout_s, fn, a
         # A gloo rank runs on CPU: hide the GPUs before torch first looks for them, so that
         # nothing in the rank (MCore, a kernel choice, an RNG fork) initializes CUDA by accident.
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    elif gpu_ids is not None:  # the GPUs this launch claimed (cpkit.gpu_claim): rank r on the r-th
+    elif gpu_ids is not None:  # the GPUs this launch claimed (cpkit.harness.gpu_claim): rank r on the r-th
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu_ids
     # A stack dump on SIGUSR1 lets the parent show where a hung rank is stuck.
     dump_file = open(os.path.join(dump_dir, f"rank{rank}.stacks"), "w")
@@ -228,7 +228,7 @@ def launch(
     rank errors instead of hanging. `cuda_visible` (default: only under nccl) lets a gloo rank
     see the GPUs; otherwise gloo ranks run with CUDA hidden and one intra-op thread each.
 
-    Under nccl the launch first claims `world_size` GPUs of the host (cpkit.gpu_claim; waits
+    Under nccl the launch first claims `world_size` GPUs of the host (cpkit.harness.gpu_claim; waits
     while other launches hold them; CPKIT_GPU_CLAIM=0: no claim, rank r on visible GPU r), so
     that launches smaller than the host run side by side. A rank that dies by a signal is
     reported with the last lines it wrote to stderr (each rank's stderr also reaches this
@@ -339,5 +339,5 @@ def _launch_once(fn, world_size, backend, timeout, args, kwargs, pg_timeout, cud
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-# Grids of cases run on persistent rank pools (cpkit.grid); re-exported for existing imports.
-from cpkit.grid import CaseFailed, CaseResult, case_id_of, run_cases  # noqa: E402
+# Grids of cases run on persistent rank pools (cpkit.harness.grid); re-exported for existing imports.
+from cpkit.harness.grid import CaseFailed, CaseResult, case_id_of, run_cases  # noqa: E402

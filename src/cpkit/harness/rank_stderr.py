@@ -3,7 +3,7 @@ grows and tailed into the failure report when the rank dies.
 
 A rank killed by a signal (a CUDA, NCCL or cuDNN abort, a segfault) sends no traceback through
 the launcher's queue; what it wrote to stderr just before (the library's error, faulthandler's
-Python stack) is then the only account of the crash, so cpkit.launch quotes its last lines.
+Python stack) is then the only account of the crash, so cpkit.harness.launch quotes its last lines.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Grids of cases on persistent rank pools: `run_cases(fn, cases, world_size)` runs every case on
-the process's pool for that backend and world size (cpkit.rank_pool), started once and reused by
+the process's pool for that backend and world size (cpkit.harness.rank_pool), started once and reused by
 every grid, and returns one CaseResult per case.
 
 On a GPU host the NCCL pools of one world size sit on disjoint GPU slices (two 2-GPU slices on 4
@@ -20,9 +20,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from cpkit.gpu_claim import cuda_device_count, visible_gpu_ids
-from cpkit.launch_times import record_grid_times
-from cpkit.rank_pool import PoolStartError, RankPool, close_pools, function_ref
+from cpkit.harness.gpu_claim import cuda_device_count, visible_gpu_ids
+from cpkit.harness.launch_times import record_grid_times
+from cpkit.harness.rank_pool import PoolStartError, RankPool, close_pools, function_ref
 
 __all__ = ["CaseFailed", "CaseResult", "GridSpec", "POOLS_PER_SLICE_ENV", "PoolSet", "case_id_of", "default_pools",
            "pools_per_slice", "run_cases", "world_sizes_per_gpu"]
@@ -414,7 +414,7 @@ def run_cases(fn: Callable[[Any], Any], cases: Iterable[Any], world_size: int, *
     """Run `fn(case)` for every case, in order, on this process's pool of `world_size` ranks.
 
     `fn` must be importable (module level): cases travel by name. Each case gets RNG seeded the
-    same way and a clean slate (cpkit.rank_worker); exceptions are caught per case and rank. A
+    same way and a clean slate (cpkit.harness.rank_worker); exceptions are caught per case and rank. A
     case that fails on some ranks while the others finish fails alone; a rank that dies or hangs,
     or ranks stuck after another failed, fail that case with every rank's account, and the next
     case gets a fresh pool. `timeout` bounds the whole grid. `pg_timeout` is accepted for
