@@ -12,10 +12,10 @@
 # 3. the evidence folder evidence/<date>-<n>x<GPU>-<commit>/ (env.txt, junit.xml, case-times.jsonl,
 #    gpu-util.csv, pytest.log, README.md with counts, stage walls and budgets), recorded into the
 #    cards (`cpkit cards record --evidence`), and a copy as $OUT/proof.tar.gz;
-# 4. each budget with its verdict (src/cpkit/proof_report.py::BUDGETS); exit 0 only when the run is
+# 4. each budget with its verdict (src/cpkit/validation/proof_report.py::BUDGETS); exit 0 only when the run is
 #    green and within every budget.
 # CPKIT_COMMIT names the commit where the tree is not a git checkout (a copy sent to a GPU host);
-# the README also records the tree's fingerprint (`python -m cpkit.proof_report --fingerprint .`),
+# the README also records the tree's fingerprint (`python -m cpkit.validation.proof_report --fingerprint .`),
 # which names the same tree with or without git. CPKIT_PROOF_TIMEOUT_S (default 540) bounds pytest:
 # on expiry it gets SIGINT and still writes its summary and junit.
 set -uo pipefail
@@ -75,7 +75,7 @@ kill "$sampler" 2>/dev/null
 
 # -- 3. evidence, cards, budgets ----------------------------------------------------------------
 total_s=$(secs "$begin")
-python3 -m cpkit.proof_report "$dir" --gpus "$gpus" --setup-s "$setup_s" --pytest-s "$pytest_s" \
+python3 -m cpkit.validation.proof_report "$dir" --gpus "$gpus" --setup-s "$setup_s" --pytest-s "$pytest_s" \
   --total-s "$total_s" --marker "$marker" --machine "${gpus}x $gpu" --commit "$commit" \
   --command "CPKIT_COMMIT=$commit bash scripts/gpu-proof.sh $*"
 verdict=$?

@@ -1,4 +1,4 @@
-"""cpkit.cards, cpkit.anchors and `cpkit cards`, on the miniature repository in fixtures/cards/repo.
+"""cpkit.cards, cpkit.validation.anchors and `cpkit cards`, on the miniature repository in fixtures/cards/repo.
 
 Each file in fixtures/cards/bad/ is the fixture card with one defect; each must be rejected with
 an error that names the file, the key path and the problem.
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cpkit.anchors import resolve_anchor, split_anchor
+from cpkit.validation.anchors import resolve_anchor, split_anchor
 from cpkit.cards import (
     CardError,
     ast_collect_node_ids,
@@ -22,7 +22,7 @@ from cpkit.cards import (
     status_report,
 )
 from cpkit.cli import main
-from cpkit.strict_yaml import StrictYAMLError, load_strict_yaml
+from cpkit.validation.strict_yaml import StrictYAMLError, load_strict_yaml
 
 FIXTURES = Path(__file__).parent / "fixtures" / "cards"
 CARD = "cards/demo-feature/card.yaml"

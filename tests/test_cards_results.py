@@ -19,7 +19,7 @@ import pytest
 from cpkit.cards import LastResult, load_card, read_junit, record_junit, status_report, write_last_result
 from cpkit.cards.check import check_cards
 from cpkit.cli import main
-from cpkit.import_graph import cpkit_imports, imports, package_modules
+from cpkit.validation.import_graph import cpkit_imports, imports, package_modules
 
 FIXTURES = Path(__file__).parent / "fixtures" / "cards"
 ROOT = Path(__file__).resolve().parents[1]

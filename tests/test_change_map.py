@@ -1,4 +1,4 @@
-"""The change map (src/cpkit/change_map.py): what `cpkit validate --changed` selects for fixture
+"""The change map (src/cpkit/validation/change_map.py): what `cpkit validate --changed` selects for fixture
 diffs, that the map names every module and only existing tests, and that the validating skill's
 table cannot drift from it."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cpkit.change_map import (
+from cpkit.validation.change_map import (
     ALWAYS,
     ANY_MODULE,
     CHANGE_MAP,
@@ -20,8 +20,8 @@ from cpkit.change_map import (
 )
 from cpkit.cli import build_parser
 from cpkit.commands.validate import changed_paths
-from cpkit.import_graph import package_modules, importing_tests, transitive_cpkit_imports
 from cpkit.skills import check_skills
+from cpkit.validation.import_graph import package_modules, importing_tests, transitive_cpkit_imports
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE_REPO = Path(__file__).parent / "fixtures" / "cards" / "repo"
@@ -82,7 +82,7 @@ def test_every_test_file_that_imports_a_module_is_selected_by_its_change():
                 selection = select_tests([files[module]])
                 if not selection.everything and name not in selection.files:
                     missed.setdefault(files[module], []).append(name)
-    assert missed == {}, f"src/cpkit/change_map.py::select_tests misses importing tests: {missed}"
+    assert missed == {}, f"src/cpkit/validation/change_map.py::select_tests misses importing tests: {missed}"
 
 
 def test_a_thd_position_change_selects_the_tests_that_catch_it():
@@ -141,7 +141,7 @@ def test_changed_test_file_selects_itself_and_unmapped_code_selects_everything()
 def test_every_module_is_named_by_a_row():
     modules = [p.relative_to(ROOT).as_posix() for p in (ROOT / "src" / "cpkit").rglob("*.py")]
     unnamed = [m for m in modules if not any(matches(p, m) for row in CHANGE_MAP for p in row.changed)]
-    assert unnamed == [], f"add these to src/cpkit/change_map.py::CHANGE_MAP: {unnamed}"
+    assert unnamed == [], f"add these to src/cpkit/validation/change_map.py::CHANGE_MAP: {unnamed}"
 
 
 def test_every_test_file_is_selected_by_some_change():
@@ -165,7 +165,7 @@ def _skill_with_table(repo: Path, table: str) -> None:
 
 
 def _drift_problems(repo: Path) -> list[str]:
-    return [p for p in check_skills(repo, build_parser()) if "differs from src/cpkit/change_map.py" in p]
+    return [p for p in check_skills(repo, build_parser()) if "differs from src/cpkit/validation/change_map.py" in p]
 
 
 def test_skill_table_matching_the_map_passes(tmp_path):

@@ -7,7 +7,7 @@ import sys
 import types
 
 from cpkit.bench.changed_recall import _segment, _summarise, probe_source
-from cpkit.mutants import find_mutants
+from cpkit.validation.mutants import find_mutants
 
 SOURCE = '''\
 def f(a, b):

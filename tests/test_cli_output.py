@@ -63,7 +63,7 @@ def test_root_that_is_not_a_repository_is_an_error(tmp_path, capsys):
     assert "is not a cpkit repository" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [["-m", "cpkit.cli", "cards", "status"], ["-m", "cpkit.change_map"]])
+@pytest.mark.parametrize("argv", [["-m", "cpkit.cli", "cards", "status"], ["-m", "cpkit.validation.change_map"]])
 def test_a_reader_that_leaves_early_gets_no_traceback(argv):
     """`cpkit cards status | head -1`: the closed pipe ends the command quietly, exit 0."""
     import subprocess

@@ -1,5 +1,5 @@
-"""The measured coverage map (cpkit.coverage_map, cpkit.code_hashes) and what `cpkit validate
---changed` selects from it (cpkit.changed_selection): functions by their body lines, what
+"""The measured coverage map (cpkit.validation.coverage_map, cpkit.validation.code_hashes) and what `cpkit validate
+--changed` selects from it (cpkit.validation.changed_selection): functions by their body lines, what
 changed since the map (from its hashes, no git), the rule that widens the selection by that
 drift, the format-1 fallback, and rank-side attribution."""
 
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from cpkit.changed_selection import _Change, _measured, changed_since_map, select_changed
-from cpkit.code_hashes import function_hashes, module_level_hash
-from cpkit.coverage_map import (
+from cpkit.validation.changed_selection import _Change, _measured, changed_since_map, select_changed
+from cpkit.validation.code_hashes import function_hashes, module_level_hash
+from cpkit.validation.coverage_map import (
     MAP_PATH,
     blob_hash,
     drift_since,
@@ -25,7 +25,7 @@ from cpkit.coverage_map import (
     load_map,
     rank_case_context,
 )
-from cpkit.coverage_record import build_map
+from cpkit.validation.coverage_record import build_map
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -286,7 +286,7 @@ def test_a_pooled_case_runs_under_the_id_of_the_test_that_sent_it(monkeypatch):
     """A pool's rank inherited PYTEST_CURRENT_TEST from the test that started it; each case must
     see the test that sent it (the changed_recall bench's probes read it), and the rank's own
     value comes back after the case."""
-    from cpkit.coverage_map import CONTEXT_ENV, current_test_id
+    from cpkit.validation.coverage_map import CONTEXT_ENV, current_test_id
 
     monkeypatch.delenv(CONTEXT_ENV, raising=False)
     monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/test_second.py::t (call)")
@@ -307,8 +307,8 @@ def test_a_pooled_case_runs_under_the_id_of_the_test_that_sent_it(monkeypatch):
 
 POOL_SCRIPT = textwrap.dedent('''\
     import os
-    from cpkit.coverage_map import CONTEXT_ENV
     from cpkit.harness.rank_pool import RankPool
+    from cpkit.validation.coverage_map import CONTEXT_ENV
 
     if __name__ == "__main__":  # a spawned rank imports this file too
         os.environ[CONTEXT_ENV] = "tests/test_first.py::t"  # the test that starts the pool
@@ -326,7 +326,7 @@ def test_a_pool_rank_credits_each_case_to_the_test_that_sent_it(tmp_path):
     """Recorded as `--record-map` records: a pool started under one test runs a case for the
     next; the case's lines belong to the second test (a rank's static context is the first)."""
     coverage = pytest.importorskip("coverage")
-    from cpkit.coverage_record import _test_of, coverage_rcfile
+    from cpkit.validation.coverage_record import _test_of, coverage_rcfile
 
     probe = tmp_path / "probe_case.py"
     probe.write_text("def case(n):\n    return n + 1\n")

@@ -1,7 +1,7 @@
 """The library's import graph: library modules never import test support, no module imports
 itself back through others (layers import only downward), and no module is over 500 lines.
 
-Read from the source by src/cpkit/import_graph.py (`ast`, nothing is imported), so a lazy import
+Read from the source by src/cpkit/validation/import_graph.py (`ast`, nothing is imported), so a lazy import
 inside a function counts as much as one at the top of a module.
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cpkit.import_graph import import_cycles, imports, module_name
+from cpkit.validation.import_graph import import_cycles, imports, module_name
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "cpkit"

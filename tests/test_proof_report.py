@@ -1,11 +1,11 @@
-"""The GPU proof's report (cpkit.proof_report): counts from junit, stage walls from the timing
+"""The GPU proof's report (cpkit.validation.proof_report): counts from junit, stage walls from the timing
 lines, GPU utilization, and each budget's verdict; nothing here needs a GPU."""
 
 from __future__ import annotations
 
 import json
 
-from cpkit import proof_report
+from cpkit.validation import proof_report
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" timestamp="2026-11-27T19:00:00">
 <testcase classname="functional.test_a" name="test_x[nccl2-a]" time="1"/>

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from cpkit.cards import check_cards
-from cpkit.change_map import SKILL_TABLE_BEGIN
 from cpkit.cli import build_parser
 from cpkit.skills import check_skills, skill_dirs
+from cpkit.validation.change_map import SKILL_TABLE_BEGIN
 
 ROOT = Path(__file__).resolve().parents[1]
 SKILLS = [d.name for d in skill_dirs(ROOT)]

@@ -1,13 +1,13 @@
-"""The symbol graph (src/cpkit/symbol_graph.py) behind the narrow `cpkit validate --changed`:
+"""The symbol graph (src/cpkit/validation/symbol_graph.py) behind the narrow `cpkit validate --changed`:
 which tests use a changed function, on a small package written for the test and on cpkit."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from cpkit.change_map import ALWAYS, ANY_MODULE, select_tests
-from cpkit.import_graph import named_imports, package_modules
-from cpkit.symbol_graph import MODULE, affected_tests, symbols_at_lines
+from cpkit.validation.change_map import ALWAYS, ANY_MODULE, select_tests
+from cpkit.validation.import_graph import named_imports, package_modules
+from cpkit.validation.symbol_graph import MODULE, affected_tests, symbols_at_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 

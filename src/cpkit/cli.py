@@ -10,7 +10,7 @@ import sys
 
 from cpkit import __version__
 from cpkit.notices import quiet_known_notices
-from cpkit.repo import NotARepositoryError
+from cpkit.validation.repo import NotARepositoryError
 
 # Order = order in `cpkit --help`.
 COMMAND_MODULES = ["validate", "layout", "plan", "schedule", "cards", "skills"]

@@ -1,5 +1,5 @@
 """`python -m cpkit.bench changed_recall`: does `cpkit validate --changed` catch every fault the
-full validation catches? Measured over seeded mutants of src/cpkit (src/cpkit/mutants.py).
+full validation catches? Measured over seeded mutants of src/cpkit (src/cpkit/validation/mutants.py).
 
 For each mutant (a minimal text edit, `mutation.mutant_source`) in a scratch worktree of HEAD:
 1. `cpkit validate --changed HEAD --pytest-args=-x` with the mutant as the only change: its
@@ -39,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from cpkit.mutants import Mutant, find_mutants, mutant_source
+from cpkit.validation.mutants import Mutant, find_mutants, mutant_source
 
 __all__ = ["FOCUS", "sample_mutants", "probe_source", "selected_share", "main"]
 
@@ -52,8 +52,8 @@ _PROBE_ENV = "CPKIT_RECALL_PROBE"
 _SELECTION = """
 import json
 from pathlib import Path
-from cpkit.changed_selection import select_changed
 from cpkit.commands.validate import changed_lines, changed_paths
+from cpkit.validation.changed_selection import select_changed
 root = Path.cwd()
 base, changed = changed_paths(root, "HEAD")
 lines = {p: changed_lines(root, base, p) for p in changed if p.startswith("src/cpkit/") and p.endswith(".py")}
@@ -78,7 +78,7 @@ def hit(site):
 
 def _segment(source: str, mutant: Mutant) -> tuple[int, int, bool]:
     """(start, end) byte offsets of the mutated node, and whether it is an expression."""
-    from cpkit.mutants import _Sites  # the walk that numbers sites
+    from cpkit.validation.mutants import _Sites  # the walk that numbers sites
 
     sites = _Sites(target=mutant.index)
     sites.visit(ast.parse(source))

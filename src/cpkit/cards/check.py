@@ -1,7 +1,7 @@
 """`check_cards`: every card loads, has its skill, its evidence anchors resolve, every
 covering pytest node id is collected (one `pytest --collect-only` run through
-cpkit.pytest_runner), every measured claim's evidence folder and code exist, and no measured
-number in a card, a skill or the README goes without a claim (cpkit.cards.claims)."""
+cpkit.validation.pytest_runner), every measured claim's evidence folder and code exist, and no
+measured number in a card, a skill or the README goes without a claim (cpkit.cards.claims)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import re
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from cpkit.anchors import resolve_anchor
 from cpkit.cards.claims import rendered_block_problems, unbacked_numbers
 from cpkit.cards.nodes import CLUSTER_PREFIX, node_matches
 from cpkit.cards.schema import card_dirs, load_cards
 from cpkit.cards.upstream import check_upstream_maps
-from cpkit.pytest_runner import run_pytest
+from cpkit.validation.anchors import resolve_anchor
+from cpkit.validation.pytest_runner import run_pytest
 
 __all__ = ["Collected", "Collector", "collect_node_ids", "ast_collect_node_ids", "claim_problems", "check_cards"]
 

@@ -46,7 +46,7 @@ from typing import Iterable, Iterator
 
 import yaml
 
-from cpkit.strict_yaml import load_strict_yaml
+from cpkit.validation.strict_yaml import load_strict_yaml
 
 __all__ = [
     "Measured", "Block", "Unbacked", "RENDER_BEGIN", "RENDER_END", "measured_numbers", "numbers_of",

@@ -1,7 +1,7 @@
 """Whether a recorded result still holds: a follow-up's `last_result` names the commit it was
 measured at; it is stale when a file its covering tests cover changed since that commit, where
 "cover" is what `cpkit validate --changed` runs for a changed path: the change map's rows and the
-import graph (src/cpkit/change_map.py::select_tests).
+import graph (src/cpkit/validation/change_map.py::select_tests).
 
 A measured claim (a card's `claims:`) is judged the same way from its commit and its `about`
 entries: a test's selection as above, a source path by itself (ChangeIndex.claim_freshness).
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from cpkit.cards.nodes import CLUSTER_PREFIX, node_file
 from cpkit.cards.snapshot import changed_on_disk, find_snapshot
-from cpkit.change_map import select_tests
+from cpkit.validation.change_map import select_tests
 
 __all__ = ["FRESH", "STALE", "UNKNOWN", "TEST_ROOTS", "Freshness", "ChangeIndex", "head_commit"]
 
@@ -97,7 +97,7 @@ class ChangeIndex:
         return self._selects[path]
 
     def covers(self, path: str, test_file: str) -> bool:
-        """True when a change of `path` selects `test_file` (src/cpkit/change_map.py::select_tests)."""
+        """True when a change of `path` selects `test_file` (src/cpkit/validation/change_map.py::select_tests)."""
         files, everything = self._selected(path)
         return everything or test_file in files or any(f.endswith("/") and test_file.startswith(f) for f in files)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from cpkit.cards.claims import replace_rendered_blocks
 from cpkit.cards.schema import CardError, load_cards
-from cpkit.repo import find_repo_root
+from cpkit.validation.repo import find_repo_root
 
 __all__ = ["render_files", "main"]
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from cpkit.strict_yaml import StrictYAMLError, load_strict_yaml, yaml_error_text
+from cpkit.validation.strict_yaml import StrictYAMLError, load_strict_yaml, yaml_error_text
 
 __all__ = [
     "VALIDATION_STATUSES",

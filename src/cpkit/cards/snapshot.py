@@ -16,7 +16,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from cpkit.code_hashes import git_blob_id
+from cpkit.validation.code_hashes import git_blob_id
 
 __all__ = ["SNAPSHOT_DIR", "blob_id", "snapshot_at", "write_snapshot", "find_snapshot", "changed_on_disk",
            "prune_snapshots"]
@@ -31,7 +31,7 @@ _ALWAYS_IGNORED = ("__pycache__", "*.pyc", "*.pyo", ".git")
 
 
 def blob_id(data: bytes) -> str:
-    """git's blob id of `data` (src/cpkit/code_hashes.py::git_blob_id), shortened."""
+    """git's blob id of `data` (src/cpkit/validation/code_hashes.py::git_blob_id), shortened."""
     return git_blob_id(data)[:_ID_DIGITS]
 
 

@@ -1,5 +1,5 @@
 """`cpkit cards status`: per card, the follow-ups and the tests that cover them; with `run=True`
-the covering tests that fit this machine run in one pytest subprocess (cpkit.pytest_runner)."""
+the covering tests that fit this machine run in one pytest subprocess (cpkit.validation.pytest_runner)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from cpkit.cards.freshness import FRESH, STALE, UNKNOWN, ChangeIndex, Freshness,
 from cpkit.cards.nodes import CLUSTER_PREFIX, node_matches
 from cpkit.cards.schema import GPUS_NEEDED, CardError, FollowUp, card_dirs, load_cards
 from cpkit.devices import cuda_device_count
-from cpkit.pytest_runner import run_pytest
+from cpkit.validation.pytest_runner import run_pytest
 
 __all__ = ["FAILING_RESULTS", "verdict", "node_result", "claim_rows", "status_report", "card_status",
            "format_status_table", "write_report"]

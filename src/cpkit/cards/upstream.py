@@ -28,7 +28,7 @@ import yaml
 from cpkit.cards.freshness import FRESH, STALE, UNKNOWN, ChangeIndex, head_commit
 from cpkit.cards.schema import CardError, card_dirs, load_cards
 from cpkit.cards.status import node_result, status_report, verdict
-from cpkit.strict_yaml import StrictYAMLError, load_strict_yaml
+from cpkit.validation.strict_yaml import StrictYAMLError, load_strict_yaml
 
 __all__ = [
     "UPSTREAM_FILE",

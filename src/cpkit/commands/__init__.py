@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from cpkit.repo import NotARepositoryError, find_repo_root, is_repo_root
+from cpkit.validation.repo import NotARepositoryError, find_repo_root, is_repo_root
 
 __all__ = ["print_problems", "repo_root"]
 

@@ -4,9 +4,9 @@ Without --changed: the unit tests, the `dist` tests (gloo) and the gpu1/gpu2/gpu
 enough CUDA devices are present, in one pytest process. With --changed: only the test files that
 cover the paths changed since BASE (default: the merge base with main; on main itself, or
 without main, HEAD when there are uncommitted changes, else HEAD~1; uncommitted and untracked
-files included), chosen by src/cpkit/changed_selection.py::select_changed: the test files that
+files included), chosen by src/cpkit/validation/changed_selection.py::select_changed: the test files that
 ran a changed function (the measured coverage map, rank processes included), united with
-src/cpkit/change_map.py::CHANGE_MAP's rows and the tests that use a changed function or class
+src/cpkit/validation/change_map.py::CHANGE_MAP's rows and the tests that use a changed function or class
 through its own package (with --wide: every test that imports the module). What changed since
 the map was measured (from the hashes it stores) widens the selection, so an older map selects
 more; only a missing or unreadable map runs everything. Outside a git checkout, --changed with
@@ -26,9 +26,9 @@ import sys
 import time
 from pathlib import Path
 
-from cpkit.changed_selection import changed_since_map, select_changed
 from cpkit.commands import repo_root
-from cpkit.pytest_runner import run_pytest
+from cpkit.validation.changed_selection import changed_since_map, select_changed
+from cpkit.validation.pytest_runner import run_pytest
 
 __all__ = ["add_parser", "run", "FEATURE_TESTS", "feature_of", "changed_paths", "changed_lines", "gpu_owed"]
 
@@ -241,7 +241,7 @@ def run(args) -> int:
     to_stdout = args.json == "-"
     out = sys.stderr if to_stdout else sys.stdout
     if getattr(args, "record_map", False):
-        from cpkit.coverage_record import record_map
+        from cpkit.validation.coverage_record import record_map
 
         recorded = record_map(root, out=out)["recorded"]
         return 0 if recorded["pytest_exit"] == 0 else 1

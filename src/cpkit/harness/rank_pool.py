@@ -31,7 +31,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from cpkit.coverage_map import current_test_id
+from cpkit.validation.coverage_map import current_test_id
 from cpkit.harness.rank_stderr import StderrFollower, describe_exit
 from cpkit.harness.rank_worker import rank_main
 from cpkit.harness.rendezvous import START_ATTEMPTS, is_transient_rendezvous, note_retry

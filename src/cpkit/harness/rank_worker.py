@@ -29,7 +29,7 @@ import sys
 import time
 import traceback
 
-from cpkit.coverage_map import rank_case_context
+from cpkit.validation.coverage_map import rank_case_context
 from cpkit.harness.pool_groups import GroupReuse, group_count, live_groups
 from cpkit.harness.rank_stderr import capture_stderr
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cpkit.anchors import resolve_anchor
-from cpkit.change_map import SKILL_TABLE_BEGIN, SKILL_TABLE_END, skill_table
 from cpkit.skills.commands import check_command
+from cpkit.validation.anchors import resolve_anchor
+from cpkit.validation.change_map import SKILL_TABLE_BEGIN, SKILL_TABLE_END, skill_table
 from cpkit.skills.load import (
     EVAL_KEYS,
     FRONTMATTER_KEYS,
@@ -83,7 +83,7 @@ def check_skills(root: str | Path, parser: argparse.ArgumentParser) -> list[str]
 
 def _generated_table_problems(skill: Skill) -> list[str]:
     """A body holding the change map's table must hold it exactly as
-    src/cpkit/change_map.py::skill_table renders it (so the table and the map cannot drift)."""
+    src/cpkit/validation/change_map.py::skill_table renders it (so the table and the map cannot drift)."""
     if SKILL_TABLE_BEGIN not in skill.body:
         return []
     start = skill.body.index(SKILL_TABLE_BEGIN)
@@ -92,7 +92,7 @@ def _generated_table_problems(skill: Skill) -> list[str]:
     if end < 0:
         return [f"{skill.path}:{line}: generated table is not closed by {SKILL_TABLE_END!r}"]
     if skill.body[start:end + len(SKILL_TABLE_END)] != skill_table():
-        return [f"{skill.path}:{line}: the table differs from src/cpkit/change_map.py::CHANGE_MAP; "
-                "replace it with the output of `python -m cpkit.change_map`"]
+        return [f"{skill.path}:{line}: the table differs from src/cpkit/validation/change_map.py::CHANGE_MAP; "
+                "replace it with the output of `python -m cpkit.validation.change_map`"]
     return []
 

@@ -13,8 +13,8 @@ import re
 import tomllib
 from pathlib import Path
 
-from cpkit.anchors import resolve_anchor
 from cpkit.skills.scan import program_of
+from cpkit.validation.anchors import resolve_anchor
 
 __all__ = ["check_command"]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from cpkit.strict_yaml import StrictYAMLError, load_strict_yaml, yaml_error_text
+from cpkit.validation.strict_yaml import StrictYAMLError, load_strict_yaml, yaml_error_text
 
 __all__ = [
     "FRONTMATTER_KEYS", "MAX_DESCRIPTION_CHARS", "MAX_BODY_LINES", "EVAL_KEYS",

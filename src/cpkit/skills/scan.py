@@ -8,7 +8,7 @@ import re
 import shlex
 from typing import Iterator
 
-from cpkit.anchors import is_anchor_token
+from cpkit.validation.anchors import is_anchor_token
 
 __all__ = ["SHELL_FENCES", "body_anchors", "body_commands", "program_of"]
 
@@ -50,7 +50,7 @@ def body_anchors(body: str) -> list[tuple[int, str]]:
     """(0-based line, anchor) for every anchor the body names.
 
     Anchors are words of inline code spans (outside fenced blocks) that start with one of
-    cpkit.anchors.ANCHOR_PREFIXES or contain `::`; spans that are commands (see body_commands)
+    cpkit.validation.anchors.ANCHOR_PREFIXES or contain `::`; spans that are commands (see body_commands)
     are checked as commands instead. Relative markdown link targets are returned as `link:<target>`.
     """
     found: list[tuple[int, str]] = []

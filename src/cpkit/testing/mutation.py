@@ -6,8 +6,8 @@ Each mutant is one change to the module's syntax tree: a flipped comparison (`<`
 integer constant off by one, `and` <-> `or`, a dropped `not`, `+` <-> `-`, `*` <-> `//`, a return
 value replaced by None, or a statement (an assignment or a call) replaced by `pass`. The mutated
 module is written into a copy of `src/` and the given tests run in a fresh `python -m pytest -x`
-process (cpkit.pytest_runner) with that copy first on PYTHONPATH; a mutant is killed when the tests fail (or time out),
-and survives when they pass. A fresh process per mutant is slower than forking (mostly imports),
+process (cpkit.validation.pytest_runner) with that copy first on PYTHONPATH; a mutant is killed
+when the tests fail (or time out), and survives when they pass. A fresh process per mutant is slower than forking (mostly imports),
 but forking workers with torch and gloo loaded hang.
 
 Prints, per mutant, the outcome, line and change, and the score: killed / (mutants - equivalent).
@@ -33,8 +33,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from cpkit.mutants import Mutant, _Sites, apply_mutant, find_mutants, mutant_source  # noqa: F401 - re-exported
-from cpkit.pytest_runner import run_pytest
+from cpkit.validation.mutants import Mutant, _Sites, apply_mutant, find_mutants, mutant_source  # noqa: F401 - re-exported
+from cpkit.validation.pytest_runner import run_pytest
 
 __all__ = ["Mutant", "find_mutants", "apply_mutant", "mutant_source", "run", "main"]
 

@@ -2,7 +2,7 @@
 stage from the timing lines (cpkit.harness.launch_times), how busy the GPUs were, and each budget with
 its verdict; written as the evidence folder's README.md and printed.
 
-    python -m cpkit.proof_report EVIDENCE_DIR --gpus 4 --setup-s 41 --pytest-s 250 --total-s 300
+    python -m cpkit.validation.proof_report EVIDENCE_DIR --gpus 4 --setup-s 41 --pytest-s 250 --total-s 300
 
 A stage's wall is the span from its first grid's first case to its last grid's end (stages run
 side by side, so the walls overlap and do not add up): 2-GPU, 3-GPU and 4-GPU are the rank-pool
@@ -100,7 +100,8 @@ def report(folder: Path, *, gpus: int, setup_s: float, pytest_s: float, total_s:
     green = tally["failed"] == 0 and tally["error"] == 0 and tally["xpassed"] == 0 and tally["passed"] > 0
     lines = [f"# GPU proof: {machine}, commit {commit}", "",
              f"Command: `{command}` (pytest `-m \"{marker}\"` over functional/, TE and examples included).",
-             f"Tree fingerprint: `{fingerprint}` (`python -m cpkit.proof_report --fingerprint` of the checkout).", "",
+             f"Tree fingerprint: `{fingerprint}` (`python -m cpkit.validation.proof_report --fingerprint` of the "
+             "checkout).", "",
              "| outcome | tests |", "|---|---|"]
     lines += [f"| {k} | {tally[k]} |" for k in ("passed", "failed", "error", "xfailed", "xpassed", "skipped")]
     lines += ["", "| stage | wall s |", "|---|---|", f"| set-up | {setup_s:.0f} |"]
@@ -153,8 +154,8 @@ def fingerprint(root: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cpkit.proof_report", description=__doc__.split("\n\n")[0],
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog="python -m cpkit.validation.proof_report",
+                                     description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("folder", type=Path, nargs="?", help="the evidence folder (junit.xml, case-times.jsonl, gpu-util.csv)")
     parser.add_argument("--fingerprint", type=Path, metavar="ROOT", help="print the tree fingerprint of ROOT and exit")
     parser.add_argument("--gpus", type=int, default=4)

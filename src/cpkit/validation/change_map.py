@@ -10,14 +10,14 @@ anything): add a row for a new module. Any change also selects the text check (A
 module change the import-graph check (ANY_MODULE).
 
 A changed module also selects every test file that imports it, directly or through the cpkit
-modules it imports (`src/cpkit/import_graph.py::importing_tests`, read with `ast`), so a row
+modules it imports (`src/cpkit/validation/import_graph.py::importing_tests`, read with `ast`), so a row
 cannot miss a test that reaches the module; rows add what imports do not show (the tests a
 scenario or a command runs). For a core module (layout, sharding) that is most of the suite:
 they are what most tests run. That is `cpkit validate --changed --wide`.
 
 The default, narrow selection (`select_tests(..., narrow=True)`) takes for a changed module the
 tests that use one of its changed functions or classes, directly or through its own package and
-the functional scenarios (`src/cpkit/symbol_graph.py::affected_tests`), plus the row's tests
+the functional scenarios (`src/cpkit/validation/symbol_graph.py::affected_tests`), plus the row's tests
 that imports do not show; tests that reach the change only through other features' modules
 (a model builder, the dynamic runtime) are left to --wide.
 """
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Callable
 
-from cpkit.import_graph import importing_tests
-from cpkit.symbol_graph import MODULE, affected_tests, symbols_at_lines
+from cpkit.validation.import_graph import importing_tests
+from cpkit.validation.symbol_graph import MODULE, affected_tests, symbols_at_lines
 
 __all__ = [
     "Row",
@@ -155,12 +155,9 @@ CHANGE_MAP: tuple[Row, ...] = (
     Row(("src/cpkit/testing/thread_ring.py",), ("tests/test_ring_threads.py",), (), "unit"),
     Row(("src/cpkit/testing/mlm_probes.py",), ("tests/test_dynamic_mlm.py",), (),
         "unit (with CPKIT_MLM_SRC set: the probes run in a Megatron-LM checkout's worker)"),
-    Row(("src/cpkit/cards/", "src/cpkit/skills/", "src/cpkit/anchors.py", "src/cpkit/strict_yaml.py",
-         "src/cpkit/repo.py", "src/cpkit/pytest_runner.py", "src/cpkit/change_map.py", "src/cpkit/import_graph.py", "src/cpkit/symbol_graph.py", "src/cpkit/cli.py",
+    Row(("src/cpkit/validation/", "src/cpkit/cards/", "src/cpkit/skills/", "src/cpkit/cli.py",
          "src/cpkit/commands/__init__.py", "src/cpkit/commands/cards.py", "src/cpkit/commands/skills.py",
-         "src/cpkit/commands/validate.py", "src/cpkit/testing/mutation.py", "src/cpkit/mutants.py", "src/cpkit/coverage_map.py", "src/cpkit/code_hashes.py",
-         "src/cpkit/coverage_record.py", "src/cpkit/changed_selection.py", "src/cpkit/proof_report.py",
-         "cards/", "skills/"),
+         "src/cpkit/commands/validate.py", "src/cpkit/testing/mutation.py", "cards/", "skills/"),
         ("tests/test_proof_report.py", "tests/test_cards.py", "tests/test_cards_upstream.py", "tests/test_cards_results.py", "tests/test_cards_evidence.py", "tests/test_cards_claims.py", "tests/test_skills.py", "tests/test_repo_cards_skills.py", "tests/test_validate.py",
          "tests/test_change_map.py", "tests/test_symbol_graph.py", "tests/test_cli_output.py", "tests/test_mutation.py",
          "tests/test_command_lines.py", "tests/test_coverage_map.py"), (), "unit"),
@@ -205,7 +202,7 @@ def _specificity(pattern: str) -> int:
 
 
 #: The checkout this module lives in, when it is one (an editable install); the default root.
-_CHECKOUT = Path(__file__).resolve().parents[2]
+_CHECKOUT = Path(__file__).resolve().parents[3]
 
 
 def _rows_of(path: str) -> list[Row]:
@@ -264,7 +261,7 @@ def select_tests(changed: list[str], root: Path | None = None, *, narrow: bool =
 
     `narrow`: for a changed module that exists, instead of its row and its importing tests, the
     tests that use one of its changed symbols through its own package and the functional
-    scenarios (src/cpkit/symbol_graph.py::affected_tests), plus the row's tests that imports do
+    scenarios (src/cpkit/validation/symbol_graph.py::affected_tests), plus the row's tests that imports do
     not show; `lines` gives the changed line numbers of such a module (None or missing: every
     symbol changed). Rows that select everything still do."""
     files: dict[str, None] = {}
@@ -297,7 +294,7 @@ def select_tests(changed: list[str], root: Path | None = None, *, narrow: bool =
             reasons[path] = "the text check only (documentation or evidence)"
         else:
             everything = True
-            reasons[path] = "everything (no row of src/cpkit/change_map.py::CHANGE_MAP names it)"
+            reasons[path] = "everything (no row of src/cpkit/validation/change_map.py::CHANGE_MAP names it)"
         if path.startswith("src/cpkit/"):
             files.update(dict.fromkeys(ANY_MODULE))
     if everything:
@@ -307,7 +304,7 @@ def select_tests(changed: list[str], root: Path | None = None, *, narrow: bool =
     return Selection(sorted(files), reasons, False)
 
 
-SKILL_TABLE_BEGIN = "<!-- generated from src/cpkit/change_map.py::CHANGE_MAP; do not edit -->"
+SKILL_TABLE_BEGIN = "<!-- generated from src/cpkit/validation/change_map.py::CHANGE_MAP; do not edit -->"
 SKILL_TABLE_END = "<!-- end of generated table -->"
 
 
@@ -366,9 +363,9 @@ def skill_table() -> str:
         lines.append(f"| {cell(r.changed)} | {cell(unit)} | {cell(functional)} | {r.kinds} |")
     lines += ["", "The table is `cpkit validate --changed --wide`: a row's own test files, then every test file "
               "importing one of its modules, directly or through the cpkit modules it imports "
-              "(`src/cpkit/import_graph.py::importing_tests`). `cpkit validate --changed` runs fewer for a "
+              "(`src/cpkit/validation/import_graph.py::importing_tests`). `cpkit validate --changed` runs fewer for a "
               "module: the tests that use a changed function or class through its own package "
-              "(`src/cpkit/symbol_graph.py::affected_tests`). "
+              "(`src/cpkit/validation/symbol_graph.py::affected_tests`). "
               + "; ".join(f"({v}): parts of the test run only with {v} set (they skip with the reason without it)"
                           for v in UPSTREAM_LOOKUPS) + "."]
     return "\n".join([SKILL_TABLE_BEGIN, *lines, SKILL_TABLE_END])
@@ -377,7 +374,7 @@ def skill_table() -> str:
 if __name__ == "__main__":
     try:
         print(skill_table())
-    except BrokenPipeError:  # `python -m cpkit.change_map | head`
+    except BrokenPipeError:  # `python -m cpkit.validation.change_map | head`
         from cpkit.cli import quiet_closed_stdout
 
         quiet_closed_stdout()

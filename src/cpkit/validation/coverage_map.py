@@ -5,11 +5,11 @@ The map lives in the repository (MAP_PATH, JSON): per function (`path::qualname`
 whose tests ran a line of its body, in the pytest process or in a rank it spawned. With it, the
 commit it was measured at and what the code was then (format 2): the git blob id of every cpkit
 module and test file, and per module the short hashes of its functions and of its module-level
-code (src/cpkit/code_hashes.py). `drift_since` compares those with the code now, without git:
+code (src/cpkit/validation/code_hashes.py). `drift_since` compares those with the code now, without git:
 which functions changed, are new or were deleted since, which modules' module-level code and
-which test files changed. `cpkit validate --changed` (src/cpkit/changed_selection.py) widens its
+which test files changed. `cpkit validate --changed` (src/cpkit/validation/changed_selection.py) widens its
 selection by that drift, so an old map still selects soundly, only more; `cpkit validate
---record-map` (src/cpkit/coverage_record.py) measures a fresh one. A format-1 map (blob ids
+--record-map` (src/cpkit/validation/coverage_record.py) measures a fresh one. A format-1 map (blob ids
 only) still loads: a module whose blob differs counts as wholly changed.
 
 Rank processes: coverage.py's multiprocessing support starts measurement in every spawned rank;
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from cpkit.code_hashes import git_blob_id, iter_functions, source_hashes
+from cpkit.validation.code_hashes import git_blob_id, iter_functions, source_hashes
 
 __all__ = ["MAP_PATH", "MAP_VERSION", "CONTEXT_ENV", "current_test_id", "rank_case_context", "function_spans",
            "functions_at_lines", "blob_hash", "is_test_dependency", "tracked_files", "CoverageMap", "load_map",
@@ -114,7 +114,7 @@ def functions_at_lines(source: str, lines: set[int]) -> tuple[set[str], set[int]
 
 
 def blob_hash(data: bytes) -> str:
-    """git's blob id of `data` (src/cpkit/code_hashes.py::git_blob_id)."""
+    """git's blob id of `data` (src/cpkit/validation/code_hashes.py::git_blob_id)."""
     return git_blob_id(data)
 
 
@@ -146,7 +146,7 @@ class CoverageMap:
     """A loaded map. `functions`: path::qualname -> test files that ran a line of its body;
     `blobs`: blob id per file when measured (format 2: every cpkit module and test file; format
     1: the modules the run executed and every test file); `module_hashes` and `function_hashes`
-    (format 2 only, else empty): cpkit.code_hashes of every cpkit module when measured;
+    (format 2 only, else empty): cpkit.validation.code_hashes of every cpkit module when measured;
     `levels`: test file -> {level: number of tests}; `recorded`: provenance."""
 
     commit: str

@@ -1,4 +1,4 @@
-"""Measure the coverage map (src/cpkit/coverage_map.py): `cpkit validate --record-map`.
+"""Measure the coverage map (src/cpkit/validation/coverage_map.py): `cpkit validate --record-map`.
 
 Why coverage.py itself rather than pytest-cov or pytest-testmon: the map must see into rank
 processes that `multiprocessing` spawns, attribute each rank to the test that launched it, and
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from cpkit.coverage_map import CONTEXT_ENV, MAP_PATH, MAP_VERSION, TEST_FOLDERS, code_state, function_spans
+from cpkit.validation.coverage_map import CONTEXT_ENV, MAP_PATH, MAP_VERSION, TEST_FOLDERS, code_state, function_spans
 
 __all__ = ["record_map", "build_map", "coverage_rcfile", "pytest_runtest_protocol", "pytest_fixture_setup"]
 
@@ -113,7 +113,7 @@ def build_map(data, root: Path, fixture_users: dict[str, set[str]], commit: str,
               levels: dict[str, dict[str, int]], recorded: dict, state: dict | None = None) -> dict:
     """The map's JSON (format MAP_VERSION) from combined CoverageData `data`: per function the
     test files that ran a line of its body; `blobs`, `modules` and `hashes` describe the code it
-    was measured on (`state`, default: cpkit.coverage_map.code_state now), for `--changed` to see
+    was measured on (`state`, default: cpkit.validation.coverage_map.code_state now), for `--changed` to see
     what changed since."""
     root = Path(root).resolve()
     functions: dict[str, set[str]] = {}
@@ -156,7 +156,8 @@ def record_map(root: Path, paths: list[str] | None = None, extra: list[str] | No
         env = dict(os.environ, **{_FIXTURE_USES_ENV: str(uses), CONTEXT_ENV: "", "CPKIT_TEST_REPORT": str(report)})
         cmd = [sys.executable, "-m", "coverage", "run", f"--rcfile={rc}", "-m", "pytest", "-q", "-n", "0",
                "-p", "no:cacheprovider", "-p", "no:randomly", "-p", "cpkit.testing.report_plugin",
-               "-p", "cpkit.coverage_record", "--rootdir", str(root), *(paths or list(TEST_FOLDERS)), *(extra or [])]
+               "-p", "cpkit.validation.coverage_record", "--rootdir", str(root), *(paths or list(TEST_FOLDERS)),
+               *(extra or [])]
         state = code_state(root)  # the code measured: taken before an edit during the run can change it
         start = time.perf_counter()
         proc = subprocess.run(cmd, cwd=root, env=env)

@@ -1,6 +1,6 @@
 """What `cpkit validate --changed` runs: the measured callers of what changed (the coverage map,
-src/cpkit/coverage_map.py) united with the static selection (the change map and the symbol
-graph, src/cpkit/change_map.py::select_tests), never fewer tests than the static selection.
+src/cpkit/validation/coverage_map.py) united with the static selection (the change map and the symbol
+graph, src/cpkit/validation/change_map.py::select_tests), never fewer tests than the static selection.
 
 The change is what the diff against BASE touches united with what changed since the map was
 measured (coverage_map.drift_since, from the hashes the map stores: no git needed). The map's
@@ -28,8 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cpkit.change_map import EVERYTHING, select_tests
-from cpkit.coverage_map import MAP_PATH, CoverageMap, Drift, drift_since, functions_at_lines, load_map
+from cpkit.validation.change_map import EVERYTHING, select_tests
+from cpkit.validation.coverage_map import MAP_PATH, CoverageMap, Drift, drift_since, functions_at_lines, load_map
 
 __all__ = ["ChangedSelection", "select_changed", "changed_since_map", "GPU_LEVELS"]
 

@@ -1,5 +1,5 @@
 """Short content hashes of a module's functions and of its module-level code, so that the
-coverage map (src/cpkit/coverage_map.py) can tell which functions changed since it was
+coverage map (src/cpkit/validation/coverage_map.py) can tell which functions changed since it was
 measured without git: compare the hashes it stored with the code's now.
 
 - A function's hash covers its whole definition: decorators, signature and body, nested

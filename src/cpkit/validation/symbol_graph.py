@@ -10,7 +10,7 @@ of every symbol of that module. `affected_tests` follows the uses backwards from
 symbols to the test files (tests/, functional/) and example runners that use one of them.
 
 What the source does not show (a function looked up by a string, a scenario a test runs by
-name) is not seen: the change map's rows add those tests (src/cpkit/change_map.py).
+name) is not seen: the change map's rows add those tests (src/cpkit/validation/change_map.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
-from cpkit.import_graph import SCRIPT_RUNNERS, TEST_FOLDERS, module_name, package_modules
+from cpkit.validation.import_graph import SCRIPT_RUNNERS, TEST_FOLDERS, module_name, package_modules
 
 __all__ = ["MODULE", "ALL", "symbols_at_lines", "affected_tests"]
 
