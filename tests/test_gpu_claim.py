@@ -65,7 +65,7 @@ def test_visible_ids_follow_cuda_visible_devices(monkeypatch):
 def test_nccl_launch_without_gpus_fails_before_starting_ranks(monkeypatch):
     from cpkit.harness.launch import launch
 
-    monkeypatch.setattr("cpkit.devices.cuda_device_count", lambda: 0)
+    monkeypatch.setattr("cpkit.harness.launch.cuda_device_count", lambda: 0)
     with pytest.raises(ValueError, match="needs 2 GPUs, found 0"):
         launch(print, 2, backend="nccl", timeout=5)
 

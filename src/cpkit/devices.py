@@ -3,8 +3,8 @@ checkers use), and which backend and device a rank of a user's loop runs on.
 
 `rank_device()` is the choice: NCCL on cuda:LOCAL_RANK where torchrun started the rank and CUDA
 has a device for every local rank, gloo on CPU otherwise (or the backend of a process group that
-is already up, such as one cpkit.harness.launch started). `init_rank()` acts on it in a training loop's
-start-up: the default process group, the current CUDA device, and MCore made ready for that
+is already up, such as one cpkit.harness.launch started). `init_rank()` acts on it in a training
+loop's start-up: the default process group, the current CUDA device, and MCore made ready for that
 device (the CPU shim on CPU, MCore's CUDA RNG state and memory buffer on CUDA).
 """
 
@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from cpkit.harness.gpu_claim import cuda_device_count  # the count lives below the launcher
+from cpkit.process_device import cuda_device_count  # the count lives below the launcher
 
 __all__ = ["RankDevice", "check_world_size", "cuda_device_count", "describe_rank_devices", "init_rank",
            "rank_device"]

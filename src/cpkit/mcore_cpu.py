@@ -99,7 +99,7 @@ def _get_tensor_cpu(self, tensor_shape, dtype, name, mem_alloc_context=None):
 def device_in_use() -> torch.device:
     """The device MCore runs on in this process: cuda:<local rank> in an NCCL rank, else cpu
     (the unit tier and gloo ranks run on CPU even where CUDA is present)."""
-    from cpkit.harness.launch import device
+    from cpkit.process_device import device
 
     return device()
 

@@ -164,7 +164,7 @@ def build_gpt(
     pp = group_size(pp_group)
     cp = group_size(get_pg(pg_collection, "cp"))
     if device is None:  # the launcher's device for this process: cuda in an NCCL rank, else cpu
-        from cpkit.harness.launch import device as launcher_device
+        from cpkit.process_device import device as launcher_device
 
         device = launcher_device()
     device = torch.device(device)

@@ -196,7 +196,7 @@ def run_cells(cases: list, settings: Settings) -> Optional[list]:
     rank 0). Returns one result dict per cell on rank 0 (errors in its "error"), None elsewhere."""
     import torch.distributed as dist
 
-    from cpkit.harness.launch import device
+    from cpkit.process_device import device
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = device()

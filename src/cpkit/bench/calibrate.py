@@ -116,7 +116,7 @@ def measure_gemm(tokens, hidden, heads, kv_heads, head_dim, device, warmup, iter
 def measure_ring(nbytes, cps, warmup, iters) -> dict:
     """Per rank (run under cpkit.harness.launch.launch): {"cp<k>_<mode>": [[bytes, seconds]]} of one
     ring exchange (send to the next rank of the group, receive from the previous)."""
-    from cpkit.harness.launch import device as rank_device
+    from cpkit.process_device import device as rank_device
 
     dev = rank_device()
     rank, world = dist.get_rank(), dist.get_world_size()

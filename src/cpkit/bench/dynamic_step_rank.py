@@ -277,7 +277,7 @@ def run_rank(spec: StepSpec) -> Optional[dict]:
     from cpkit.compat import get_pg
     from cpkit.dynamic.cost import Calibration
     from cpkit.dynamic.step_model import StepModel
-    from cpkit.harness.launch import device as launcher_device
+    from cpkit.process_device import device as launcher_device
 
     device = launcher_device()
     if device.type == "cpu":

@@ -208,7 +208,7 @@ def _cell(tp, pp, seq, s: Settings, groups, dev) -> dict:
 def _worker(s: Settings):
     import torch.distributed as dist
 
-    from cpkit.harness.launch import device
+    from cpkit.process_device import device
 
     if s.device == "cpu":
         from cpkit.models import prepare_cpu

@@ -115,7 +115,7 @@ def update_calibration(path: str, table: dict) -> None:
 
 
 def _rank(nbytes, cps, warmup, iters):
-    from cpkit.harness.launch import device
+    from cpkit.process_device import device
 
     return measure_ring_exchange(nbytes, cps, warmup, iters, device())
 

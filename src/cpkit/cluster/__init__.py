@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     from cpkit.cluster.checks import CHECKS, JobShape, build_check, run_check
     from cpkit.cluster.coordinator import Coordinator, store_barrier
     from cpkit.cluster.report import Report, merge_outcomes
-    from cpkit.harness.launch import _BACKEND_ENV
+    from cpkit.process_device import BACKEND_ENV
 
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl" and torch.cuda.device_count() < nproc:
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
                   "fix: start --nproc-per-node at most the GPU count, or use --backend gloo", file=sys.stderr, flush=True)
         store_barrier("refused", world, timeout_s=30.0)
         return 2
-    os.environ[_BACKEND_ENV] = backend  # cpkit.testing.device() follows it
+    os.environ[BACKEND_ENV] = backend  # cpkit.process_device.device() follows it
     warnings.filterwarnings("ignore", module=r"megatron\..*")
     if backend == "nccl":
         torch.cuda.set_device(local_rank)

@@ -22,22 +22,12 @@ import time
 from typing import Iterator, Sequence
 
 
-__all__ = ["CLAIM_ENV", "LOCK_DIR_ENV", "claim_gpus", "cuda_device_count", "visible_gpu_ids"]
+__all__ = ["CLAIM_ENV", "LOCK_DIR_ENV", "claim_gpus", "visible_gpu_ids"]
 
 CLAIM_ENV = "CPKIT_GPU_CLAIM"
 """'0' turns claims off: every NCCL launch then sees every GPU (rank r on cuda:r), as before."""
 LOCK_DIR_ENV = "CPKIT_GPU_LOCK_DIR"
 """Where the lock files live (default: <tmp>/cpkit-gpu-locks-<uid>); one directory per host."""
-
-
-def cuda_device_count() -> int:
-    """Visible CUDA devices; 0 without torch, without CUDA, or with a broken CUDA install."""
-    try:
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # noqa: BLE001 - a broken CUDA install counts as no GPU
-        return 0
 
 
 def visible_gpu_ids(count: int) -> list[str]:

@@ -20,9 +20,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from cpkit.harness.gpu_claim import cuda_device_count, visible_gpu_ids
+from cpkit.harness.gpu_claim import visible_gpu_ids
 from cpkit.harness.launch_times import record_grid_times
 from cpkit.harness.rank_pool import PoolStartError, RankPool, close_pools, function_ref
+from cpkit.process_device import cuda_device_count
 
 __all__ = ["CaseFailed", "CaseResult", "GridSpec", "POOLS_PER_SLICE_ENV", "PoolSet", "case_id_of", "default_pools",
            "pools_per_slice", "run_cases", "world_sizes_per_gpu"]

@@ -21,12 +21,13 @@ import time
 import traceback
 from typing import Any, Callable, Sequence
 
-from cpkit.harness.gpu_claim import CLAIM_ENV, claim_gpus, cuda_device_count, visible_gpu_ids
+from cpkit.harness.gpu_claim import CLAIM_ENV, claim_gpus, visible_gpu_ids
 from cpkit.harness.launch_times import record_times
 from cpkit.harness.rank_stderr import StderrFollower, capture_stderr, describe_exit
-from cpkit.harness.rank_worker import BACKEND_ENV, die_with_parent
+from cpkit.harness.rank_worker import die_with_parent
 from cpkit.harness.rendezvous import START_ATTEMPTS, is_transient_rendezvous, note_retry
 from cpkit.notices import child_warnoptions
+from cpkit.process_device import BACKEND_ENV, cuda_device_count
 
 __all__ = [
     "LaunchTimeout",
@@ -34,13 +35,11 @@ __all__ = [
     "CaseFailed",
     "CaseResult",
     "case_id_of",
-    "device",
     "launch",
     "run_cases",
 ]
 
 DEFAULT_TIMEOUT_S = 300.0
-_BACKEND_ENV = BACKEND_ENV
 _BIND_ENV = "CPKIT_NCCL_BIND_DEVICE"  # "1": init_process_group(device_id=...): eager NCCL, split subgroups
 
 
@@ -63,15 +62,6 @@ class LaunchTimeout(RankFailure):
         self.hung_ranks = hung_ranks
 
 
-def device():
-    """This rank's torch device: cuda:<local rank> under NCCL, cpu under gloo."""
-    import torch
-
-    if os.environ.get(_BACKEND_ENV) == "nccl":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
 def _worker(rank, world_size, backend, store_path, dump_dir, pg_timeout_s, fn, args, kwargs, out_q,
             parent_pid=None, cuda_visible=None, gpu_ids=None, threads=None):
     capture_stderr(os.path.join(dump_dir, f"rank{rank}.stderr"))
@@ -92,7 +82,7 @@ def _worker(rank, world_size, backend, store_path, dump_dir, pg_timeout_s, fn, a
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": str(world_size),
             "LOCAL_WORLD_SIZE": str(world_size),
-            _BACKEND_ENV: backend,
+            BACKEND_ENV: backend,
         }
     )
     joined = False

@@ -29,14 +29,13 @@ import sys
 import time
 import traceback
 
-from cpkit.validation.coverage_map import rank_case_context
 from cpkit.harness.pool_groups import GroupReuse, group_count, live_groups
 from cpkit.harness.rank_stderr import capture_stderr
+from cpkit.process_device import BACKEND_ENV
+from cpkit.validation.coverage_map import rank_case_context
 
-__all__ = ["BACKEND_ENV", "GPU_LEAK_SLACK_BYTES", "MAX_KEPT_GROUPS", "die_with_parent", "rank_main", "resolve"]
+__all__ = ["GPU_LEAK_SLACK_BYTES", "MAX_KEPT_GROUPS", "die_with_parent", "rank_main", "resolve"]
 
-BACKEND_ENV = "CPKIT_LAUNCH_BACKEND"
-"""The backend of a rank's process group, read by cpkit.harness.launch.device()."""
 GPU_LEAK_SLACK_BYTES = 512 << 20
 """GPU memory a rank may hold above its start-up level after a case's clean-up (cuBLAS and cuDNN
 workspaces, allocator rounding); more than this is a leak of the case that left it."""

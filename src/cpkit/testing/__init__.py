@@ -9,10 +9,10 @@ from cpkit.harness.launch import (
     CaseResult,
     LaunchTimeout,
     RankFailure,
-    device,
     launch,
     run_cases,
 )
+from cpkit.process_device import device
 
 __all__ = [
     "CaseResult",

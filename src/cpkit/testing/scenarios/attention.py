@@ -20,9 +20,9 @@ import torch.distributed as dist
 from cpkit.attention import context_parallel_attention, reference_attention
 from cpkit.attention.options import CPAttentionOptions
 from cpkit.errors import CPConfigError
+from cpkit.process_device import device
 from cpkit.sharding import pad_cu_seqlens, shard_seq, shard_thd
 from cpkit.testing.groups import new_hierarchical_groups
-from cpkit.harness.launch import device
 from cpkit.testing.reference import reference_shard
 
 __all__ = ["DTYPES", "HEADS", "TOLERANCE", "attention_case", "cases", "cluster_cases"]

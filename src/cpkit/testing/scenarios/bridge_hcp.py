@@ -61,13 +61,13 @@ def bridge_hcp_case(case):
     gradient difference."""
     from megatron.core import parallel_state
 
-    from cpkit.layout import CPLayout
-    from cpkit.groups import build_pg_collection
-    from cpkit.sharding import shard_batch
     from cpkit.bridge import DistInit, bridge_model_config, bridge_modules
-    from cpkit.testing.compare import assert_grads_close
+    from cpkit.groups import build_pg_collection
+    from cpkit.layout import CPLayout
     from cpkit.mcore_cpu import install_mcore_cpu_shim
-    from cpkit.harness.launch import device
+    from cpkit.process_device import device
+    from cpkit.sharding import shard_batch
+    from cpkit.testing.compare import assert_grads_close
     from cpkit.testing.models import FEATURE_MODELS, GPTConfig, build_gpt, eval_step, make_batch, named_gradients, train_step
     from cpkit.testing.reference import single_rank_pg_collection
 

@@ -13,9 +13,9 @@ from cpkit.dynamic.cost import CostModel, ModelDims
 from cpkit.dynamic.runtime import dynamic_cp_step
 from cpkit.groups import build_pg_collection
 from cpkit.layout import CPLayout
-from cpkit.testing.compare import assert_grads_close
 from cpkit.mcore_cpu import install_mcore_cpu_shim
-from cpkit.harness.launch import device
+from cpkit.process_device import device
+from cpkit.testing.compare import assert_grads_close
 from cpkit.testing.models import GPTConfig, build_gpt, named_gradients
 from cpkit.testing.reference import per_sequence_reference, single_rank_pg_collection, token_sample
 

@@ -12,9 +12,9 @@ from cpkit.compat import get_pg
 from cpkit.eval_cp import build_eval_pg_collection, eval_cp_context, evaluate
 from cpkit.groups import build_pg_collection
 from cpkit.layout import CPLayout
-from cpkit.sharding import shard_batch
 from cpkit.mcore_cpu import install_mcore_cpu_shim
-from cpkit.harness.launch import device
+from cpkit.process_device import device
+from cpkit.sharding import shard_batch
 from cpkit.testing.models import GPTConfig, build_gpt, eval_step, make_batch, train_step
 from cpkit.testing.reference import single_rank_pg_collection
 

@@ -13,7 +13,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from cpkit.harness.launch import device
+from cpkit.process_device import device
 
 __all__ = ["CASES", "FIELDS", "groups_case"]
 

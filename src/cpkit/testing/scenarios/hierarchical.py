@@ -16,10 +16,10 @@ from cpkit.compat import get_pg, new_pg_collection
 from cpkit.errors import CPConfigError
 from cpkit.groups import HCP_LOG_PREFIX, build_pg_collection
 from cpkit.layout import CPLayout
+from cpkit.mcore_cpu import install_mcore_cpu_shim
+from cpkit.process_device import device
 from cpkit.sharding import shard_batch
 from cpkit.testing.compare import assert_grads_close, first_layer_name, max_rel_diff
-from cpkit.mcore_cpu import install_mcore_cpu_shim
-from cpkit.harness.launch import device
 from cpkit.testing.models import GPTConfig, build_gpt, eval_step, make_batch, named_gradients, train_step
 from cpkit.testing.reference import single_rank_pg_collection
 

@@ -32,10 +32,10 @@ import torch.distributed as dist
 from cpkit.compat import get_pg, schedule_pg_collection
 from cpkit.group_info import group_size
 from cpkit.groups import build_pg_collection
-from cpkit.harness.launch import device
 from cpkit.layout import CPLayout
 from cpkit.loss import attach_grad_sync, reduce_group, reduce_reported_losses
 from cpkit.mcore_cpu import install_mcore_cpu_shim
+from cpkit.process_device import device
 from cpkit.sharding import shard_batch
 from cpkit.testing.models import GPTConfig, build_gpt, make_batch, named_gradients
 from cpkit.testing.reference import single_rank_pg_collection
