@@ -1,7 +1,7 @@
-"""The measured coverage map (cpkit.validation.coverage_map, cpkit.validation.code_hashes) and what `cpkit validate
---changed` selects from it (cpkit.validation.changed_selection): functions by their body lines, what
-changed since the map (from its hashes, no git), the rule that widens the selection by that
-drift, the format-1 fallback, and rank-side attribution."""
+"""The measured coverage map (cpkit.validation.coverage_map, cpkit.validation.code_hashes) and what
+`cpkit validate --changed` selects from it (cpkit.validation.changed_selection): functions by
+their body lines, what changed since the map (from its hashes, no git), the rule that widens the
+selection by that drift, the format-1 fallback, and rank-side attribution (cpkit.harness.attribution)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from cpkit.harness.attribution import rank_case_context
 from cpkit.validation.changed_selection import _Change, _measured, changed_since_map, select_changed
 from cpkit.validation.code_hashes import function_hashes, module_level_hash
 from cpkit.validation.coverage_map import (
@@ -23,7 +24,6 @@ from cpkit.validation.coverage_map import (
     function_spans,
     functions_at_lines,
     load_map,
-    rank_case_context,
 )
 from cpkit.validation.coverage_record import build_map
 
@@ -286,7 +286,7 @@ def test_a_pooled_case_runs_under_the_id_of_the_test_that_sent_it(monkeypatch):
     """A pool's rank inherited PYTEST_CURRENT_TEST from the test that started it; each case must
     see the test that sent it (the changed_recall bench's probes read it), and the rank's own
     value comes back after the case."""
-    from cpkit.validation.coverage_map import CONTEXT_ENV, current_test_id
+    from cpkit.harness.attribution import CONTEXT_ENV, current_test_id
 
     monkeypatch.delenv(CONTEXT_ENV, raising=False)
     monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/test_second.py::t (call)")
@@ -307,8 +307,8 @@ def test_a_pooled_case_runs_under_the_id_of_the_test_that_sent_it(monkeypatch):
 
 POOL_SCRIPT = textwrap.dedent('''\
     import os
+    from cpkit.harness.attribution import CONTEXT_ENV
     from cpkit.harness.rank_pool import RankPool
-    from cpkit.validation.coverage_map import CONTEXT_ENV
 
     if __name__ == "__main__":  # a spawned rank imports this file too
         os.environ[CONTEXT_ENV] = "tests/test_first.py::t"  # the test that starts the pool

@@ -31,11 +31,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from cpkit.harness.attribution import current_test_id
 from cpkit.harness.rank_stderr import StderrFollower, describe_exit
 from cpkit.harness.rank_worker import rank_main
 from cpkit.harness.rendezvous import START_ATTEMPTS, is_transient_rendezvous, note_retry
 from cpkit.notices import child_warnoptions
-from cpkit.validation.coverage_map import current_test_id
 
 __all__ = ["PoolStartError", "RankPool", "CaseRun", "close_pools", "function_ref"]
 

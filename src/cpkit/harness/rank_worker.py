@@ -29,10 +29,10 @@ import sys
 import time
 import traceback
 
+from cpkit.harness.attribution import rank_case_context
 from cpkit.harness.pool_groups import GroupReuse, group_count, live_groups
 from cpkit.harness.rank_stderr import capture_stderr
 from cpkit.process_device import BACKEND_ENV
-from cpkit.validation.coverage_map import rank_case_context
 
 __all__ = ["GPU_LEAK_SLACK_BYTES", "MAX_KEPT_GROUPS", "die_with_parent", "rank_main", "resolve"]
 

@@ -13,74 +13,29 @@ selection by that drift, so an old map still selects soundly, only more; `cpkit 
 only) still loads: a module whose blob differs counts as wholly changed.
 
 Rank processes: coverage.py's multiprocessing support starts measurement in every spawned rank;
-a rank's data carries the test that launched it (CONTEXT_ENV, read by the rank's coverage
-config when it starts). A rank that runs cases for several tests (a pool that outlives one
-test) names each case's test with `rank_case_context(test_id)`, the test id being what
-`current_test_id()` returned in the pytest process that asked for the case.
+a rank's data carries the test that launched it, and a pooled rank names each case's test
+(cpkit.harness.attribution: the harness attributes a rank's work, the map only reads it).
 """
 
 from __future__ import annotations
 
 import ast
-import contextlib
 import json
-import os
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 from cpkit.validation.code_hashes import git_blob_id, iter_functions, source_hashes
 
-__all__ = ["MAP_PATH", "MAP_VERSION", "CONTEXT_ENV", "current_test_id", "rank_case_context", "function_spans",
-           "functions_at_lines", "blob_hash", "is_test_dependency", "tracked_files", "CoverageMap", "load_map",
-           "Drift", "drift_since", "code_state"]
+__all__ = ["MAP_PATH", "MAP_VERSION", "function_spans", "functions_at_lines", "blob_hash", "is_test_dependency",
+           "tracked_files", "CoverageMap", "load_map", "Drift", "drift_since", "code_state"]
 
 #: Where the map is kept, relative to the repository root.
 MAP_PATH = "evidence/coverage-map.json"
 #: The format `cpkit validate --record-map` writes (2: per-function and module-level hashes).
 MAP_VERSION = 2
-#: Set in the pytest process to the running test's node id while a map is recorded; a rank
-#: spawned then inherits it (its coverage config reads it as the rank's context).
-CONTEXT_ENV = "CPKIT_COVERAGE_CONTEXT"
 #: The folders whose test files and modules the map depends on.
 TEST_FOLDERS = ("tests", "functional")
-_PYTEST_CURRENT = "PYTEST_CURRENT_TEST"  # pytest's "<node id> (<phase>)" of the running test
-
-
-def current_test_id() -> str | None:
-    """The test being measured in this (pytest) process while a map is recorded, else the test
-    pytest is running, else None. A rank pool sends it with each case, for `rank_case_context`."""
-    return os.environ.get(CONTEXT_ENV) or os.environ.get(_PYTEST_CURRENT, "").split(" ")[0] or None
-
-
-@contextlib.contextmanager
-def rank_case_context(test_id: str | None) -> Iterator[None]:
-    """In a rank process: attribute what runs inside the block to `test_id` (a pytest node id):
-    in the coverage map being recorded, and in PYTEST_CURRENT_TEST (a pooled rank inherited the
-    id of the test that started the pool; tools that read it, such as the changed_recall bench's
-    probes, must see the test that sent the case). Restores both after. `test_id` None: a no-op."""
-    if not test_id:
-        yield
-        return
-    try:
-        import coverage
-
-        cov = coverage.Coverage.current()
-    except ImportError:  # coverage is a test extra: nothing can be measuring
-        cov = None
-    before = os.environ.get(_PYTEST_CURRENT)
-    os.environ[_PYTEST_CURRENT] = f"{test_id} (call)"
-    previous = cov.switch_context(test_id) if cov is not None else None
-    try:
-        yield
-    finally:
-        if cov is not None:
-            cov.switch_context(previous or "")
-        if before is None:
-            os.environ.pop(_PYTEST_CURRENT, None)
-        else:
-            os.environ[_PYTEST_CURRENT] = before
 
 
 def function_spans(source: str) -> list[tuple[int, int, str]]:

@@ -5,8 +5,8 @@ processes that `multiprocessing` spawns, attribute each rank to the test that la
 end up as a small reviewable JSON in the repository. coverage.py's multiprocessing support
 starts measurement in spawned ranks, and its config expands environment variables when a rank
 reads it, so a rank's static context is the test that spawned it (CONTEXT_ENV) and a rank pool
-can switch per case (coverage_map.rank_case_context). pytest-cov adds only the per-test context
-switch, which this module's hooks do; testmon keeps its own SQLite database of fingerprints,
+can switch per case (cpkit.harness.attribution.rank_case_context). pytest-cov adds only the
+per-test context switch, which this module's hooks do; testmon keeps its own SQLite database of fingerprints,
 needs a plugin in every CI run and does not attribute spawned ranks to tests.
 
 One pytest process, no xdist workers (`-n 0`): a worker's tests would be measured apart from
@@ -30,7 +30,8 @@ from pathlib import Path
 
 import pytest
 
-from cpkit.validation.coverage_map import CONTEXT_ENV, MAP_PATH, MAP_VERSION, TEST_FOLDERS, code_state, function_spans
+from cpkit.harness.attribution import CONTEXT_ENV
+from cpkit.validation.coverage_map import MAP_PATH, MAP_VERSION, TEST_FOLDERS, code_state, function_spans
 
 __all__ = ["record_map", "build_map", "coverage_rcfile", "pytest_runtest_protocol", "pytest_fixture_setup"]
 

@@ -1,0 +1,58 @@
+"""Which test a rank's work belongs to: the harness's side of measuring the coverage map
+(cpkit.validation.coverage_map), and of any tool that reads the running test's id in a rank.
+
+A rank spawned while a map is recorded inherits CONTEXT_ENV, the test that launched it (its
+coverage config reads it as the rank's context when it starts). A rank that runs cases for
+several tests (a pool that outlives one test) names each case's test with
+`rank_case_context(test_id)`, the test id being what `current_test_id()` returned in the pytest
+process that asked for the case. Here, in the harness, because the rank pools call both: the
+harness does not import the validation tooling, which stands on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+__all__ = ["CONTEXT_ENV", "current_test_id", "rank_case_context"]
+
+#: Set in the pytest process to the running test's node id while a map is recorded; a rank
+#: spawned then inherits it (its coverage config reads it as the rank's context).
+CONTEXT_ENV = "CPKIT_COVERAGE_CONTEXT"
+_PYTEST_CURRENT = "PYTEST_CURRENT_TEST"  # pytest's "<node id> (<phase>)" of the running test
+
+
+def current_test_id() -> str | None:
+    """The test being measured in this (pytest) process while a map is recorded, else the test
+    pytest is running, else None. A rank pool sends it with each case, for `rank_case_context`."""
+    return os.environ.get(CONTEXT_ENV) or os.environ.get(_PYTEST_CURRENT, "").split(" ")[0] or None
+
+
+@contextlib.contextmanager
+def rank_case_context(test_id: str | None) -> Iterator[None]:
+    """In a rank process: attribute what runs inside the block to `test_id` (a pytest node id):
+    in the coverage map being recorded, and in PYTEST_CURRENT_TEST (a pooled rank inherited the
+    id of the test that started the pool; tools that read it, such as the changed_recall bench's
+    probes, must see the test that sent the case). Restores both after. `test_id` None: a no-op."""
+    if not test_id:
+        yield
+        return
+    try:
+        import coverage
+
+        cov = coverage.Coverage.current()
+    except ImportError:  # coverage is a test extra: nothing can be measuring
+        cov = None
+    before = os.environ.get(_PYTEST_CURRENT)
+    os.environ[_PYTEST_CURRENT] = f"{test_id} (call)"
+    previous = cov.switch_context(test_id) if cov is not None else None
+    try:
+        yield
+    finally:
+        if cov is not None:
+            cov.switch_context(previous or "")
+        if before is None:
+            os.environ.pop(_PYTEST_CURRENT, None)
+        else:
+            os.environ[_PYTEST_CURRENT] = before
