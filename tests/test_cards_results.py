@@ -1,6 +1,6 @@
 """What a card's follow-ups last measured, apart from what the card claims: `last_result` with its
 commit, staleness by git and the change map (cpkit.cards.freshness), `cpkit cards record` from a
-pytest junit file (cpkit.cards.record, cpkit.cards.nodes), and the cards modules importing only
+pytest junit file (cpkit.cards.record, cpkit.validation.junit), and the cards modules importing only
 downward (one module owns the node-id matcher)."""
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from cpkit.cards import LastResult, load_card, read_junit, record_junit, status_report, write_last_result
+from cpkit.cards import LastResult, load_card, record_junit, status_report, write_last_result
 from cpkit.cards.check import check_cards
 from cpkit.cli import main
 from cpkit.validation.import_graph import cpkit_imports, imports, package_modules
+from cpkit.validation.junit import read_junit
 
 FIXTURES = Path(__file__).parent / "fixtures" / "cards"
 ROOT = Path(__file__).resolve().parents[1]

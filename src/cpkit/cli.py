@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 
 from cpkit import __version__
-from cpkit.notices import quiet_known_notices
+from cpkit.notices import quiet_closed_stdout, quiet_known_notices
 from cpkit.validation.repo import NotARepositoryError
 
 # Order = order in `cpkit --help`.
@@ -57,12 +56,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ncpkit {args.command}: interrupted (Ctrl-C); the test or check that was running has no "
               "result, it is not counted as a failure", file=sys.stderr)
         return 130
-
-
-def quiet_closed_stdout() -> None:
-    """Point stdout at /dev/null so that Python's exit-time flush of a closed pipe stays silent."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
 
 
 if __name__ == "__main__":

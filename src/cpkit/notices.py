@@ -8,14 +8,19 @@ is nothing to do about them. `quiet_known_notices()` ignores exactly those messa
 from their start, UserWarning only) in this process; `child_warnoptions()` gives the same
 filters to a new interpreter through PYTHONWARNINGS, for ranks that import MCore before any
 cpkit code runs in them. Every other warning still shows.
+
+`quiet_closed_stdout()` silences the other noise a command can end with: Python's complaint at
+exit when the reader of its output left early (`cpkit cards status | head`).
 """
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 import warnings
 
-__all__ = ["KNOWN_NOTICES", "child_warnoptions", "quiet_known_notices"]
+__all__ = ["KNOWN_NOTICES", "child_warnoptions", "quiet_closed_stdout", "quiet_known_notices"]
 
 KNOWN_NOTICES: tuple[str, ...] = (
     "Transformer Engine and Apex are not installed",  # MCore's import-time fallbacks
@@ -36,3 +41,9 @@ def child_warnoptions(existing: str | None = None) -> str:
     value, kept; a later entry wins over an earlier one for the same warning)."""
     ours = [f"ignore:{prefix}:UserWarning" for prefix in KNOWN_NOTICES]
     return ",".join(([existing] if existing else []) + ours)
+
+
+def quiet_closed_stdout() -> None:
+    """Point stdout at /dev/null so that Python's exit-time flush of a closed pipe stays silent."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())

@@ -13,7 +13,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cpkit.cards.nodes import CLUSTER_PREFIX, node_matches, read_junit, worst
+from cpkit.cards.nodes import CLUSTER_PREFIX, node_matches
+from cpkit.validation.junit import read_junit, worst
 
 __all__ = ["EvidenceRun", "parse_folder_name", "read_cluster_log", "read_evidence", "evidence_runs",
            "unrecorded_evidence"]

@@ -21,9 +21,10 @@ import yaml
 
 from cpkit.cards.evidence import read_evidence
 from cpkit.cards.freshness import head_commit
-from cpkit.cards.nodes import node_matches, read_junit, worst
+from cpkit.cards.nodes import node_matches
 from cpkit.cards.schema import GPUS_NEEDED, CardError, LastResult, load_card, load_cards
 from cpkit.cards.snapshot import find_snapshot, prune_snapshots, write_snapshot
+from cpkit.validation.junit import read_junit, worst
 
 __all__ = ["Recorded", "last_result_from_outcomes", "write_last_result", "record_junit", "record_evidence",
            "keep_snapshots"]

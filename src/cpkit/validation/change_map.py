@@ -375,6 +375,6 @@ if __name__ == "__main__":
     try:
         print(skill_table())
     except BrokenPipeError:  # `python -m cpkit.validation.change_map | head`
-        from cpkit.cli import quiet_closed_stdout
+        from cpkit.notices import quiet_closed_stdout
 
         quiet_closed_stdout()

@@ -38,7 +38,7 @@ def budgets_for(gpus: int) -> dict[str, float]:
 
 def counts(junit: Path) -> Counter:
     """passed / failed / error / skipped / xfailed / xpassed of a pytest junit file."""
-    from cpkit.cards.nodes import read_junit
+    from cpkit.validation.junit import read_junit
 
     outcomes, _ = read_junit(junit)
     return Counter(outcomes.values())
