@@ -1,8 +1,9 @@
-"""The library's import graph: library modules never import test support, no module imports
-itself back through others (layers import only downward), and no module is over 500 lines.
+"""The library's import graph: each of cpkit's layers imports only the layers below it (the
+product neither the harness nor the validation tooling), library modules never import test
+support, no module imports itself back through others, and no module is over 500 lines.
 
-Read from the source by src/cpkit/validation/import_graph.py (`ast`, nothing is imported), so a lazy import
-inside a function counts as much as one at the top of a module.
+Read from the source by src/cpkit/validation/import_graph.py (`ast`, nothing is imported), so a
+lazy import inside a function counts as much as one at the top of a module.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cpkit.validation.import_graph import import_cycles, imports, module_name
+from cpkit.validation.import_graph import LAYERS, import_cycles, imports, layer_of, layer_violations, module_name
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "cpkit"
@@ -35,6 +36,52 @@ def _is_under(name: str, prefixes) -> bool:
 
 
 LIBRARY = sorted(p for p in PACKAGE.rglob("*.py") if not _is_under(_module_name(p), ON_TOP_OF_SUPPORT))
+
+
+def test_each_layer_imports_only_layers_below():
+    """The product (what a training loop imports) imports neither the harness nor the validation
+    tooling; the harness imports no tooling; neither imports the consumers on top (test support,
+    benchmarks, cards and skills checks, commands)."""
+    bad = layer_violations(SRC)
+    order = ", ".join(name for name, _ in LAYERS)
+    assert not bad, "imports that reach a layer above the importer's own:\n  " + "\n  ".join(bad) + \
+        f"\nThe layers, lowest first: {order}; each imports only its own and those before it " \
+        "(src/cpkit/validation/import_graph.py::LAYERS). Move what the importer needs down, into " \
+        "its own layer or below, or move the importer up."
+
+
+def test_the_layers_are_found():
+    names = {_module_name(p) for p in PACKAGE.rglob("*.py")}
+    by_layer = {name: {m for m in names if LAYERS[layer_of(m)][0] == name} for name, _ in LAYERS}
+    assert {"cpkit.layout", "cpkit.groups", "cpkit.rank_grid", "cpkit.devices", "cpkit.process_device",
+            "cpkit.attention.p2p", "cpkit.dynamic.runtime"} <= by_layer["the product"]
+    assert {"cpkit.harness.launch", "cpkit.harness.rank_pool", "cpkit.harness.attribution"} <= by_layer["the harness"]
+    assert {"cpkit.validation.change_map", "cpkit.validation.coverage_map",
+            "cpkit.validation.junit"} <= by_layer["the validation tooling"]
+    assert {"cpkit.cli", "cpkit.cards.check", "cpkit.bench.attention", "cpkit.testing.pytest_plugin"} <= \
+        by_layer["the consumers"]
+
+
+def test_the_layer_check_names_the_module_and_the_import(tmp_path):
+    # The check must be able to fail: a lazy import of the harness from a product module, and one
+    # of a command from the tooling, are each reported with the file, line and both layers.
+    src = tmp_path / "src"
+    _write(src, {
+        "cpkit/__init__.py": "",
+        "cpkit/models.py": "import os\n\ndef build():\n    from cpkit.harness.launch import launch\n",
+        "cpkit/harness/__init__.py": "",
+        "cpkit/harness/launch.py": "from cpkit import models\nfrom cpkit.validation import change_map\n",
+        "cpkit/validation/__init__.py": "",
+        "cpkit/validation/change_map.py": "from ..cli import main\nfrom cpkit.harness.launch import launch\n",
+        "cpkit/cli.py": "import cpkit.validation.change_map\nimport cpkit.harness.launch\n",
+    })
+    assert layer_violations(src) == [
+        "src/cpkit/harness/launch.py:2: cpkit.harness.launch (the harness) imports cpkit.validation.change_map "
+        "(the validation tooling)",
+        "src/cpkit/models.py:4: cpkit.models (the product) imports cpkit.harness.launch (the harness)",
+        "src/cpkit/validation/change_map.py:1: cpkit.validation.change_map (the validation tooling) imports "
+        "cpkit.cli (the consumers)",
+    ]
 
 
 def test_the_library_is_found():

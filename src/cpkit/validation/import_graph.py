@@ -1,9 +1,10 @@
 """cpkit's import graph, read from the source with `ast` (nothing is imported, so a lazy import
 inside a function counts as much as one at the top of a module).
 
-Used by the checks that library modules import no test support (tests/test_import_graph.py) and
-that the change map selects every test file that imports a module, directly or through the
-cpkit modules it imports (tests/test_change_map.py).
+Used by the checks that each layer (LAYERS) imports only the layers below it and that library
+modules import no test support (tests/test_import_graph.py), and that the change map selects
+every test file that imports a module, directly or through the cpkit modules it imports
+(tests/test_change_map.py).
 """
 
 from __future__ import annotations
@@ -14,13 +15,29 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 __all__ = ["module_name", "imports", "package_modules", "cpkit_imports", "transitive_cpkit_imports",
-           "TEST_FOLDERS", "SCRIPT_RUNNERS", "importing_tests", "named_imports", "import_cycles"]
+           "TEST_FOLDERS", "SCRIPT_RUNNERS", "importing_tests", "named_imports", "import_cycles", "LAYERS",
+           "layer_of", "layer_violations"]
 
 #: The folders of test files (test_*.py) whose imports select them.
 TEST_FOLDERS = ("tests", "functional")
 #: Scripts tests run in a subprocess (so their own imports do not show them): folder -> those tests
 #: (the examples as written, and with a fault planted in the path each one's skill names).
 SCRIPT_RUNNERS = {"examples": ("functional/test_examples.py", "functional/test_example_faults.py")}
+
+#: cpkit's layers, lowest first: (name, module-name prefixes). A module belongs to the layer whose
+#: prefix names it most closely (the product, `cpkit`, is every module no other layer names) and
+#: imports only from its own layer and the ones below. The product is what a training loop
+#: imports; the harness runs code on many ranks; the validation tooling decides which tests a
+#: change runs and judges what runs say; the consumers on top (test support, the cluster runner,
+#: the benchmarks, the cards and skills checks, the commands and the CLI, the bundle tools) may
+#: import anything.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("the product", ("cpkit",)),
+    ("the harness", ("cpkit.harness",)),
+    ("the validation tooling", ("cpkit.validation",)),
+    ("the consumers", ("cpkit.testing", "cpkit.cluster", "cpkit.bench", "cpkit.cards", "cpkit.skills",
+                       "cpkit.commands", "cpkit.cli", "cpkit.tools")),
+)
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -32,8 +49,8 @@ def module_name(path: Path, root: Path) -> str:
     return ".".join(parts)
 
 
-def _import_statements(path: Path, root: Path) -> Iterator[tuple[str, list[str]]]:
-    """(module, names) per import: (`a.b`, []) for `import a.b`, (`a`, [b, c]) for
+def _import_statements(path: Path, root: Path) -> Iterator[tuple[int, str, list[str]]]:
+    """(line, module, names) per import: (n, `a.b`, []) for `import a.b`, (n, `a`, [b, c]) for
     `from a import b, c`, with relative imports resolved against `root`."""
     tree = ast.parse(path.read_text(), filename=str(path))
     name = module_name(path, root)
@@ -41,20 +58,20 @@ def _import_statements(path: Path, root: Path) -> Iterator[tuple[str, list[str]]
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                yield alias.name, []
+                yield node.lineno, alias.name, []
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
-            yield base, [alias.name for alias in node.names]
+            yield node.lineno, base, [alias.name for alias in node.names]
 
 
 def imports(path: Path, root: Path) -> set[str]:
     """Every module `path` imports, as absolute names (`from a import b` counts `a` and `a.b`,
     since b may be a submodule); relative imports are resolved against `root`."""
     out: set[str] = set()
-    for base, names in _import_statements(path, root):
+    for _, base, names in _import_statements(path, root):
         out.add(base)
         out.update(f"{base}.{n}" for n in names)
     return out
@@ -144,13 +161,42 @@ def named_imports(path: Path, root: Path, src: Path | None = None, package: str 
     that edge closes no circle."""
     modules = package_modules(src or root, package)
     out: set[str] = set()
-    for base, names in _import_statements(path, root):
-        targets = [f"{base}.{n}" for n in names if f"{base}.{n}" in modules]
-        if len(targets) < len(names) or not names:  # something other than a submodule: base itself
-            targets.append(_longest_module(base, modules))
-        out.update(t for t in targets if t is not None)
+    for _, base, names in _import_statements(path, root):
+        out.update(_named_targets(base, names, modules))
     out.discard(module_name(path, root))
     return out
+
+
+def _named_targets(base: str, names: list[str], modules: dict[str, Path]) -> list[str]:
+    targets = [f"{base}.{n}" for n in names if f"{base}.{n}" in modules]
+    if len(targets) < len(names) or not names:  # something other than a submodule: base itself
+        targets.append(_longest_module(base, modules))
+    return [t for t in targets if t is not None]
+
+
+def layer_of(module: str, layers=LAYERS) -> int | None:
+    """The index in `layers` of the layer `module` belongs to (its most specific prefix), None
+    when no layer names it (a module of another package)."""
+    found = [(len(p), i) for i, (_, prefixes) in enumerate(layers) for p in prefixes
+             if module == p or module.startswith(p + ".")]
+    return max(found)[1] if found else None
+
+
+def layer_violations(src: Path, layers=LAYERS, package: str = "cpkit") -> list[str]:
+    """Every import of a module of `package` (under import root `src`) that reaches a layer above
+    its own, lazy imports included, one line each, sorted: where (`src/cpkit/x.py:12`), the
+    module and its layer, and the module it imports with that one's layer."""
+    modules = package_modules(src, package)
+    out = []
+    for name, path in modules.items():
+        own = layer_of(name, layers)
+        for line, base, names in _import_statements(path, src):
+            for target in _named_targets(base, names, modules):
+                there = layer_of(target, layers)
+                if own is not None and there is not None and there > own:
+                    where = f"{path.relative_to(src.parent).as_posix()}:{line}"
+                    out.append(f"{where}: {name} ({layers[own][0]}) imports {target} ({layers[there][0]})")
+    return sorted(out)
 
 
 def import_cycles(src: Path, package: str = "cpkit") -> list[list[str]]:
