@@ -65,7 +65,7 @@ FAULTS = {
 
         merge = cpkit.attention.p2p._merge_block
         plant("cpkit.attention.p2p", "_merge_block",
-              lambda out, lse, case, o, l, seq: merge(out, lse, case, o, l + math.log(2.0), seq))
+              lambda out, lse, case, o, l, seq, *rest: merge(out, lse, case, o, l + math.log(2.0), seq, *rest))
         """,
         rf"AssertionError: loss at cp 2 {FLOAT} differs from cp 1 {FLOAT}"),
     "dynamic_cp_in_your_loop.py": Fault(
