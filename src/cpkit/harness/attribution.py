@@ -5,7 +5,9 @@ A rank spawned while a map is recorded inherits CONTEXT_ENV, the test that launc
 coverage config reads it as the rank's context when it starts). A rank that runs cases for
 several tests (a pool that outlives one test) names each case's test with
 `rank_case_context(test_id)`, the test id being what `current_test_id()` returned in the pytest
-process that asked for the case. Here, in the harness, because the rank pools call both: the
+process that asked for the case, or, for a case of a parametrized grid (one test per case,
+the whole grid run when its first test asks), the id of the case's own test: `case_test_id`,
+from what the pytest plugin registered at collection (`register_case_test`). Here, in the harness, because the rank pools call both: the
 harness does not import the validation tooling, which stands on it.
 """
 
@@ -15,12 +17,35 @@ import contextlib
 import os
 from typing import Iterator
 
-__all__ = ["CONTEXT_ENV", "current_test_id", "rank_case_context"]
+__all__ = ["CONTEXT_ENV", "current_test_id", "rank_case_context", "register_case_test", "case_test_id"]
 
 #: Set in the pytest process to the running test's node id while a map is recorded; a rank
 #: spawned then inherits it (its coverage config reads it as the rank's context).
 CONTEXT_ENV = "CPKIT_COVERAGE_CONTEXT"
 _PYTEST_CURRENT = "PYTEST_CURRENT_TEST"  # pytest's "<node id> (<phase>)" of the running test
+
+
+# (test function's id, backend, world size, case id) and (test file, backend, world size, case
+# id) -> the node id of the test that checks that case.
+_by_function: dict[tuple[str, str, int, str], str] = {}
+_by_file: dict[tuple[str, str, int, str], str] = {}
+
+
+def register_case_test(nodeid: str, backend: str, world_size: int, case_id: str) -> None:
+    """Record at collection that test `nodeid` checks grid case `case_id` at (backend, world size)."""
+    function = nodeid.split("[", 1)[0]
+    _by_function[(function, backend, int(world_size), str(case_id))] = nodeid
+    _by_file.setdefault((function.split("::", 1)[0], backend, int(world_size), str(case_id)), nodeid)
+
+
+def case_test_id(asker: str | None, backend: str, world_size: int, case_id: str) -> str | None:
+    """The test a grid case is credited to: the registered test of the asking test's function
+    (or, for a grid several test functions read, of its file) for that case, else `asker`."""
+    if not asker:
+        return asker
+    function = asker.split("[", 1)[0]
+    key = (backend, int(world_size), str(case_id))
+    return _by_function.get((function, *key)) or _by_file.get((function.split("::", 1)[0], *key)) or asker
 
 
 def current_test_id() -> str | None:

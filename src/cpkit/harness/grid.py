@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from cpkit.harness.attribution import case_test_id, current_test_id
 from cpkit.harness.gpu_claim import visible_gpu_ids
 from cpkit.harness.launch_times import record_grid_times
 from cpkit.harness.rank_pool import PoolStartError, RankPool, close_pools, function_ref
@@ -273,7 +274,9 @@ def _run_case(pool: RankPool, spec: GridSpec, case: Any, result: CaseResult, dea
                          for r in range(spec.world_size)}
         return
     try:
-        run = pool.run(spec.fn, case, left, test_id=spec.test_id)
+        # Credited to the case's own test (a grid runs whole when its first test asks).
+        test_id = case_test_id(spec.test_id or current_test_id(), spec.backend, spec.world_size, result.case_id)
+        run = pool.run(spec.fn, case, left, test_id=test_id)
     except PoolStartError as exc:  # this case fails; the next one tries a fresh start
         result.errors = {r: str(exc) for r in range(spec.world_size)}
         return

@@ -86,8 +86,13 @@ def _gpu_count_of(nodeid: str) -> list[str]:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    from cpkit.harness.attribution import register_case_test
+
     order_for_pools(items)
     for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if {"backend", "world_size", "case_id"} <= set(params):  # a grid case: credited to its own test
+            register_case_test(item.nodeid, params["backend"], params["world_size"], params["case_id"])
         for name, needed in GPU_MARKERS.items():
             if item.get_closest_marker(name) is None:
                 continue
@@ -136,7 +141,7 @@ def prefetch_grids(items) -> int:
         if nccl_world_size(item) is None or _will_skip(item):
             continue
         spec = grid_spec_of(item)
-        if spec is not None:  # credited to the first test that reads the grid (the map keeps files)
+        if spec is not None:  # credited per case to its own test (cpkit.harness.attribution.case_test_id)
             specs.setdefault(spec.key, dataclasses.replace(spec, test_id=item.nodeid))
     starters = {}
     for item in items:
