@@ -218,6 +218,13 @@ class Drift:
             parts.append(f"{len(self.unhashed)} modules changed as whole files (a format-1 map has no hashes)")
         return ", ".join(parts)
 
+    def size(self) -> int:
+        """How far the map is behind the code: functions changed, new or deleted, plus modules
+        whose module-level code changed (new and deleted modules included) or, for a format-1
+        map, whose blob differs."""
+        return sum(len(v) for d in (self.changed, self.new, self.deleted) for v in d.values()) + \
+            len(self.module_level | self.unhashed)
+
     def paths(self) -> list[str]:
         """Every repository path that changed since the map."""
         return sorted({*self.changed, *self.new, *self.deleted, *self.module_level, *self.unhashed,
