@@ -146,3 +146,23 @@ def test_node_ids_run_alone_and_a_vanished_one_is_left_out(tmp_path):
     assert run.exit_code == 0, run.output
     assert run.outcomes() == {"tests/test_some.py::test_one": "passed", "tests/test_whole.py::test_w": "passed"}
     assert run.missing == ["tests/test_some.py::test_gone"]
+
+
+def test_a_grid_runs_only_the_cases_the_session_collected(monkeypatch):
+    """Selecting some of a grid's node ids runs only their cases (the grid runs whole, with
+    every case, when nothing is registered for its file: a run of all its tests, or a caller
+    outside pytest), and the case a test asks for always."""
+    from cpkit.testing.params import _run_cases
+
+    monkeypatch.setattr(attribution, "_by_function", {})
+    monkeypatch.setattr(attribution, "_by_file", {})
+    monkeypatch.setattr(attribution, "_cases", {})
+    cases_for = lambda backend, n: [{"id": "a"}, {"id": "b"}, {"id": "c"}]  # noqa: E731
+    test = "functional/test_g.py::test_x[gloo2-b]"
+    assert [c["id"] for c in _run_cases(cases_for, "gloo", 2, test)] == ["a", "b", "c"]
+    attribution.register_case_test(test, "gloo", 2, "b")
+    assert [c["id"] for c in _run_cases(cases_for, "gloo", 2, test)] == ["b"]
+    assert [c["id"] for c in _run_cases(cases_for, "gloo", 2, test, own="c")] == ["b", "c"]
+    assert len(_run_cases(cases_for, "gloo", 4, test)) == 3 and len(_run_cases(cases_for, "gloo", 2, None)) == 3
+    attribution.clear_case_tests()
+    assert attribution.collected_case_ids(test, "gloo", 2) is None

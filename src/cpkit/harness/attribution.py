@@ -7,7 +7,10 @@ several tests (a pool that outlives one test) names each case's test with
 `rank_case_context(test_id)`, the test id being what `current_test_id()` returned in the pytest
 process that asked for the case, or, for a case of a parametrized grid (one test per case,
 the whole grid run when its first test asks), the id of the case's own test: `case_test_id`,
-from what the pytest plugin registered at collection (`register_case_test`). Here, in the harness, because the rank pools call both: the
+from what the pytest plugin registered at collection (`register_case_test`). The same record
+tells a grid which of its cases the session runs at all (`collected_case_ids`): a run of some of
+a grid's tests (`cpkit validate --changed` selecting node ids, `pytest -k`) runs only their
+cases. Here, in the harness, because the rank pools call both: the
 harness does not import the validation tooling, which stands on it.
 """
 
@@ -17,7 +20,8 @@ import contextlib
 import os
 from typing import Iterator
 
-__all__ = ["CONTEXT_ENV", "current_test_id", "rank_case_context", "register_case_test", "case_test_id"]
+__all__ = ["CONTEXT_ENV", "current_test_id", "rank_case_context", "register_case_test", "case_test_id",
+           "clear_case_tests", "collected_case_ids"]
 
 #: Set in the pytest process to the running test's node id while a map is recorded; a rank
 #: spawned then inherits it (its coverage config reads it as the rank's context).
@@ -29,6 +33,14 @@ _PYTEST_CURRENT = "PYTEST_CURRENT_TEST"  # pytest's "<node id> (<phase>)" of the
 # id) -> the node id of the test that checks that case.
 _by_function: dict[tuple[str, str, int, str], str] = {}
 _by_file: dict[tuple[str, str, int, str], str] = {}
+_cases: dict[tuple[str, str, int], set[str]] = {}  # (test file, backend, world size) -> case ids collected
+
+
+def clear_case_tests() -> None:
+    """Forget every registered case (a new collection)."""
+    _by_function.clear()
+    _by_file.clear()
+    _cases.clear()
 
 
 def register_case_test(nodeid: str, backend: str, world_size: int, case_id: str) -> None:
@@ -36,6 +48,15 @@ def register_case_test(nodeid: str, backend: str, world_size: int, case_id: str)
     function = nodeid.split("[", 1)[0]
     _by_function[(function, backend, int(world_size), str(case_id))] = nodeid
     _by_file.setdefault((function.split("::", 1)[0], backend, int(world_size), str(case_id)), nodeid)
+    _cases.setdefault((function.split("::", 1)[0], backend, int(world_size)), set()).add(str(case_id))
+
+
+def collected_case_ids(test: str | None, backend: str, world_size: int) -> set[str] | None:
+    """The case ids at (backend, world size) of the tests collected in the file of `test` (a
+    node id or a file), or None when none is registered there (run every case)."""
+    if not test:
+        return None
+    return _cases.get((test.split("::", 1)[0], backend, int(world_size))) or None
 
 
 def case_test_id(asker: str | None, backend: str, world_size: int, case_id: str) -> str | None:

@@ -86,13 +86,8 @@ def _gpu_count_of(nodeid: str) -> list[str]:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    from cpkit.harness.attribution import register_case_test
-
     order_for_pools(items)
     for item in items:
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        if {"backend", "world_size", "case_id"} <= set(params):  # a grid case: credited to its own test
-            register_case_test(item.nodeid, params["backend"], params["world_size"], params["case_id"])
         for name, needed in GPU_MARKERS.items():
             if item.get_closest_marker(name) is None:
                 continue
@@ -100,6 +95,19 @@ def pytest_collection_modifyitems(config, items):
             if found < needed:
                 noun = "device" if needed == 1 else "devices"
                 item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA {noun}, found {found}"))
+
+
+def pytest_collection_finish(session):
+    """Register every grid case the session runs (after every deselection) with its test: a
+    recorded coverage map credits each case to its own test, and a grid runs only the cases of
+    the tests collected (cpkit.harness.attribution)."""
+    from cpkit.harness.attribution import clear_case_tests, register_case_test
+
+    clear_case_tests()
+    for item in session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if {"backend", "world_size", "case_id"} <= set(params):
+            register_case_test(item.nodeid, params["backend"], params["world_size"], params["case_id"])
 
 
 def xdist_group_of(nodeid: str, gpu_markers: list[str]) -> str:
