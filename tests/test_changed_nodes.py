@@ -166,3 +166,40 @@ def test_a_grid_runs_only_the_cases_the_session_collected(monkeypatch):
     assert len(_run_cases(cases_for, "gloo", 4, test)) == 3 and len(_run_cases(cases_for, "gloo", 2, None)) == 3
     attribution.clear_case_tests()
     assert attribution.collected_case_ids(test, "gloo", 2) is None
+
+
+def test_a_context_of_several_tests_names_each():
+    from cpkit.harness.attribution import TESTS_LABEL
+
+    label = TESTS_LABEL + "functional/test_g.py::t[gloo2-a]\nfunctional/test_g.py::t[gloo2-b]"
+    assert _test_of(label, {}) == {"functional/test_g.py::t[gloo2-a]", "functional/test_g.py::t[gloo2-b]"}
+    assert _test_of("functional/test_g.py::t[gloo2-a]|" + label, {}) == _test_of(label, {})
+
+
+def test_measured_as_switches_the_context_only_while_a_map_is_recorded(tmp_path, monkeypatch):
+    coverage = pytest.importorskip("coverage")
+    if coverage.Coverage.current() is not None:
+        pytest.skip("coverage is measuring this process already (a map being recorded): one tracer at a time")
+    monkeypatch.delenv(attribution.CONTEXT_ENV, raising=False)
+    with attribution.measured_as(["tests/test_x.py::t"]):  # not recording: nothing to switch
+        pass
+    module = tmp_path / "probe_grid.py"
+    module.write_text("def f():\n    return 1\n\n\ndef g():\n    return 2\n")
+    monkeypatch.setenv(attribution.CONTEXT_ENV, "tests/test_x.py::first")
+    cov = coverage.Coverage(data_file=str(tmp_path / ".coverage"), include=[str(module)])
+    cov.start()
+    try:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("probe_grid", module)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        cov.switch_context("tests/test_x.py::first")
+        with attribution.measured_as(["tests/test_x.py::a", "tests/test_x.py::b"]):
+            mod.f()
+        mod.g()  # back to the running test
+    finally:
+        cov.stop()
+    contexts = cov.get_data().contexts_by_lineno(str(module))
+    assert _test_of(contexts[2][0], {}) == {"tests/test_x.py::a", "tests/test_x.py::b"}
+    assert contexts[6] == ["tests/test_x.py::first"]

@@ -20,13 +20,15 @@ import contextlib
 import os
 from typing import Iterator
 
-__all__ = ["CONTEXT_ENV", "current_test_id", "rank_case_context", "register_case_test", "case_test_id",
-           "clear_case_tests", "collected_case_ids"]
+__all__ = ["CONTEXT_ENV", "TESTS_LABEL", "current_test_id", "rank_case_context", "register_case_test",
+           "case_test_id", "clear_case_tests", "collected_case_ids", "measured_as"]
 
 #: Set in the pytest process to the running test's node id while a map is recorded; a rank
 #: spawned then inherits it (its coverage config reads it as the rank's context).
 CONTEXT_ENV = "CPKIT_COVERAGE_CONTEXT"
 _PYTEST_CURRENT = "PYTEST_CURRENT_TEST"  # pytest's "<node id> (<phase>)" of the running test
+#: A coverage context standing for several tests: this prefix, then their node ids, one a line.
+TESTS_LABEL = "tests:"
 
 
 # (test function's id, backend, world size, case id) and (test file, backend, world size, case
@@ -102,3 +104,29 @@ def rank_case_context(test_id: str | None) -> Iterator[None]:
             os.environ.pop(_PYTEST_CURRENT, None)
         else:
             os.environ[_PYTEST_CURRENT] = before
+
+
+@contextlib.contextmanager
+def measured_as(test_ids: list[str]) -> Iterator[None]:
+    """In the pytest process, while a map is recorded: attribute what runs inside the block to
+    `test_ids` (one: its node id; several: a TESTS_LABEL context naming each), then back to the
+    running test. A grid run by its first test credits its own code to every case's test this
+    way, and each case's part to that case's test. A no-op when no map is being recorded."""
+    if not test_ids or CONTEXT_ENV not in os.environ:
+        yield
+        return
+    try:
+        import coverage
+
+        cov = coverage.Coverage.current()
+    except ImportError:
+        cov = None
+    if cov is None:
+        yield
+        return
+    ids = sorted(set(test_ids))
+    cov.switch_context(ids[0] if len(ids) == 1 else TESTS_LABEL + "\n".join(ids))
+    try:
+        yield
+    finally:
+        cov.switch_context(os.environ.get(CONTEXT_ENV, ""))

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from cpkit.harness.attribution import CONTEXT_ENV
+from cpkit.harness.attribution import CONTEXT_ENV, TESTS_LABEL
 from cpkit.validation.coverage_map import (MAP_PATH, MAP_VERSION, TEST_FOLDERS, code_state, encode_indices, file_of,
                                            function_spans)
 
@@ -106,18 +106,21 @@ def coverage_rcfile(tmp: Path, source: Path) -> Path:
 
 #: Where coverage.py joins a static and a dynamic context ("static|dynamic"): a "|" followed by
 #: a test id or a fixture label (a node id's own parameters may hold a "|", but not followed by these).
-_JOIN = re.compile(r"\|(?=(?:%s)/|fixture:)" % "|".join(TEST_FOLDERS))
+_JOIN = re.compile(r"\|(?=(?:%s)/|fixture:|%s)" % ("|".join(TEST_FOLDERS), TESTS_LABEL))
 
 
 def _test_of(context: str, fixture_users: dict[str, set[str]]) -> set[str]:
     """Test node ids a coverage context stands for ("static|dynamic": the dynamic part wins;
-    `fixture:<name>`: every test using the fixture)."""
+    `fixture:<name>`: every test using the fixture; a TESTS_LABEL context: the tests it lists,
+    cpkit.harness.attribution.measured_as)."""
     parts = [part for part in _JOIN.split(context) if part]
     if not parts:
         return set()
     label = parts[-1]
     if label.startswith("fixture:"):
         return fixture_users.get(label.removeprefix("fixture:"), set())
+    if label.startswith(TESTS_LABEL):
+        return set(label.removeprefix(TESTS_LABEL).split("\n"))
     return {label}
 
 
