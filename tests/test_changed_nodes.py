@@ -54,6 +54,8 @@ def test_a_body_change_of_a_covered_function_selects_exactly_its_node_ids(repo):
     sel = _select(repo, _edit(repo, "return x + 1", "return x + 2"))
     assert sel.node_ids == ["tests/test_alpha.py::test_a1", "tests/test_devices.py::test_d"]
     assert not _whole(sel) and not sel.everything  # not the change-map row (tests/test_devices.py whole)
+    # the checks that read the source run with every module change (this fake repo has none of them)
+    assert sel.reasons["(source checks)"] == "tests/test_repo_text.py, tests/test_import_graph.py"
     assert "2 tests in 2 files ran it" in sel.reasons[MODULE]
 
 

@@ -20,6 +20,8 @@ With a format-3 map (test node ids per function):
   added, removed or renamed), a new or a deleted module: the whole feature plus every test file
   that ran any function of the module (module-level code runs at import, which the map cannot
   attribute);
+- every module change: the checks that read the source instead of running it (change_map's
+  ALWAYS and ANY_MODULE: the text check, the import-graph check), which no map can attribute;
 - a test file (or conftest) changed or added since the map: itself (conftest: its row);
 - any other path (docs, examples, configs): its static selection.
 Node ids are run as single tests (ChangedSelection.node_ids, cpkit.validation.pytest_runner
@@ -42,7 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cpkit.validation.change_map import EVERYTHING, select_tests
+from cpkit.validation.change_map import ALWAYS, ANY_MODULE, EVERYTHING, select_tests
 from cpkit.validation.coverage_map import (MAP_PATH, CoverageMap, Drift, drift_since, file_of, functions_at_lines,
                                            load_map)
 
@@ -235,6 +237,9 @@ def select_changed(root: Path, base: str | None, changed: list[str], lines: dict
     if since is not None:
         files.update(dict.fromkeys(since.files))
         reasons["(changed since the map)"] = ", ".join(drift.test_files)
+    if precise:  # the checks that read the source rather than run it: no map can see them
+        files.update(dict.fromkeys((*ALWAYS, *ANY_MODULE)))
+        reasons["(source checks)"] = ", ".join((*ALWAYS, *ANY_MODULE))
     files.update(dict.fromkeys(sorted(picked)))
     everything = static.everything or measured_all or (since is not None and since.everything)
     chosen = list(EVERYTHING) if everything else sorted(f for f in files if f in EVERYTHING or (root / f).exists())
