@@ -84,3 +84,35 @@ def test_precision_is_the_share_of_the_suites_tests_each_selection_ran():
     assert [r["selected_share"] for r in rows] == [0.3, 1.0, 0.6]
     assert summary["median_selected_share"] == 0.6 and summary["worst_selected_share"] == 1.0
     assert summary["worst_selected_mutant"] == ids[1] and summary["worst_changed_s"] == 90.0
+
+
+def test_precision_counts_the_node_ids_a_selection_ran_singly():
+    from cpkit.bench.changed_recall import selected_share
+
+    counts = {"tests/a.py": 6, "tests/b.py": 3, "functional/c.py": 1}
+    suite = [f"tests/a.py::t{i}" for i in range(6)] + [f"tests/b.py::u{i}" for i in range(3)] + ["functional/c.py::v"]
+    assert selected_share([], counts, ["tests/a.py::t0", "functional/c.py::v"]) == 0.2
+    # a node id of a file run whole counts once; one the suite no longer has counts as nothing
+    assert selected_share(["tests/b.py"], counts, ["tests/b.py::u0", "tests/a.py::t1", "tests/a.py::gone"], suite) == 0.4
+    items = [_item(0)]
+    log = {("suite", None): {"tests_per_file": counts, "nodeids": suite},
+           ("changed", items[0]["id"]): {"caught": True, "seconds": 20.0, "run": [], "node_ids": ["tests/a.py::t0"]}}
+    rows, summary = _summarise(items, log, full_seconds=800.0)
+    assert rows[0]["selected_share"] == 0.1 and rows[0]["run_node_ids"] == 1
+    assert summary["median_selected_share"] == 0.1 and summary["worst_selected_share"] == 0.1
+
+
+def test_a_survivor_reached_by_an_unselected_test_of_a_file_it_ran_partly_needs_that_test():
+    """With node ids, a file --changed ran some tests of is not covered whole: a reaching test
+    outside its node ids decides the verdict (run there), one inside does not."""
+    items = [_item(0), _item(1)]
+    ids = [it["id"] for it in items]
+    changed = {"caught": False, "seconds": 10.0, "run": ["tests/b.py"], "node_ids": ["tests/a.py::t0"]}
+    log = {("changed", ids[0]): changed, ("changed", ids[1]): changed,
+           ("probe", None): {"ids": ids, "unprobed": [],
+                             "reach": {ids[0]: ["tests/a.py::t0", "tests/b.py::u1"], ids[1]: ["tests/a.py::t1"]}}}
+    rows, _ = _summarise(items, log, full_seconds=800.0)
+    assert [r["full"] for r in rows] == [False, None]  # the second waits for its complement run on tests/a.py::t1
+    log[("complement", ids[1])] = {"caught": True}
+    rows, summary = _summarise(items, log, full_seconds=800.0)
+    assert [r["full"] for r in rows] == [False, True] and summary["misses"] == [ids[1]]

@@ -20,6 +20,7 @@ from cpkit.validation.code_hashes import function_hashes, module_level_hash
 from cpkit.validation.coverage_map import (
     MAP_PATH,
     blob_hash,
+    decode_indices,
     drift_since,
     function_spans,
     functions_at_lines,
@@ -152,13 +153,31 @@ def _select(root: Path, lines: set[int] | None, changed: list[str] | None = None
 
 
 def _tests(selection) -> set[str]:
+    """The test files the selection runs tests of: whole, or some of their node ids."""
+    return {f for f in [*selection.files, *(n.split("::")[0] for n in selection.node_ids)] if f.startswith("tests/test_")}
+
+
+def _tests_whole(selection) -> set[str]:
     return {f for f in selection.files if f.startswith("tests/test_")}
 
 
-def test_a_body_edit_selects_the_tests_that_ran_the_function_and_the_static_users(repo):
+def as_format(raw: dict, version: int) -> dict:
+    """A format-3 map's JSON as format 2 (test files per function) or 1 (blob ids only)."""
+    nodes = raw["nodes"]
+    files = {k: sorted({nodes[i].split("::")[0] for i in decode_indices(v)}) for k, v in raw["functions"].items()}
+    tests = sorted({t for ts in files.values() for t in ts})
+    functions = {k: [tests.index(t) for t in ts] for k, ts in files.items()}
+    if version == 1:
+        return {"version": 1, "commit": raw["commit"], "tests": tests, "functions": functions, "files": raw["blobs"],
+                "levels": {}, "recorded": {}}
+    return {"version": 2, "commit": raw["commit"], "tests": tests, "functions": functions, "blobs": raw["blobs"],
+            "modules": raw["modules"], "hashes": raw["hashes"], "levels": {}, "recorded": {}}
+
+
+def test_a_body_edit_selects_the_tests_that_ran_the_function(repo):
     sel = _select(repo, _edit(repo, "return x + 1", "return x + 2"))
     assert not sel.everything
-    assert _tests(sel) == {"tests/test_alpha.py", "tests/test_devices.py"}
+    assert sel.node_ids == ["tests/test_alpha.py::test_a", "tests/test_devices.py::test_d"] and not _tests_whole(sel)
     assert "1 functions changed" in sel.map_state and "c0ffeec0ffee" in sel.map_state
 
 
@@ -207,9 +226,7 @@ def test_a_diff_without_a_cpkit_module_needs_no_map(repo):
 
 
 def test_a_format_1_map_counts_a_module_whose_blob_differs_as_wholly_changed(repo):
-    raw = json.loads((repo / MAP_PATH).read_text())
-    old = {"version": 1, "commit": raw["commit"], "tests": raw["tests"], "functions": raw["functions"],
-           "files": raw["blobs"], "levels": {}, "recorded": {}}
+    old = as_format(json.loads((repo / MAP_PATH).read_text()), 1)
     (repo / MAP_PATH).write_text(json.dumps(old))
     sel = _select(repo, {6})  # the module is as measured: its blob vouches for every function
     assert _tests(sel) == {"tests/test_alpha.py", "tests/test_devices.py"} and "format 1" in sel.map_state
@@ -233,7 +250,7 @@ def test_without_git_the_change_since_the_map_is_the_change(repo):
 
 def test_the_map_stores_what_the_code_was(repo):
     raw = json.loads((repo / MAP_PATH).read_text())
-    assert raw["version"] == 2 and raw["blobs"][MODULE] == blob_hash(DEVICES.encode())
+    assert raw["version"] == 3 and raw["blobs"][MODULE] == blob_hash(DEVICES.encode())
     assert raw["hashes"][MODULE] == function_hashes(DEVICES) and raw["modules"][MODULE] == module_level_hash(DEVICES)
 
 
@@ -254,8 +271,8 @@ def test_rebind_code_run_inside_dist_ranks_selects_the_dist_tests():
     path, name = "src/cpkit/rebind.py", "install_pg_collection"
     spawning = {"functional/test_eval_cp.py", "functional/test_dynamic_cp.py"}
     assert spawning <= set(cmap.tests_of(path, name) or ()), "rank processes not measured?"
-    picked, everything, _ = _measured(ROOT, _Change(functions={path: {name}}), cmap)
-    assert spawning <= picked and not everything
+    picked, nodes, everything, _ = _measured(ROOT, _Change(functions={path: {name}}), cmap)
+    assert spawning <= picked | {n.split("::")[0] for n in nodes} and not everything
 
 
 def test_rank_case_context_attributes_a_case_to_its_test(tmp_path):
@@ -340,4 +357,4 @@ def test_a_pool_rank_credits_each_case_to_the_test_that_sent_it(tmp_path):
     combined.combine(keep=False)
     contexts = combined.get_data().contexts_by_lineno(str(probe))
     assert contexts.get(2), f"the ranks' coverage was not saved: {contexts}"
-    assert {t for c in contexts[2] for t in _test_of(c, {})} == {"tests/test_second.py"}
+    assert {t for c in contexts[2] for t in _test_of(c, {})} == {"tests/test_second.py::t"}  # its node id, not the first test's

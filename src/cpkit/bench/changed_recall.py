@@ -11,11 +11,15 @@ For each mutant (a minimal text edit, `mutation.mutant_source`) in a scratch wor
    - otherwise a test outside the --changed run can only catch it by executing the mutated
      code. One full pytest run with a probe at every surviving mutant's site (the site's
      expression or statement wrapped in a call that records the running test, in the pytest
-     process and in every rank it spawns, behaviour unchanged) finds the test files that reach
-     each site. This is measured afresh, by another mechanism than the coverage map under test.
-   - a survivor whose site some unselected test file reaches is then run, mutated, on those
-     files (`pytest -x`): a failure there is a miss of --changed.
-Recall = caught by --changed / caught by the full validation. Time ratio = a mutant's --changed
+     process and in every rank it spawns, behaviour unchanged) finds the tests (node ids) that
+     reach each site. This is measured afresh, by another mechanism than the coverage map under test.
+   - a survivor whose site some test outside its selection reaches (a file --changed did not
+     run, or a node id of a file it ran only some tests of) is then run, mutated, on those tests
+     (`pytest -x`): a failure there is a miss of --changed.
+Recall = caught by --changed / caught by the full validation. Precision: the share of the
+suite's collected tests each selection ran (`selected_share`: the tests of the whole files it
+ran plus the node ids it ran singly, those the suite still has), with its median and worst case
+over the mutants. Time ratio = a mutant's --changed
 time / the probe run's time (the whole suite in one process, as `cpkit validate` runs it; its
 cards and skills checks are left out, so the ratio is slightly high).
 
@@ -182,7 +186,8 @@ def _changed_stage(scratch: Path, item: dict, timeout: float) -> dict:
     changed = data.get("changed") or {}
     _reset(scratch)
     return {"stage": "changed", "id": item["id"], "caught": code != 0, "exit": code, "seconds": round(seconds, 1),
-            "run": changed.get("run", []), "everything": changed.get("everything"),
+            "run": changed.get("run", []), "node_ids": changed.get("run_node_ids", []),
+            "missing_node_ids": changed.get("missing_node_ids", []), "everything": changed.get("everything"),
             "coverage_map": changed.get("coverage_map"),
             "failures": [f for r in data.get("rows", []) for f in r.get("failures", [])][:5]}
 
@@ -193,24 +198,42 @@ def _suite_stage(scratch: Path, timeout: float) -> dict:
     proc = _sh([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests",
                 "functional"], scratch, _env(scratch), timeout)
     per_file: dict[str, int] = {}
-    for line in proc.stdout.splitlines():
-        if "::" in line:
-            path = line.split("::", 1)[0]
-            per_file[path] = per_file.get(path, 0) + 1
-    return {"stage": "suite", "tests_per_file": per_file, "tests": sum(per_file.values())}
+    nodeids = [line.strip() for line in proc.stdout.splitlines() if "::" in line]
+    for nodeid in nodeids:
+        path = nodeid.split("::", 1)[0]
+        per_file[path] = per_file.get(path, 0) + 1
+    return {"stage": "suite", "tests_per_file": per_file, "tests": sum(per_file.values()), "nodeids": nodeids}
 
 
-def selected_share(run: list[str], tests_per_file: dict[str, int]) -> float | None:
-    """The share of the suite's tests in the files (or folders) `run` selected; None without counts."""
+def _in_files(test: str, run: list[str]) -> bool:
+    """Whether test (a node id or a file) is in one of the files or folders `run` names."""
+    path = test.split("::", 1)[0]
+    return any(path == r or path.startswith(r.rstrip("/") + "/") for r in run)
+
+
+def selected_share(run: list[str], tests_per_file: dict[str, int], node_ids: list[str] = (),
+                   suite: list[str] | None = None) -> float | None:
+    """The share of the suite's tests a selection ran: those of the files (or folders) `run`
+    names, plus the `node_ids` it ran singly (of other files; only those in `suite`, the
+    collected node ids, where given). None without counts."""
     total = sum(tests_per_file.values())
     if not total:
         return None
-    picked = sum(n for f, n in tests_per_file.items() if any(f == r or f.startswith(r.rstrip("/") + "/") for r in run))
+    picked = sum(n for f, n in tests_per_file.items() if _in_files(f, run))
+    known = None if suite is None else set(suite)
+    picked += len({n for n in node_ids if not _in_files(n, run) and (known is None or n in known)})
     return round(picked / total, 4)
 
 
+def _outside(reaching: list[str], changed: dict) -> list[str]:
+    """The tests (node ids, or files in logs before node ids) of `reaching` that the --changed
+    run did not run: not in a file it ran whole, nor among its single node ids."""
+    singles = set(changed.get("node_ids") or ())
+    return [t for t in reaching if not _in_files(t, changed["run"]) and t not in singles]
+
+
 def _probe_stage(scratch: Path, survivors: list[dict], timeout: float) -> dict:
-    """One full pytest run with every survivor's site probed: site id -> test files reaching it."""
+    """One full pytest run with every survivor's site probed: site id -> tests (node ids) reaching it."""
     _reset(scratch)
     by_path: dict[str, list[tuple[int, Mutant]]] = {}
     for sid, item in enumerate(survivors):
@@ -233,7 +256,7 @@ def _probe_stage(scratch: Path, survivors: list[dict], timeout: float) -> dict:
     if hits.exists():
         for line in hits.read_text().splitlines():
             sid, _, test = line.partition("\t")
-            reach.setdefault(survivors[int(sid)]["id"], set()).add(test.split("::")[0] or "(outside a test)")
+            reach.setdefault(survivors[int(sid)]["id"], set()).add(test or "(outside a test)")
     return {"stage": "probe", "seconds": round(seconds, 1), "exit": proc.returncode,
             "summary": proc.stdout.strip().splitlines()[-1:] if proc.stdout.strip() else [],
             "reach": {k: sorted(v) for k, v in reach.items()}, "unprobed": unprobed,
@@ -241,13 +264,24 @@ def _probe_stage(scratch: Path, survivors: list[dict], timeout: float) -> dict:
 
 
 def _complement_stage(scratch: Path, item: dict, files: list[str], timeout: float) -> dict:
+    """Run the mutant on `files`: test files, folders or node ids (run singly, through
+    cpkit.validation.pytest_runner's filter: a node id the suite lacks is no error)."""
+    from cpkit.validation.pytest_runner import NODE_IDS_ENV
+
     _reset(scratch)
     target = scratch / item["path"]
     target.write_text(mutant_source(target.read_text(), item["mutant"]))
+    nodes = [f for f in files if "::" in f]
+    paths = [f for f in files if "::" not in f] + list(dict.fromkeys(n.split("::", 1)[0] for n in nodes))
+    extra: dict[str, str] = {}
+    if nodes:
+        extra[NODE_IDS_ENV] = str(_probe_dir(scratch) / "node_ids.json")
+        Path(extra[NODE_IDS_ENV]).write_text(json.dumps(nodes))
+        paths = ["-p", "cpkit.validation.pytest_runner", *paths]
     start = time.perf_counter()
     try:
         proc = _sh([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider",
-                    "-p", "no:randomly", *files], scratch, _env(scratch), timeout)
+                    "-p", "no:randomly", *paths], scratch, _env(scratch, **extra), timeout)
         code = proc.returncode
     except subprocess.TimeoutExpired:
         code = "timeout"
@@ -259,6 +293,7 @@ def _complement_stage(scratch: Path, item: dict, files: list[str], timeout: floa
 def _summarise(items: list[dict], log: dict, full_seconds: float | None) -> tuple[list[dict], dict]:
     probe = log.get(("probe", None))
     counts = (log.get(("suite", None)) or {}).get("tests_per_file", {})
+    suite_nodes = (log.get(("suite", None)) or {}).get("nodeids")
     rows = []
     for item in items:
         ch = log.get(("changed", item["id"]))
@@ -269,7 +304,7 @@ def _summarise(items: list[dict], log: dict, full_seconds: float | None) -> tupl
         elif ch is not None and ch["caught"]:
             full = True
         elif ch is not None and probe is not None and item["id"] in probe.get("ids", []):
-            outside = [f for f in probe["reach"].get(item["id"], []) if f not in ch["run"]]
+            outside = _outside(probe["reach"].get(item["id"], []), ch)
             if item["id"] in probe["unprobed"] or outside:
                 full = None if comp is None else comp["caught"]
             else:
@@ -280,8 +315,10 @@ def _summarise(items: list[dict], log: dict, full_seconds: float | None) -> tupl
         rows.append({"id": item["id"], "focus": item["focus"], "changed": None if ch is None else ch["caught"],
                      "full": full, "changed_s": None if ch is None else ch["seconds"], "time_ratio": ratio,
                      "run_files": None if ch is None else len(ch["run"]),
-                     "selected_share": None if ch is None else selected_share(ch["run"], counts),
-                     "reaching_files": None if probe is None else probe["reach"].get(item["id"])})
+                     "run_node_ids": None if ch is None else len(ch.get("node_ids") or ()),
+                     "selected_share": None if ch is None else selected_share(ch["run"], counts, ch.get("node_ids") or (),
+                                                                              suite_nodes),
+                     "reaching_tests": None if probe is None else probe["reach"].get(item["id"])})
     decided = [r for r in rows if r["full"] in (True, False)]
     caught_full = [r for r in decided if r["full"]]
     caught_both = [r for r in caught_full if r["changed"]]
@@ -311,9 +348,10 @@ def _summarise(items: list[dict], log: dict, full_seconds: float | None) -> tupl
 
 
 def _table(rows: list[dict]) -> str:
-    head = ("mutant", "focus", "--changed", "full", "--changed s", "files run", "share of tests")
+    head = ("mutant", "focus", "--changed", "full", "--changed s", "files run", "single tests", "share of tests")
     body = [(r["id"][-72:], "yes" if r["focus"] else "", _verdict(r["changed"]), _verdict(r["full"]),
              "-" if r["changed_s"] is None else f"{r['changed_s']:.0f}", str(r["run_files"] or "-"),
+             str(r.get("run_node_ids") or "-"),
              "-" if r.get("selected_share") is None else f"{r['selected_share']:.1%}") for r in rows]
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
@@ -349,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         log[(rec["stage"], rec.get("id"))] = rec
         with args.log.open("a") as fh:
             fh.write(json.dumps(rec) + "\n")
-        print(json.dumps({k: rec[k] for k in rec if k not in ("reach", "run", "ids", "tests_per_file")})[:300],
+        print(json.dumps({k: rec[k] for k in rec if k not in ("reach", "run", "ids", "tests_per_file", "nodeids",
+                                                              "node_ids")})[:300],
               flush=True)
 
     def left() -> float:
@@ -372,8 +411,8 @@ def main(argv: list[str] | None = None) -> int:
             keep(_probe_stage(scratch, survivors, timeout=max(600.0, left())))
         probe = log.get(("probe", None))
         for item in survivors if probe else []:
-            ran = log[("changed", item["id"])]["run"]
-            outside = [f for f in probe["reach"].get(item["id"], []) if f not in ran and f.endswith(".py")]
+            outside = [t for t in _outside(probe["reach"].get(item["id"], []), log[("changed", item["id"])])
+                       if t.split("::", 1)[0].endswith(".py")]
             if item["id"] in probe["unprobed"]:
                 outside = ["tests", "functional"]
             if outside and ("complement", item["id"]) not in log and left() > 0:
@@ -387,6 +426,9 @@ def main(argv: list[str] | None = None) -> int:
 
     print(_table(rows))
     print(json.dumps(summary, indent=1))
+    if summary["median_selected_share"] is not None:
+        print(f"precision: --changed ran a median {summary['median_selected_share']:.1%} of the suite's tests, "
+              f"worst {summary['worst_selected_share']:.1%} ({summary['worst_selected_mutant']})")
     report = {"bench": "changed_recall", "commit": commit, "seed": args.seed, "sample": [i["id"] for i in items],
               "machine": machine_info(), "summary": summary, "rows": rows,
               "full_reference": "probe run: pytest -n 0 tests functional with every survivor's site probed"}

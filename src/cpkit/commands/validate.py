@@ -1,13 +1,15 @@
 """`cpkit validate [--changed [BASE] [--wide]] [--record-map]`: run what fits this machine and print one table per feature.
 
 Without --changed: the unit tests, the `dist` tests (gloo) and the gpu1/gpu2/gpu4 tests where
-enough CUDA devices are present, in one pytest process. With --changed: only the test files that
+enough CUDA devices are present, in one pytest process. With --changed: only the tests that
 cover the paths changed since BASE (default: the merge base with main; on main itself, or
 without main, HEAD when there are uncommitted changes, else HEAD~1; uncommitted and untracked
-files included), chosen by src/cpkit/validation/changed_selection.py::select_changed: the test files that
-ran a changed function (the measured coverage map, rank processes included), united with
-src/cpkit/validation/change_map.py::CHANGE_MAP's rows and the tests that use a changed function or class
-through its own package (with --wide: every test that imports the module). What changed since
+files included), chosen by src/cpkit/validation/changed_selection.py::select_changed: a change inside
+the bodies of functions the measured coverage map covers runs exactly the tests (node ids) that
+ran them, rank processes included; any other change of a module (module or class level, a
+signature, a new, deleted or unmeasured function) adds src/cpkit/validation/change_map.py::CHANGE_MAP's
+rows and the tests that use a changed function or class through its own package (with --wide:
+every test that imports the module). What changed since
 the map was measured (from the hashes it stores) widens the selection, so an older map selects
 more; only a missing or unreadable map runs everything. Outside a git checkout, --changed with
 no BASE takes the change since the map. The report names the map's commit and its drift, the
@@ -251,6 +253,7 @@ def run(args) -> int:
     start = time.perf_counter()
     report: dict = {"changed": None}
     paths = ["tests", "functional"]
+    node_ids: list[str] = []
     if args.changed is not None:
         since_map = None if args.changed or _git(root, "rev-parse", "--git-dir") is not None else changed_since_map(root)
         try:
@@ -263,18 +266,28 @@ def run(args) -> int:
         selection = select_changed(root, base, changed, lines, wide=args.wide)
         report["changed"] = {"base": base, "paths": changed, **selection.to_dict()}
         paths = [p for p in selection.files if (root / p).exists()]
+        node_ids = selection.node_ids
         report["changed"]["run"] = paths
+        report["changed"]["run_node_ids"] = node_ids
         if modules:
             print(f"cpkit validate --changed: coverage map {selection.map_state}"
                   + (": running everything" if selection.everything else ""), file=out)
-        print(f"changed since {base[:12]}: {len(changed)} paths; running {', '.join(paths) or 'no tests'}",
-              file=out)
+        files_of_nodes = sorted({n.split("::", 1)[0] for n in node_ids})
+        running = ", ".join(paths) + ("; " if paths and node_ids else "") + (
+            f"{len(node_ids)} tests of {', '.join(files_of_nodes)}" if node_ids else "")
+        print(f"changed since {base[:12]}: {len(changed)} paths; running {running or 'no tests'}", file=out)
     rows: list[dict] = []
     owed: dict = {}
     dist_run: list[str] = []
-    if paths:
+    if paths or node_ids:
         # "-v" cancels BASE_FLAGS' "-q": pytest's default verbosity names each test file as it runs.
-        run_ = run_pytest(root, ["-v", *paths, *extra], output="stderr" if to_stdout else "inherit")
+        run_ = run_pytest(root, ["-v", *paths, *extra], output="stderr" if to_stdout else "inherit",
+                          node_ids=node_ids)
+        if run_.missing:
+            print(f"left out {len(run_.missing)} selected tests the suite no longer has (renamed or removed since "
+                  f"the coverage map): {', '.join(run_.missing[:5])}" + (" ..." if len(run_.missing) > 5 else ""),
+                  file=out)
+            report["changed"]["missing_node_ids"] = run_.missing
         rows = _summarise(run_.records, run_.levels)
         owed = gpu_owed(run_.records, run_.levels)
         dist_run = [r["nodeid"] for r in run_.records if run_.levels.get(r["nodeid"]) == "dist"

@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from cpkit.harness.attribution import case_test_id, current_test_id, measured_as
 from cpkit.harness.gpu_claim import visible_gpu_ids
 from cpkit.harness.launch_times import record_grid_times
 from cpkit.harness.rank_pool import PoolStartError, RankPool, close_pools, function_ref
@@ -151,14 +152,19 @@ class PoolSet:
         if len(set(ids)) != len(ids):
             raise ValueError(f"case ids must be unique, got {ids}")
         results = {cid: CaseResult(cid) for cid in ids}
-        with lock:
-            started = time.monotonic()  # the grid's own wall: not the wait for its pool
-            deadline = started + spec.timeout
-            for cid, case in zip(ids, spec.cases):
-                _run_case(pool, spec, case, results[cid], deadline)
-            if spec.backend == "gloo":
-                pool.drop_groups()  # idle gloo groups poll: an idle pool keeps only its world group
-        record_grid_times(spec.fn, spec.backend, spec.world_size, results, started)
+        asker = spec.test_id or current_test_id()
+        tests = {cid: case_test_id(asker, spec.backend, spec.world_size, cid) for cid in ids}
+        # A recorded coverage map credits the grid's own code to every case's test, a case's to its own.
+        with measured_as([t for t in tests.values() if t]):
+            with lock:
+                started = time.monotonic()  # the grid's own wall: not the wait for its pool
+                deadline = started + spec.timeout
+                for cid, case in zip(ids, spec.cases):
+                    with measured_as([tests[cid]] if tests[cid] else []):
+                        _run_case(pool, spec, case, results[cid], deadline)
+                if spec.backend == "gloo":
+                    pool.drop_groups()  # idle gloo groups poll: an idle pool keeps only its world group
+            record_grid_times(spec.fn, spec.backend, spec.world_size, results, started)
         return results
 
     # -- background scheduling ---------------------------------------------------------------
@@ -273,7 +279,9 @@ def _run_case(pool: RankPool, spec: GridSpec, case: Any, result: CaseResult, dea
                          for r in range(spec.world_size)}
         return
     try:
-        run = pool.run(spec.fn, case, left, test_id=spec.test_id)
+        # Credited to the case's own test (a grid runs whole when its first test asks).
+        test_id = case_test_id(spec.test_id or current_test_id(), spec.backend, spec.world_size, result.case_id)
+        run = pool.run(spec.fn, case, left, test_id=test_id)
     except PoolStartError as exc:  # this case fails; the next one tries a fresh start
         result.errors = {r: str(exc) for r in range(spec.world_size)}
         return

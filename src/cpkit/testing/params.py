@@ -6,6 +6,7 @@ from typing import Any, Callable, Iterable
 
 import pytest
 
+from cpkit.harness.attribution import collected_case_ids, current_test_id
 from cpkit.harness.grid import CaseResult, GridSpec, case_id_of, default_pools
 
 __all__ = ["GRID_MARK", "dist_params", "grid_params", "grid_result", "grid_spec_of"]
@@ -66,6 +67,19 @@ def grid_params(cases_for: Callable[[str, int], Iterable[Any]], world_sizes=(2, 
     return params
 
 
+def _run_cases(cases_for: Callable[[str, int], Iterable[Any]], backend: str, world_size: int, test: str | None,
+               own: str | None = None) -> tuple:
+    """The cases of a grid this session runs: those whose tests were collected in the file of
+    `test` (a run of some of the grid's tests runs only theirs), `own` always; every case when
+    the session registered none there."""
+    cases = tuple(cases_for(backend, world_size))
+    wanted = collected_case_ids(test, backend, world_size)
+    if wanted is None:
+        return cases
+    kept = tuple(c for c in cases if case_id_of(c) in wanted or case_id_of(c) == own)
+    return kept or cases
+
+
 def grid_spec_of(item) -> GridSpec | None:
     """The grid a collected test belongs to (from grid_params(scenario=...)), or None."""
     mark = item.get_closest_marker(GRID_MARK)
@@ -74,13 +88,15 @@ def grid_spec_of(item) -> GridSpec | None:
         return None
     backend, world_size = callspec.params["backend"], callspec.params["world_size"]
     cases_for = mark.kwargs["cases_for"]
-    return GridSpec(mark.kwargs["scenario"], tuple(cases_for(backend, world_size)), backend, world_size,
-                    mark.kwargs["timeout"])
+    return GridSpec(mark.kwargs["scenario"], _run_cases(cases_for, backend, world_size, item.nodeid), backend,
+                    world_size, mark.kwargs["timeout"])
 
 
 def grid_result(fn: Callable[[Any], Any], cases_for: Callable[[str, int], Iterable[Any]], backend: str,
                 world_size: int, case_id: str, *, timeout: float = 600.0) -> CaseResult:
-    """The result of one case; the first call for (fn, backend, world_size) runs the whole grid
-    (or waits for it, when the session started it in the background)."""
-    spec = GridSpec(fn, tuple(cases_for(backend, world_size)), backend, world_size, timeout)
+    """The result of one case; the first call for (fn, backend, world_size) runs the whole grid,
+    every case of it the session collected a test for (or waits for it, when the session started
+    it in the background)."""
+    cases = _run_cases(cases_for, backend, world_size, current_test_id(), case_id)
+    spec = GridSpec(fn, cases, backend, world_size, timeout)
     return default_pools().result(spec)[case_id]

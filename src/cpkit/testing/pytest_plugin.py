@@ -97,6 +97,19 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA {noun}, found {found}"))
 
 
+def pytest_collection_finish(session):
+    """Register every grid case the session runs (after every deselection) with its test: a
+    recorded coverage map credits each case to its own test, and a grid runs only the cases of
+    the tests collected (cpkit.harness.attribution)."""
+    from cpkit.harness.attribution import clear_case_tests, register_case_test
+
+    clear_case_tests()
+    for item in session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if {"backend", "world_size", "case_id"} <= set(params):
+            register_case_test(item.nodeid, params["backend"], params["world_size"], params["case_id"])
+
+
 def xdist_group_of(nodeid: str, gpu_markers: list[str]) -> str:
     """The xdist group of a test: its file; every gpu1 test in one group (they run in the
     worker's own process, on its first GPU); every gpu2/gpu4 test in one group too, so that one
@@ -136,7 +149,7 @@ def prefetch_grids(items) -> int:
         if nccl_world_size(item) is None or _will_skip(item):
             continue
         spec = grid_spec_of(item)
-        if spec is not None:  # credited to the first test that reads the grid (the map keeps files)
+        if spec is not None:  # credited per case to its own test (cpkit.harness.attribution.case_test_id)
             specs.setdefault(spec.key, dataclasses.replace(spec, test_id=item.nodeid))
     starters = {}
     for item in items:

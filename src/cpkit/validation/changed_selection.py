@@ -1,26 +1,42 @@
 """What `cpkit validate --changed` runs: the measured callers of what changed (the coverage map,
-src/cpkit/validation/coverage_map.py) united with the static selection (the change map and the symbol
-graph, src/cpkit/validation/change_map.py::select_tests), never fewer tests than the static selection.
+src/cpkit/validation/coverage_map.py) and, where the map cannot decide, the static selection
+(the change map and the symbol graph, src/cpkit/validation/change_map.py::select_tests).
 
 The change is what the diff against BASE touches united with what changed since the map was
 measured (coverage_map.drift_since, from the hashes the map stores: no git needed). The map's
 edges are from its own commit: a test may reach a diff's function today through code that
-changed since, so every such change widens the selection, and an older map selects more:
-- a changed function (its body, in the diff or since the map) selects the test files that ran
-  it (rank processes included); one the map has no coverage for (new, or never run) selects its
-  module's whole feature: its change-map row and every test importing the module (`--wide`);
-- a deleted function selects the test files that ran it;
-- a change outside function bodies (module or class level, a decorator, a signature, a function
-  added or removed), a new or a deleted module: the whole feature plus every test that ran any
-  function of the module (module-level code runs at import, which the map cannot attribute);
-- a test file (or conftest) changed or added since the map: itself (conftest: its row).
+changed since, so every such change widens the selection, and an older map selects more.
+With a format-3 map (test node ids per function):
+- a cpkit module whose whole change (in the diff and since the map) is inside the bodies of
+  functions the map covers selects exactly the tests (node ids) that ran them, rank processes
+  included, and not its change-map row: a body edit reaches the rest of the suite only through
+  calls, which the map measured;
+- any other change of a module brings in the static selection of the module (its change-map
+  row and the tests using the changed symbols; with --wide every test importing it) and:
+  a function the map has no coverage for (new, or never run) selects its module's whole feature
+  (its change-map row and every test importing the module, `--wide`); a deleted function the
+  tests that ran it and the whole feature; a covered function changed beside it its node ids;
+  a change outside function bodies (module or class level, a decorator, a signature, a function
+  added, removed or renamed), a new or a deleted module: the whole feature plus every test file
+  that ran any function of the module (module-level code runs at import, which the map cannot
+  attribute);
+- every module change: the checks that read the source instead of running it (change_map's
+  ALWAYS and ANY_MODULE: the text check, the import-graph check), which no map can attribute;
+- a test file (or conftest) changed or added since the map: itself (conftest: its row);
+- any other path (docs, examples, configs): its static selection.
+Node ids are run as single tests (ChangedSelection.node_ids, cpkit.validation.pytest_runner
+keeps only those of their files); one the suite no longer has is left out, and said so.
+A format 1 or 2 map (test files per function) selects as before: the static selection of every
+changed path united with the test files that ran a changed function (a deleted function: those
+that ran it); a format-1 map (blob ids only) counts a module whose blob differs as wholly changed.
+
 The since-map part applies when the diff changes a cpkit module, the only case the map decides;
 a docs-only or test-only diff runs its static selection alone. A missing or unreadable map, or
-one of an unknown format, runs everything when a module changed, and says why. A format-1 map
-(blob ids only) counts a module whose blob differs as wholly changed.
+one of an unknown format, runs everything when a module changed, and says why.
 
 The report also names the GPU tests (gpu1/gpu2/gpu4) the change makes stale: those in the
-selected files and those of GPU-only test files importing a changed module.
+selected files (and the files of the selected node ids) and those of GPU-only test files
+importing a changed module.
 """
 
 from __future__ import annotations
@@ -28,8 +44,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cpkit.validation.change_map import EVERYTHING, select_tests
-from cpkit.validation.coverage_map import MAP_PATH, CoverageMap, Drift, drift_since, functions_at_lines, load_map
+from cpkit.validation.change_map import ALWAYS, ANY_MODULE, EVERYTHING, select_tests
+from cpkit.validation.coverage_map import (MAP_PATH, CoverageMap, Drift, drift_since, file_of, functions_at_lines,
+                                           load_map)
 
 __all__ = ["ChangedSelection", "select_changed", "changed_since_map", "GPU_LEVELS"]
 
@@ -46,10 +63,12 @@ class ChangedSelection:
     everything: bool
     map_state: str  # the map's commit and its drift, or why it was not used
     gpu_stale: dict[str, list[str]] = field(default_factory=dict)
+    node_ids: list[str] = field(default_factory=list)  # single tests, of files not in `files`
 
     def to_dict(self) -> dict:
-        return {"files": self.files, "reasons": self.reasons, "everything": self.everything,
-                "coverage_map": self.map_state, "gpu_stale": self.gpu_stale}
+        return {"files": self.files, "node_ids": self.node_ids, "reasons": self.reasons,
+                "everything": self.everything, "coverage_map": self.map_state, "gpu_stale": self.gpu_stale}
+
 
 
 def _whole_feature(path: str, root: Path) -> tuple[set[str], bool]:
@@ -91,9 +110,22 @@ def _change(root: Path, modules: list[str], lines: dict[str, set[int] | None], d
     return out
 
 
-def _measured(root: Path, change: _Change, cmap: CoverageMap) -> tuple[set[str], bool, dict[str, str]]:
-    """(test files, everything?, reason per module) the coverage map selects for `change`."""
+def _precise(change: _Change, cmap: CoverageMap) -> set[str]:
+    """The modules whose whole change is inside the bodies of functions the map has test node
+    ids for (format 3): those select exactly their tests, and nothing static."""
+    if not cmap.has_nodes:
+        return set()
+    return {path for path, names in change.functions.items()
+            if names and path not in change.module_level and not change.deleted.get(path)
+            and all(cmap.nodes_of(path, name) for name in names)}
+
+
+def _measured(root: Path, change: _Change, cmap: CoverageMap) -> tuple[set[str], set[str], bool, dict[str, str]]:
+    """(test files, test node ids, everything?, reason per module) the coverage map selects for
+    `change`. A format-3 map names node ids for a function it covers and widens a deleted
+    function to its feature; a format 1 or 2 map names test files and a deleted function's own."""
     picked: set[str] = set()
+    nodes: set[str] = set()
     everything = False
     why: dict[str, list[str]] = {}
     for path in sorted({*change.functions, *change.deleted, *change.module_level}):
@@ -104,20 +136,32 @@ def _measured(root: Path, change: _Change, cmap: CoverageMap) -> tuple[set[str],
                 picked |= feature
                 everything |= all_
                 why.setdefault(path, []).append(f"{name} (no recorded coverage: its whole feature)")
+            elif cmap.has_nodes:
+                ran = cmap.nodes_of(path, name) or []
+                nodes.update(ran)
+                why.setdefault(path, []).append(f"{name} ({len(ran)} tests in {len(tests)} files ran it)")
             else:
                 picked.update(tests)
                 why.setdefault(path, []).append(f"{name} ({len(tests)} test files ran it)")
         for name in sorted(change.deleted.get(path, ())):
-            tests = cmap.tests_of(path, name) or []
-            picked.update(tests)
-            why.setdefault(path, []).append(f"{name} deleted ({len(tests)} test files ran it)")
+            if cmap.has_nodes:
+                ran = cmap.nodes_of(path, name) or []
+                nodes.update(ran)
+                feature, all_ = _whole_feature(path, root)
+                picked |= feature
+                everything |= all_
+                why.setdefault(path, []).append(f"{name} deleted ({len(ran)} tests ran it; its whole feature)")
+            else:
+                tests = cmap.tests_of(path, name) or []
+                picked.update(tests)
+                why.setdefault(path, []).append(f"{name} deleted ({len(tests)} test files ran it)")
         if path in change.module_level:
             feature, all_ = _whole_feature(path, root)
             picked |= feature | cmap.tests_of_module(path)
             everything |= all_
             why.setdefault(path, []).append(f"{change.module_level[path]}: its feature and every test that ran "
                                             "the module")
-    return picked, everything, {path: "; ".join(parts) for path, parts in why.items()}
+    return picked, nodes, everything, {path: "; ".join(parts) for path, parts in why.items()}
 
 
 def _gpu_stale(root: Path, changed_modules: list[str], files: list[str], everything: bool,
@@ -165,8 +209,8 @@ def select_changed(root: Path, base: str | None, changed: list[str], lines: dict
     del base  # the diff is given; the map's drift comes from its hashes
     root = Path(root).resolve()
     modules = [p for p in changed if p.startswith("src/cpkit/") and p.endswith(".py")]
-    static = select_tests(changed, root, narrow=not wide, lines=lines)
     if not modules:
+        static = select_tests(changed, root, narrow=not wide, lines=lines)
         return ChangedSelection(static.files, dict(static.reasons), static.everything,
                                 "not used: the diff changes no cpkit module", _gpu_stale(root, [], static.files,
                                                                                         static.everything, None))
@@ -177,11 +221,15 @@ def select_changed(root: Path, base: str | None, changed: list[str], lines: dict
     except (ValueError, KeyError, TypeError, OSError) as exc:
         cmap, problem = None, f"the coverage map cannot be read ({exc}); re-record it with `cpkit validate --record-map`"
     if problem is not None:
+        static = select_tests(changed, root, narrow=not wide, lines=lines)
         reasons = dict(static.reasons, **{"(coverage map)": problem + ": running everything"})
         return ChangedSelection(list(EVERYTHING), reasons, True, problem, _gpu_stale(root, modules, [], True, None))
     drift = drift_since(cmap, root)
+    change = _change(root, modules, lines, drift)
+    precise = _precise(change, cmap)  # a body change of covered functions: its tests, no static rows
+    static = select_tests([p for p in changed if p not in precise], root, narrow=not wide, lines=lines)
     since = select_tests(drift.test_files, root) if drift.test_files else None
-    picked, measured_all, why = _measured(root, _change(root, modules, lines, drift), cmap)
+    picked, nodes, measured_all, why = _measured(root, change, cmap)
     files = dict.fromkeys(static.files)
     reasons = dict(static.reasons)
     for path, text in why.items():
@@ -189,8 +237,14 @@ def select_changed(root: Path, base: str | None, changed: list[str], lines: dict
     if since is not None:
         files.update(dict.fromkeys(since.files))
         reasons["(changed since the map)"] = ", ".join(drift.test_files)
+    if precise:  # the checks that read the source rather than run it: no map can see them
+        files.update(dict.fromkeys((*ALWAYS, *ANY_MODULE)))
+        reasons["(source checks)"] = ", ".join((*ALWAYS, *ANY_MODULE))
     files.update(dict.fromkeys(sorted(picked)))
     everything = static.everything or measured_all or (since is not None and since.everything)
     chosen = list(EVERYTHING) if everything else sorted(f for f in files if f in EVERYTHING or (root / f).exists())
+    whole = set(chosen)
+    node_ids = [] if everything else sorted(n for n in nodes if file_of(n) not in whole and (root / file_of(n)).is_file())
     return ChangedSelection(chosen, reasons, everything, _map_state(cmap, drift),
-                            _gpu_stale(root, modules, chosen, everything, cmap))
+                            _gpu_stale(root, modules, chosen + sorted({file_of(n) for n in node_ids}), everything, cmap),
+                            node_ids)

@@ -1,9 +1,13 @@
 """The measured coverage map: which test files execute which cpkit function, rank processes
 included, for `cpkit validate --changed`.
 
-The map lives in the repository (MAP_PATH, JSON): per function (`path::qualname`) the test files
-whose tests ran a line of its body, in the pytest process or in a rank it spawned. With it, the
-commit it was measured at and what the code was then (format 2): the git blob id of every cpkit
+The map lives in the repository (MAP_PATH, JSON): per function (`path::qualname`) the tests
+(pytest node ids, format 3) that ran a line of its body, in the pytest process or in a rank it
+spawned. Format 3 keeps `nodes`, the sorted node ids, and per function the indices of its
+tests in `nodes`, written as ranges (`encode_indices`: an int, or [first, last] for a run of
+consecutive indices); formats 1 and 2 kept test files instead and still load (their test files
+stand for every test in them). With it, the
+commit it was measured at and what the code was then (formats 2 and 3): the git blob id of every cpkit
 module and test file, and per module the short hashes of its functions and of its module-level
 code (src/cpkit/validation/code_hashes.py). `drift_since` compares those with the code now, without git:
 which functions changed, are new or were deleted since, which modules' module-level code and
@@ -27,15 +31,44 @@ from pathlib import Path
 
 from cpkit.validation.code_hashes import git_blob_id, iter_functions, source_hashes
 
-__all__ = ["MAP_PATH", "MAP_VERSION", "function_spans", "functions_at_lines", "blob_hash", "is_test_dependency",
+__all__ = ["MAP_PATH", "MAP_VERSION", "encode_indices", "decode_indices", "file_of", "function_spans", "functions_at_lines", "blob_hash", "is_test_dependency",
            "tracked_files", "CoverageMap", "load_map", "Drift", "drift_since", "code_state"]
 
 #: Where the map is kept, relative to the repository root.
 MAP_PATH = "evidence/coverage-map.json"
-#: The format `cpkit validate --record-map` writes (2: per-function and module-level hashes).
-MAP_VERSION = 2
+#: The format `cpkit validate --record-map` writes (3: test node ids per function; 2: test files
+#: per function, with per-function and module-level hashes; 1: test files and blob ids only).
+MAP_VERSION = 3
 #: The folders whose test files and modules the map depends on.
 TEST_FOLDERS = ("tests", "functional")
+
+
+def encode_indices(indices) -> list:
+    """Sorted distinct `indices` as a compact JSON list: an int alone, [first, last] for a run
+    of two or more consecutive ones (a function run by a whole test file is one pair)."""
+    out: list = []
+    for i in sorted(set(indices)):
+        last = out[-1] if out else None
+        if isinstance(last, list) and last[1] == i - 1:
+            last[1] = i
+        elif isinstance(last, int) and last == i - 1:
+            out[-1] = [last, i]
+        else:
+            out.append(i)
+    return out
+
+
+def decode_indices(encoded: list) -> list[int]:
+    """The indices `encode_indices` wrote."""
+    out: list[int] = []
+    for item in encoded:
+        out.extend(range(item[0], item[1] + 1) if isinstance(item, list) else (item,))
+    return out
+
+
+def file_of(nodeid: str) -> str:
+    """The test file of a pytest node id (`tests/test_x.py::test_y[p]` -> `tests/test_x.py`)."""
+    return nodeid.split("::", 1)[0]
 
 
 def function_spans(source: str) -> list[tuple[int, int, str]]:
@@ -99,9 +132,10 @@ def tracked_files(root: Path) -> dict[str, str]:
 @dataclass
 class CoverageMap:
     """A loaded map. `functions`: path::qualname -> test files that ran a line of its body;
-    `blobs`: blob id per file when measured (format 2: every cpkit module and test file; format
+    `nodes` (format 3, else empty): path::qualname -> the test node ids that did;
+    `blobs`: blob id per file when measured (formats 2 and 3: every cpkit module and test file; format
     1: the modules the run executed and every test file); `module_hashes` and `function_hashes`
-    (format 2 only, else empty): cpkit.validation.code_hashes of every cpkit module when measured;
+    (formats 2 and 3, else empty): cpkit.validation.code_hashes of every cpkit module when measured;
     `levels`: test file -> {level: number of tests}; `recorded`: provenance."""
 
     commit: str
@@ -112,6 +146,17 @@ class CoverageMap:
     function_hashes: dict[str, dict[str, str]] = field(default_factory=dict)
     levels: dict[str, dict[str, int]] = field(default_factory=dict)
     recorded: dict = field(default_factory=dict)
+    nodes: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def has_nodes(self) -> bool:
+        """True for a map that names test node ids (format 3), not only test files."""
+        return self.version >= 3
+
+    def nodes_of(self, path: str, qualname: str) -> list[str] | None:
+        """The test node ids that ran a line of `qualname` in module `path`; None when none did
+        or the map names only files (format 1 or 2)."""
+        return self.nodes.get(f"{path}::{qualname}")
 
     def tests_of(self, path: str, qualname: str) -> list[str] | None:
         """The test files that ran a line of `qualname` in module `path`; None when none did."""
@@ -125,15 +170,21 @@ class CoverageMap:
 
 def load_map(root: Path) -> CoverageMap | None:
     """The map at root/MAP_PATH, None when there is none. Raises ValueError on a malformed one
-    or a format this code cannot read (neither MAP_VERSION nor 1)."""
+    or a format this code cannot read (not 1, 2 or MAP_VERSION)."""
     path = Path(root) / MAP_PATH
     if not path.is_file():
         return None
     raw = json.loads(path.read_text())
     version = raw.get("version")
-    if version not in (1, MAP_VERSION):
-        raise ValueError(f"{MAP_PATH}: format {version!r}, this cpkit reads 1 and {MAP_VERSION}; re-record it "
+    if version not in (1, 2, MAP_VERSION):
+        raise ValueError(f"{MAP_PATH}: format {version!r}, this cpkit reads 1 to {MAP_VERSION}; re-record it "
                          "with `cpkit validate --record-map`")
+    if version == 3:
+        table = raw["nodes"]
+        nodes = {key: [table[i] for i in decode_indices(idx)] for key, idx in raw["functions"].items()}
+        files = {key: sorted({file_of(n) for n in ids}) for key, ids in nodes.items()}
+        return CoverageMap(raw["commit"], version, raw["blobs"], files, raw["modules"], raw["hashes"],
+                           raw.get("levels", {}), raw.get("recorded", {}), nodes)
     tests = raw["tests"]
     functions = {key: [tests[i] for i in idx] for key, idx in raw["functions"].items()}
     if version == 1:  # blob ids only: a module whose blob differs counts as wholly changed
@@ -166,6 +217,13 @@ class Drift:
         if self.unhashed:
             parts.append(f"{len(self.unhashed)} modules changed as whole files (a format-1 map has no hashes)")
         return ", ".join(parts)
+
+    def size(self) -> int:
+        """How far the map is behind the code: functions changed, new or deleted, plus modules
+        whose module-level code changed (new and deleted modules included) or, for a format-1
+        map, whose blob differs."""
+        return sum(len(v) for d in (self.changed, self.new, self.deleted) for v in d.values()) + \
+            len(self.module_level | self.unhashed)
 
     def paths(self) -> list[str]:
         """Every repository path that changed since the map."""
@@ -209,7 +267,7 @@ def drift_since(cmap: CoverageMap, root: Path) -> Drift:
 
 
 def code_state(root: Path) -> dict:
-    """The format-2 fields describing the code at `root` now: `blobs` of every cpkit module and
+    """The fields (formats 2 and 3) describing the code at `root` now: `blobs` of every cpkit module and
     test file, `modules` (module-level hash) and `hashes` (function hashes) of every cpkit module."""
     root = Path(root)
     blobs = tracked_files(root)

@@ -13,8 +13,11 @@ One pytest process, no xdist workers (`-n 0`): a worker's tests would be measure
 the process that records their contexts. The run takes about twice the suite (measured figure in the
 map's `recorded.seconds`); it is not part of CI's test command.
 
-Fixtures of module or wider scope are set up once, during whichever test needs them first:
-what they run is recorded under `fixture:<name>` and counted for every test file using it.
+Each test's work is recorded under its node id (format 3 of the map: node ids per function), a
+rank's under the test that sent its case (cpkit.harness.attribution: a grid case under its own
+test, not the test that happened to start the grid). Fixtures of module or wider scope are set
+up once, during whichever test needs them first: what they run is recorded under
+`fixture:<name>` and counted for every test using it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -30,12 +34,13 @@ from pathlib import Path
 
 import pytest
 
-from cpkit.harness.attribution import CONTEXT_ENV
-from cpkit.validation.coverage_map import MAP_PATH, MAP_VERSION, TEST_FOLDERS, code_state, function_spans
+from cpkit.harness.attribution import CONTEXT_ENV, TESTS_LABEL
+from cpkit.validation.coverage_map import (MAP_PATH, MAP_VERSION, TEST_FOLDERS, code_state, encode_indices, file_of,
+                                           function_spans)
 
 __all__ = ["record_map", "build_map", "coverage_rcfile", "pytest_runtest_protocol", "pytest_fixture_setup"]
 
-_FIXTURE_USES_ENV = "CPKIT_COVERAGE_FIXTURES"  # where the hooks write test file -> fixture names
+_FIXTURE_USES_ENV = "CPKIT_COVERAGE_FIXTURES"  # where the hooks write node id -> fixture names
 _contexts: list[str] = []
 
 
@@ -54,7 +59,7 @@ def pytest_runtest_protocol(item, nextitem):
     path = os.environ.get(_FIXTURE_USES_ENV)
     if path:
         with open(path, "a") as fh:
-            fh.write(json.dumps([item.nodeid.split("::")[0], sorted(item.fixturenames)]) + "\n")
+            fh.write(json.dumps([item.nodeid, sorted(item.fixturenames)]) + "\n")
     _contexts.append(item.nodeid)
     _switch(item.nodeid)
     try:
@@ -99,21 +104,31 @@ def coverage_rcfile(tmp: Path, source: Path) -> Path:
     return rc
 
 
+#: Where coverage.py joins a static and a dynamic context ("static|dynamic"): a "|" followed by
+#: a test id or a fixture label (a node id's own parameters may hold a "|", but not followed by these).
+_JOIN = re.compile(r"\|(?=(?:%s)/|fixture:|%s)" % ("|".join(TEST_FOLDERS), TESTS_LABEL))
+
+
 def _test_of(context: str, fixture_users: dict[str, set[str]]) -> set[str]:
-    """Test files a coverage context stands for ("static|dynamic": the dynamic part wins)."""
-    label = [part for part in context.split("|") if part]
-    if not label:
+    """Test node ids a coverage context stands for ("static|dynamic": the dynamic part wins;
+    `fixture:<name>`: every test using the fixture; a TESTS_LABEL context: the tests it lists,
+    cpkit.harness.attribution.measured_as)."""
+    parts = [part for part in _JOIN.split(context) if part]
+    if not parts:
         return set()
-    label = label[-1]
+    label = parts[-1]
     if label.startswith("fixture:"):
         return fixture_users.get(label.removeprefix("fixture:"), set())
-    return {label.split("::", 1)[0]}
+    if label.startswith(TESTS_LABEL):
+        return set(label.removeprefix(TESTS_LABEL).split("\n"))
+    return {label}
 
 
 def build_map(data, root: Path, fixture_users: dict[str, set[str]], commit: str,
               levels: dict[str, dict[str, int]], recorded: dict, state: dict | None = None) -> dict:
     """The map's JSON (format MAP_VERSION) from combined CoverageData `data`: per function the
-    test files that ran a line of its body; `blobs`, `modules` and `hashes` describe the code it
+    test node ids that ran a line of its body (indices into `nodes`, cpkit.validation.coverage_map.encode_indices);
+    `fixture_users`: fixture name -> node ids using it; `blobs`, `modules` and `hashes` describe the code it
     was measured on (`state`, default: cpkit.validation.coverage_map.code_state now), for `--changed` to see
     what changed since."""
     root = Path(root).resolve()
@@ -134,11 +149,11 @@ def build_map(data, root: Path, fixture_users: dict[str, set[str]], commit: str,
             tests = set().union(*(_test_of(c, fixture_users) for c in contexts))
             if tests:
                 functions.setdefault(f"{path}::{name}", set()).update(tests)
-    tests = sorted({t for ts in functions.values() for t in ts})
-    index = {t: i for i, t in enumerate(tests)}
-    return {"version": MAP_VERSION, "commit": commit, "recorded": recorded, "tests": tests, "levels": levels,
+    nodes = sorted({t for ts in functions.values() for t in ts})
+    index = {t: i for i, t in enumerate(nodes)}
+    return {"version": MAP_VERSION, "commit": commit, "recorded": recorded, "nodes": nodes, "levels": levels,
             **(state or code_state(root)),
-            "functions": {k: sorted(index[t] for t in v) for k, v in sorted(functions.items())}}
+            "functions": {k: encode_indices(index[t] for t in v) for k, v in sorted(functions.items())}}
 
 
 def record_map(root: Path, paths: list[str] | None = None, extra: list[str] | None = None, out=sys.stderr) -> dict:
@@ -169,9 +184,9 @@ def record_map(root: Path, paths: list[str] | None = None, extra: list[str] | No
         fixture_users: dict[str, set[str]] = {}
         if uses.exists():
             for line in uses.read_text().splitlines():
-                file, names = json.loads(line)
+                nodeid, names = json.loads(line)
                 for name in names:
-                    fixture_users.setdefault(name, set()).add(file)
+                    fixture_users.setdefault(name, set()).add(nodeid)
         outcomes: dict[str, int] = {}
         if report.exists():
             for line in report.read_text().splitlines():
@@ -182,7 +197,7 @@ def record_map(root: Path, paths: list[str] | None = None, extra: list[str] | No
         levels_path = Path(str(report) + ".levels")
         if levels_path.exists():
             for nodeid, level in json.loads(levels_path.read_text()).items():
-                per = levels.setdefault(nodeid.split("::")[0], {})
+                per = levels.setdefault(file_of(nodeid), {})
                 per[level] = per.get(level, 0) + 1
         recorded = {"seconds": round(seconds, 1), "pytest_exit": proc.returncode, "outcomes": outcomes,
                     "python": platform.python_version(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
@@ -191,6 +206,7 @@ def record_map(root: Path, paths: list[str] | None = None, extra: list[str] | No
     target = root / MAP_PATH
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(result, separators=(",", ":"), sort_keys=True) + "\n")
-    print(f"coverage map: {len(result['functions'])} functions, {len(result['tests'])} test files, "
+    files = {file_of(n) for n in result["nodes"]}
+    print(f"coverage map: {len(result['functions'])} functions, {len(result['nodes'])} tests in {len(files)} files, "
           f"{target.stat().st_size // 1024} KiB, measured in {seconds:.0f} s -> {MAP_PATH}", file=out)
     return result

@@ -3,6 +3,12 @@
 
 `cpkit validate`, `cpkit cards status --run` and `cpkit cards check` (collection) all go through
 `run_pytest`; what each makes of the records is their own business.
+
+`run_pytest(node_ids=...)` runs single tests by node id (what `cpkit validate --changed` selects
+from a format-3 coverage map): their files are collected and this module, loaded as a plugin in
+that run, deselects every other test of those files. Unlike node ids on pytest's command line,
+an id the suite no longer has (a test renamed or removed since the map) is no error: it is left
+out and listed in `PytestRun.missing`.
 """
 
 from __future__ import annotations
@@ -16,10 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["PytestRun", "run_pytest", "BASE_FLAGS"]
+import pytest
+
+__all__ = ["PytestRun", "run_pytest", "BASE_FLAGS", "NODE_IDS_ENV", "pytest_collection_modifyitems"]
 
 #: Flags every run gets: quiet, no cache folder in the tree, and the per-test report.
 BASE_FLAGS = ("-q", "-p", "no:cacheprovider", "-p", "cpkit.testing.report_plugin")
+#: Names the JSON file of node ids a run keeps (with this module as a plugin).
+NODE_IDS_ENV = "CPKIT_NODE_IDS"
 
 
 @dataclass
@@ -30,7 +40,8 @@ class PytestRun:
     that started and never reported (it took the process down, or was running at a kill) is a
     failure naming the exit code. `levels`: node id -> unit/dist/gpu1/gpu2/gpu4 for every collected
     test (written at collection, so `--collect-only` runs fill it too). `output`: pytest's own
-    output when captured, else "". `command`: the argv, for reports.
+    output when captured, else "". `command`: the argv, for reports. `missing`: the node ids
+    asked for (`node_ids`) that the collection did not have.
     """
 
     exit_code: int | str
@@ -38,6 +49,7 @@ class PytestRun:
     levels: dict[str, str] = field(default_factory=dict)
     output: str = ""
     command: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
 
     def outcomes(self) -> dict[str, str]:
         """node id -> outcome."""
@@ -51,19 +63,28 @@ def run_pytest(
     output: Literal["inherit", "stderr", "capture"] = "inherit",
     timeout: float | None = None,
     pythonpath: str | Path | None = None,
+    node_ids: list[str] | None = None,
 ) -> PytestRun:
     """Run `python -m pytest <BASE_FLAGS> --rootdir root *args` at `root`.
 
     output: "inherit" prints pytest's output on this process's stdout, "stderr" sends it to
     stderr (keeps stdout clean for --json), "capture" returns it in `.output`. `pythonpath` goes
-    first on PYTHONPATH (the mutation driver's mutated copy of src/). A run that cannot start or
-    times out has the reason as its exit code (a string).
+    first on PYTHONPATH (the mutation driver's mutated copy of src/). `node_ids`: single tests to
+    run besides `args`, none of them in a file `args` names whole (see the module docstring). A
+    run that cannot start or times out has the reason as its exit code (a string).
     """
     root = Path(root).resolve()
+    if node_ids:
+        files = list(dict.fromkeys(n.split("::", 1)[0] for n in node_ids))
+        args = [*args, "-p", "cpkit.validation.pytest_runner", *files]
     cmd = [sys.executable, "-m", "pytest", *BASE_FLAGS, "--rootdir", str(root), *args]
     with tempfile.TemporaryDirectory(prefix="cpkit-pytest-") as tmp:
         report = os.path.join(tmp, "report.jsonl")
         env = dict(os.environ, CPKIT_TEST_REPORT=report)
+        if node_ids:
+            env[NODE_IDS_ENV] = os.path.join(tmp, "node_ids.json")
+            with open(env[NODE_IDS_ENV], "w") as fh:
+                json.dump(sorted(set(node_ids)), fh)
         if pythonpath is not None:
             env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), os.environ.get("PYTHONPATH", "")])
         run = PytestRun(exit_code=0, command=["python", "-m", "pytest", *BASE_FLAGS, *args])
@@ -83,6 +104,9 @@ def run_pytest(
         except OSError as exc:
             run.exit_code = f"could not run ({exc})"
         run.records = _read_records(report, run.exit_code)
+        if node_ids and os.path.exists(env[NODE_IDS_ENV] + ".missing"):
+            with open(env[NODE_IDS_ENV] + ".missing") as fh:
+                run.missing = json.load(fh)
         if os.path.exists(report + ".levels"):
             with open(report + ".levels") as fh:
                 run.levels = json.load(fh)
@@ -107,3 +131,22 @@ def _read_records(path: str, exit_code: int | str) -> list[dict]:
     return [rec for rec in raw if rec["outcome"] != "started"] + [
         {"nodeid": n, "outcome": "failed", "seconds": 0.0, "unfinished": True,
          "reason": f"pytest stopped (exit code {exit_code}) while this test ran"} for n in unfinished]
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m/-k deselect: an id they drop is not "missing"
+def pytest_collection_modifyitems(config, items):
+    """In a run with `node_ids` (NODE_IDS_ENV): of the files holding one of them, keep only those
+    tests; tests of other files stay. Writes the ids not collected to `<that file>.missing`."""
+    path = os.environ.get(NODE_IDS_ENV)
+    if not path:
+        return
+    with open(path) as fh:
+        wanted = set(json.load(fh))
+    files = {n.split("::", 1)[0] for n in wanted}
+    keep = [item for item in items if item.nodeid in wanted or item.nodeid.split("::", 1)[0] not in files]
+    dropped = [item for item in items if item.nodeid not in wanted and item.nodeid.split("::", 1)[0] in files]
+    with open(path + ".missing", "w") as fh:
+        json.dump(sorted(wanted - {item.nodeid for item in items}), fh)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
