@@ -118,7 +118,7 @@ def test_fused_merge_into_a_view_changes_only_the_view():
     torch.testing.assert_close(lse[..., 8:].double(), want_lse, rtol=1e-5, atol=1e-5)
 
 
-def test_merge_takes_the_fused_kernel_on_cuda_and_the_torch_ops_when_asked(monkeypatch):
+def test_merge_takes_the_torch_ops_by_default_and_the_fused_kernel_when_asked(monkeypatch):
     from cpkit.attention import merge as merge_module
 
     calls = []
@@ -126,7 +126,7 @@ def test_merge_takes_the_fused_kernel_on_cuda_and_the_torch_ops_when_asked(monke
     dev = torch.device("cuda")
     out, block = torch.zeros(4, 1, 2, 8, device=dev), torch.ones(4, 1, 2, 8, device=dev)
     lse, block_lse = torch.zeros(1, 2, 4, device=dev), torch.zeros(1, 2, 4, device=dev)
-    merge_module.merge_(out, lse, block, block_lse, fused=False)
-    assert not calls and torch.allclose(out, torch.full_like(out, 0.5))
     merge_module.merge_(out, lse, block, block_lse)
+    assert not calls and torch.allclose(out, torch.full_like(out, 0.5))  # the default: torch ops
+    merge_module.merge_(out, lse, block, block_lse, fused=True)
     assert len(calls) == 1

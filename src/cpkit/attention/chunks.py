@@ -88,7 +88,7 @@ class LocalSeq:
         else:
             acc.index_add_(dim, self.index[j], value.to(acc.dtype))
 
-    def merge_(self, out, lse, j: int, block_out, block_lse, fused: bool = True) -> None:
+    def merge_(self, out, lse, j: int, block_out, block_lse, fused: bool = False) -> None:
         """Merge a partial result of the queries of chunk j into (out, lse), in place."""
         if not self.varlen:
             half = self.tokens // 2

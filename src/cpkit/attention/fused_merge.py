@@ -1,4 +1,5 @@
-"""One Triton kernel for the log-sum-exp merge on CUDA (`merge.merge_`'s fast path).
+"""One Triton kernel for the log-sum-exp merge on CUDA (`merge.merge_`'s opt-in fast path:
+`CPAttentionOptions.fused_merge`, CPKIT_FUSED_MERGE=1; off by default, see `options.py`).
 
 Why: the eager merge is four passes over the output (`out.float()`, `mul_`, `addcmul_`, and the
 rounding back for a 16-bit output), each a full read and write of the [s, b, h, d] output. A

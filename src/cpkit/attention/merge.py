@@ -23,7 +23,7 @@ def lse_as_out(lse: torch.Tensor) -> torch.Tensor:
 
 
 def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor,
-           *, fused: bool = True) -> None:
+           *, fused: bool = False) -> None:
     """Fold one partial result into the running one, in place.
 
     out: the running output (may be a view), float32 or a lower precision; lse: float32 running
@@ -32,7 +32,7 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
     a single merge (a ring of 2) needs no fp32 copy of the output. Rows where both LSEs are -inf
     (no key seen yet) keep their running output (the kernels' zeros) instead of becoming NaN.
     `fused`: on CUDA, one Triton kernel (`fused_merge.py`) where it takes the tensors; False
-    keeps the torch ops below (`CPAttentionOptions.fused_merge`, for A/Bs).
+    (the default, `CPAttentionOptions.fused_merge`) keeps the torch ops below.
     """
     if fused and fused_merge.supports(out, lse, block_out, block_lse):
         fused_merge.fused_merge_(out, lse, block_out, block_lse)

@@ -127,7 +127,7 @@ def _add_block(acc, case, grad, seq: LocalSeq, part_of: str) -> None:
 
 def ring_forward(q, k, v, comm: Optional[RingComm], causal: bool, scale: float, seq: LocalSeq,
                  kernel: Optional[str] = None, band: Optional[Band] = None,
-                 sink: Optional[torch.Tensor] = None, fused_merge: bool = True):
+                 sink: Optional[torch.Tensor] = None, fused_merge: bool = False):
     """The ring's forward (no autograd): (output like q, fp32 LSE, what `ring_backward` needs
     of k and v: the packed `RingKV` the forward ended with (the next rank's), or (k, v)
     without a ring). `comm` None: local attention. `kernel`: `CPAttentionOptions.kernel`.
