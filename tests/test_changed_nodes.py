@@ -55,7 +55,7 @@ def test_a_body_change_of_a_covered_function_selects_exactly_its_node_ids(repo):
     assert sel.node_ids == ["tests/test_alpha.py::test_a1", "tests/test_devices.py::test_d"]
     assert not _whole(sel) and not sel.everything  # not the change-map row (tests/test_devices.py whole)
     # the checks that read the source run with every module change (this fake repo has none of them)
-    assert sel.reasons["(source checks)"] == "tests/test_repo_text.py, tests/test_import_graph.py"
+    assert sel.reasons["(source checks)"].startswith("tests/test_repo_text.py; tests/test_import_graph.py")
     assert "2 tests in 2 files ran it" in sel.reasons[MODULE]
 
 
@@ -205,3 +205,19 @@ def test_measured_as_switches_the_context_only_while_a_map_is_recorded(tmp_path,
     contexts = cov.get_data().contexts_by_lineno(str(module))
     assert _test_of(contexts[2][0], {}) == {"tests/test_x.py::a", "tests/test_x.py::b"}
     assert contexts[6] == ["tests/test_x.py::first"]
+
+
+def test_a_body_change_runs_the_import_graph_checks_with_the_per_module_one_for_its_module_only():
+    """The per-module import check runs for the changed module, not for every library module
+    (a body change cannot change another module's imports); the file's other checks all run."""
+    from pathlib import Path
+
+    from cpkit.validation.changed_selection import PER_MODULE_CHECK, source_check_nodes
+
+    root = Path(__file__).resolve().parents[1]
+    nodes = source_check_nodes(root, ["src/cpkit/eval_loop.py", "src/cpkit/attention/__init__.py"])
+    per_module = sorted(n for n in nodes if PER_MODULE_CHECK in n)
+    assert per_module == [f"tests/test_import_graph.py::{PER_MODULE_CHECK}[cpkit.attention]",
+                          f"tests/test_import_graph.py::{PER_MODULE_CHECK}[cpkit.eval_loop]"]
+    assert "tests/test_import_graph.py::test_each_layer_imports_only_layers_below" in nodes
+    assert "tests/test_import_graph.py::test_no_import_circle_in_the_package" in nodes

@@ -22,6 +22,7 @@ With a format-3 map (test node ids per function):
   attribute);
 - every module change: the checks that read the source instead of running it (change_map's
   ALWAYS and ANY_MODULE: the text check, the import-graph check), which no map can attribute;
+  for a body change the import-graph file's per-module check runs for the changed modules only;
 - a test file (or conftest) changed or added since the map: itself (conftest: its row);
 - any other path (docs, examples, configs): its static selection.
 Node ids are run as single tests (ChangedSelection.node_ids, cpkit.validation.pytest_runner
@@ -201,6 +202,33 @@ def _map_state(cmap: CoverageMap, drift: Drift) -> str:
             "grows with the map's age: `cpkit validate --record-map` refreshes it")
 
 
+#: The check of tests/test_import_graph.py that runs once per library module, by module name.
+PER_MODULE_CHECK = "test_library_module_imports_no_test_support"
+
+
+def source_check_nodes(root: Path, modules) -> list[str]:
+    """The node ids of the import-graph checks (ANY_MODULE) a body change of `modules` needs:
+    every test of the file except the per-module check, which runs for these modules only
+    (the other modules' imports did not change)."""
+    import ast
+
+    from cpkit.validation.import_graph import module_name
+
+    nodes = []
+    for test_file in ANY_MODULE:
+        path = Path(root) / test_file
+        if not path.is_file():
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for fn in tree.body:
+            if isinstance(fn, ast.FunctionDef) and fn.name.startswith("test_"):
+                if fn.name != PER_MODULE_CHECK:
+                    nodes.append(f"{test_file}::{fn.name}")
+        names = [module_name(Path(root) / m, Path(root) / "src") for m in modules]
+        nodes += [f"{test_file}::{PER_MODULE_CHECK}[{name}]" for name in names]
+    return nodes
+
+
 def select_changed(root: Path, base: str | None, changed: list[str], lines: dict[str, set[int] | None], *,
                    wide: bool = False) -> ChangedSelection:
     """The selection for repository paths `changed` since commit `base` (`lines`: changed line
@@ -238,8 +266,10 @@ def select_changed(root: Path, base: str | None, changed: list[str], lines: dict
         files.update(dict.fromkeys(since.files))
         reasons["(changed since the map)"] = ", ".join(drift.test_files)
     if precise:  # the checks that read the source rather than run it: no map can see them
-        files.update(dict.fromkeys((*ALWAYS, *ANY_MODULE)))
-        reasons["(source checks)"] = ", ".join((*ALWAYS, *ANY_MODULE))
+        files.update(dict.fromkeys(ALWAYS))
+        nodes = set(nodes) | set(source_check_nodes(root, precise))
+        reasons["(source checks)"] = (f"{', '.join(ALWAYS)}; {', '.join(ANY_MODULE)} (its per-module check "
+                                      "for the changed modules only)")
     files.update(dict.fromkeys(sorted(picked)))
     everything = static.everything or measured_all or (since is not None and since.everything)
     chosen = list(EVERYTHING) if everything else sorted(f for f in files if f in EVERYTHING or (root / f).exists())
