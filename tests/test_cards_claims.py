@@ -209,8 +209,9 @@ def test_cards_status_shows_a_claim_fresh_then_stale_with_or_without_git(repo, c
     git(repo, "init", "-q")
     first = commit_all(repo)
     card = repo / CARD
-    card.write_text(card.read_text().replace("abc1234", first[:7]).replace("2026-11-27-4xH200-abc1234",
-                                                                            f"2026-11-27-4xH200-{first[:7]}"))
+    # Quoted, as `cpkit cards record` writes it: a short hash of digits only is an int in YAML.
+    card.write_text(card.read_text().replace("commit: abc1234", f"commit: '{first[:7]}'")
+                    .replace("2026-11-27-4xH200-abc1234", f"2026-11-27-4xH200-{first[:7]}"))
     (repo / EVIDENCE).rename(repo / f"evidence/2026-11-27-4xH200-{first[:7]}")
     assert keep_snapshots(repo) == [] and find_snapshot(repo, first[:7]) is not None
     claim = status_report(repo)["claims"][0]
@@ -271,3 +272,11 @@ def test_the_render_command_rewrites_a_stale_block(repo):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "rewrote the generated claims in skills/demo-feature/SKILL.md\n"
     assert "9.99x" not in skill.read_text() and problems_of(repo) == []
+
+
+def test_a_commit_of_digits_only_must_be_quoted_and_the_error_says_so(repo):
+    card = repo / CARD
+    card.write_text(card.read_text().replace("    commit: abc1234\n", "    commit: 2729491\n"))
+    with pytest.raises(CardError, match=r"claims\[0\]\.commit: expected a non-empty string, got the number "
+                                        r"2729491: quote it \('2729491'\)"):
+        load_card(card, repo, today=dt.date(2026, 11, 28))

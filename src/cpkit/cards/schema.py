@@ -187,6 +187,9 @@ class CardError(ValueError):
 def _type_problem(value: Any, kind: str) -> str | None:
     """None when `value` has the schema type `kind`, else what is wrong."""
     if kind == "str":
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            # e.g. a short commit of digits only: YAML reads 2729491 as a number
+            return f"expected a non-empty string, got the number {value!r}: quote it ('{value}')"
         if not isinstance(value, str) or not value.strip():
             return f"expected a non-empty string, got {value!r}"
     elif kind == "list[str]":
