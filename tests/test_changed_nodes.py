@@ -16,7 +16,7 @@ from cpkit.harness import attribution
 from cpkit.validation.coverage_map import MAP_PATH, decode_indices, encode_indices, load_map
 from cpkit.validation.coverage_record import _test_of
 from cpkit.validation.pytest_runner import run_pytest
-from tests.test_coverage_map import DEVICES, FEATURE, MODULE, TESTS, _edit, _record, _select, as_format
+from tests.test_coverage_map import FEATURE, MODULE, TESTS, _edit, _select, as_format, make_repo
 
 # test_alpha.py has two tests: only test_a1 runs f. test_devices.py (f's static user) runs f too.
 NODE_TESTS = dict(TESTS, **{"tests/test_alpha.py": "def test_a1():\n    pass\n\n\ndef test_a2():\n    pass\n"})
@@ -26,14 +26,7 @@ NODE_RUNS = {"tests/test_alpha.py::test_a1": ["f"], "tests/test_alpha.py::test_a
 
 @pytest.fixture
 def repo(tmp_path: Path) -> Path:
-    (tmp_path / "src" / "cpkit").mkdir(parents=True)
-    (tmp_path / "tests").mkdir()
-    (tmp_path / "src/cpkit/__init__.py").write_text("")
-    (tmp_path / MODULE).write_text(DEVICES)
-    for path, text in NODE_TESTS.items():
-        (tmp_path / path).write_text(text)
-    _record(tmp_path, NODE_RUNS)
-    return tmp_path
+    return make_repo(tmp_path, NODE_TESTS, NODE_RUNS)
 
 
 def _whole(selection) -> set[str]:

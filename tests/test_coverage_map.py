@@ -126,16 +126,22 @@ def _record(root: Path, runs: dict[str, list[str]]) -> None:
     (root / MAP_PATH).write_text(json.dumps(result))
 
 
+def make_repo(root: Path, tests: dict, runs: dict) -> Path:
+    """A fake repository at `root`: the module, the test files `tests`, and a map where each
+    test of `runs` ran the functions it names."""
+    (root / "src" / "cpkit").mkdir(parents=True)
+    (root / "tests").mkdir()
+    (root / "src/cpkit/__init__.py").write_text("")
+    (root / MODULE).write_text(DEVICES)
+    for path, text in tests.items():
+        (root / path).write_text(text)
+    _record(root, runs)
+    return root
+
+
 @pytest.fixture
 def repo(tmp_path: Path) -> Path:
-    (tmp_path / "src" / "cpkit").mkdir(parents=True)
-    (tmp_path / "tests").mkdir()
-    (tmp_path / "src/cpkit/__init__.py").write_text("")
-    (tmp_path / MODULE).write_text(DEVICES)
-    for path, text in TESTS.items():
-        (tmp_path / path).write_text(text)
-    _record(tmp_path, RUNS)
-    return tmp_path
+    return make_repo(tmp_path, TESTS, RUNS)
 
 
 def _edit(root: Path, old: str, new: str, path: str = MODULE) -> set[int]:

@@ -225,15 +225,23 @@ def _claim_lines(claim: dict, width: int) -> list[str]:
              f"measured at {claim['commit']}, {claim['date']}, on {claim['machine']}; evidence: {claim['evidence']}"
              + ("" if claim.get("evidence_exists", True) else " (MISSING)"),
              f"command: {claim['command']}"]
-    if state == STALE:
-        changed = fresh["changed"]
-        shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
-        texts.append(f"stale: {fresh['why']}: {shown}")
-    elif state != FRESH:
-        texts.append(f"staleness unknown: {fresh.get('why') or 'no staleness check'}")
+    texts += _staleness_lines(fresh)
     for text in texts:
         out += _wrap(text, width, 6)
     return out
+
+
+def _staleness_lines(fresh: dict) -> list[str]:
+    """Why a result or claim is stale (the first changed files) or of unknown staleness; none
+    when fresh."""
+    state = fresh.get("state", UNKNOWN)
+    if state == STALE:
+        changed = fresh["changed"]
+        shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
+        return [f"stale: {fresh['why']}: {shown}"]
+    if state != FRESH:
+        return [f"staleness unknown: {fresh.get('why') or 'no staleness check'}"]
+    return []
 
 
 def _wrap(text: str, width: int, indent: int) -> list[str]:
@@ -255,12 +263,7 @@ def _measured_lines(row: dict) -> list[str]:
     state = fresh.get("state", UNKNOWN)
     mark = {FRESH: "", STALE: ": STALE"}.get(state, ": staleness unknown")
     out.append(f"last result: {last['outcome']} on {last['machine']} at {last['commit']}, {last['date']}{mark}")
-    if state == STALE:
-        changed = fresh["changed"]
-        shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
-        out.append(f"stale: {fresh['why']}: {shown}")
-    elif state != FRESH:
-        out.append(f"staleness unknown: {fresh.get('why') or 'no staleness check'}")
+    out += _staleness_lines(fresh)
     if last.get("detail"):
         out.append(f"detail: {last['detail']}")
     return out + _unrecorded_lines(row)
