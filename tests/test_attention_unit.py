@@ -290,12 +290,6 @@ def test_options_read_the_environment_once_as_their_default(monkeypatch):
     assert CPAttentionOptions.from_env({"CPKIT_ATTN_KERNEL": " Flash "}).kernel == "flash"
     with pytest.raises(ValueError, match="CPKIT_ATTN_KERNEL='triton'"):
         CPAttentionOptions.from_env({"CPKIT_ATTN_KERNEL": "triton"})
-    assert CPAttentionOptions.from_env({}).fused_merge is False
-    assert CPAttentionOptions.from_env({"CPKIT_FUSED_MERGE": "1"}).fused_merge is True
-    with pytest.raises(ValueError, match="CPKIT_FUSED_MERGE='off': must be 1 .* or 0"):
-        CPAttentionOptions.from_env({"CPKIT_FUSED_MERGE": "off"})
-    with pytest.raises(CPConfigError, match="fused_merge"):
-        CPAttentionOptions(fused_merge="yes")
     # read once: a later change of the environment does not reach the cached default
     opts.default_options.cache_clear()
     monkeypatch.setenv("CPKIT_A2A_CHUNKS", "3")

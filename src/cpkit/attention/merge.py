@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from cpkit.attention import fused_merge
-
 __all__ = ["lse_as_out", "merge_", "merge"]
 
 
@@ -22,8 +20,7 @@ def lse_as_out(lse: torch.Tensor) -> torch.Tensor:
     return lse.movedim(-1, 0).unsqueeze(-1)
 
 
-def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor,
-           *, fused: bool = False) -> None:
+def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     """Fold one partial result into the running one, in place.
 
     out: the running output (may be a view), float32 or a lower precision; lse: float32 running
@@ -31,12 +28,7 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
     float32 LSE. A lower-precision `out` is merged in fp32 and rounded once on the way back, so
     a single merge (a ring of 2) needs no fp32 copy of the output. Rows where both LSEs are -inf
     (no key seen yet) keep their running output (the kernels' zeros) instead of becoming NaN.
-    `fused`: on CUDA, one Triton kernel (`fused_merge.py`) where it takes the tensors; False
-    (the default, `CPAttentionOptions.fused_merge`) keeps the torch ops below.
     """
-    if fused and fused_merge.supports(out, lse, block_out, block_lse):
-        fused_merge.fused_merge_(out, lse, block_out, block_lse)
-        return
     # exp(l_block - logaddexp(l, l_block)) is sigmoid(l_block - l): one kernel fewer per weight
     # (this merge runs in every ring step and, with short blocks, its launches are what costs).
     # Rows with no keys in either part have l = l_block = -inf: NaN, so w_new 0 and w_old 1.

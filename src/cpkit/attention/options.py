@@ -9,10 +9,6 @@ the comm types and kernels, so nothing deep in a kernel path reads the environme
   `0` forces one mode.
 - CPKIT_A2A_CHUNKS: head chunks pipelined through the a2a and a2a+p2p all-to-alls (default 2; 1
   turns the overlap off).
-- CPKIT_FUSED_MERGE: `1` merges partial results on CUDA in one Triton kernel
-  (`fused_merge.py`); `0` (the default) keeps the torch ops. Off by default: with it on, bf16
-  THD cases of rings of 2 failed the gpu2/gpu4 tier by a few elements past the bf16 tolerance
-  (4x H200, commit 8b96bf0) while its own gpu1 test passed; the cause is not found.
 - CPKIT_ATTN_KERNEL: `cudnn`, `flash`, `efficient`, `math` or `cudnn_fe` (the cuDNN frontend,
   extra `cpkit[kernels]`) forces one CUDA kernel (no fallback), for benchmarking; on CPU only
   `math` is honoured. Unset, cpkit chooses per block (`kernels.py`'s module docstring: the cuDNN
@@ -30,7 +26,6 @@ from cpkit.errors import CPConfigError
 
 __all__ = [
     "A2A_CHUNKS_ENV",
-    "FUSED_MERGE_ENV",
     "CUDA_KERNELS",
     "CPAttentionOptions",
     "KERNEL_ENV",
@@ -41,7 +36,6 @@ __all__ = [
 P2P_BATCHED_ENV = "CPKIT_P2P_BATCHED"
 A2A_CHUNKS_ENV = "CPKIT_A2A_CHUNKS"
 KERNEL_ENV = "CPKIT_ATTN_KERNEL"
-FUSED_MERGE_ENV = "CPKIT_FUSED_MERGE"
 CUDA_KERNELS = ("cudnn", "flash", "efficient", "math", "cudnn_fe")
 
 
@@ -61,10 +55,6 @@ class CPAttentionOptions:
     is in `kernels.py`'s docstring). "cudnn_fe" also takes the band (window) blocks off
     FlexAttention; where the cuDNN frontend is not installed it warns once and cpkit chooses.
     On CPU only "math" is honoured."""
-    fused_merge: bool = False
-    """Merge partial results (ring steps, all_gather's parts) on CUDA in one Triton kernel
-    (`fused_merge.py`) instead of four torch ops; the same math, rounded once. Opt-in (see
-    CPKIT_FUSED_MERGE above for why)."""
 
     def __post_init__(self):
         if self.p2p_batched not in (None, True, False):
@@ -76,9 +66,6 @@ class CPAttentionOptions:
         if self.kernel is not None and self.kernel not in CUDA_KERNELS:
             raise CPConfigError.single("kernel", self.kernel, f"must be None or one of {list(CUDA_KERNELS)}",
                                        "pass None to let cpkit choose")
-        if not isinstance(self.fused_merge, bool):
-            raise CPConfigError.single("fused_merge", self.fused_merge, "must be True or False",
-                                       "pass False (torch ops, the default) or True (one Triton kernel on CUDA)")
 
     def ring_batched(self, ring_size: int) -> bool:
         """Whether a ring of `ring_size` ranks posts each exchange as one batched call."""
@@ -92,7 +79,7 @@ class CPAttentionOptions:
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "CPAttentionOptions":
-        """Options from CPKIT_P2P_BATCHED, CPKIT_A2A_CHUNKS, CPKIT_FUSED_MERGE and CPKIT_ATTN_KERNEL (`environ`,
+        """Options from CPKIT_P2P_BATCHED, CPKIT_A2A_CHUNKS and CPKIT_ATTN_KERNEL (`environ`,
         default os.environ); unset ones keep their defaults. Raises ValueError naming the
         variable for a value it does not take."""
         env = os.environ if environ is None else environ
@@ -115,14 +102,8 @@ class CPAttentionOptions:
                 f"{KERNEL_ENV}={kernel!r}: must be one of {', '.join(CUDA_KERNELS)}; unset it to "
                 "let cpkit choose"
             )
-        fused = env.get(FUSED_MERGE_ENV, "0").strip()
-        if fused not in ("0", "1"):
-            raise ValueError(
-                f"{FUSED_MERGE_ENV}={fused!r}: must be 1 (merge in one Triton kernel on CUDA) or 0 "
-                "(torch ops, the default); unset it for the default"
-            )
         return cls(p2p_batched=None if batched == "auto" else batched == "1",
-                   a2a_chunks=int(chunks), kernel=kernel or None, fused_merge=fused == "1")
+                   a2a_chunks=int(chunks), kernel=kernel or None)
 
 
 @functools.lru_cache(maxsize=1)
