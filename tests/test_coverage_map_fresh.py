@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: one-function changes select 8-21% of the suite; past some 40 drifted functions most of the
 #: suite's features are in every selection and `--changed` stops paying for itself).
 MAX_DRIFT = 40
-REFRESH = "cpkit validate --record-map"
+REFRESH = "cpkit validate --record-map"  # the full validation, which writes the map from its own run
 
 
 def staleness(root: Path, limit: int = MAX_DRIFT) -> str | None:

@@ -212,3 +212,52 @@ def test_wide_is_an_option_of_changed():
     args = build_parser().parse_args(["validate", "--changed", "--wide"])
     assert args.wide and args.changed == ""
     assert not build_parser().parse_args(["validate", "--changed"]).wide
+
+
+WALK = {
+    "src/cpkit/walk.py": "def step(n):\n    return n + 1\n\n\ndef idle():\n    return 0\n",
+    # The tree's module by path: the installed cpkit is another tree.
+    "tests/test_walk.py": """
+        import pathlib
+        import sys
+
+        sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "src" / "cpkit"))
+        import walk
+
+
+        def test_step():
+            assert walk.step(1) == 2
+
+
+        def test_other():
+            assert True
+        """,
+}
+
+
+def test_record_map_is_the_full_validation_and_writes_the_map_from_its_own_run(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("coverage")
+    import json
+
+    from cpkit.validation.coverage_map import MAP_PATH, decode_indices
+
+    _tree(tmp_path, WALK)
+    monkeypatch.chdir(tmp_path)
+    args = build_parser().parse_args(["validate", "--record-map", "--json", str(tmp_path / "report.json")])
+    assert validate.run(args) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["ok"] and any(r["check"] == "unit tests" and r["result"] == "pass (2 passed)" for r in report["rows"])
+    recorded = json.loads((tmp_path / MAP_PATH).read_text())
+    ran = {name: [recorded["nodes"][i] for i in decode_indices(v)] for name, v in recorded["functions"].items()}
+    assert ran == {"src/cpkit/walk.py::step": ["tests/test_walk.py::test_step"]}  # idle ran under no test
+    assert recorded["recorded"]["outcomes"] == {"passed": 2}
+    assert "coverage map: 1 functions, 1 tests" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags", [["--changed"], ["-m", "not dist"], ["--pytest-args=-x"]])
+def test_record_map_refuses_a_partial_run(tmp_path, monkeypatch, capsys, flags):
+    _tree(tmp_path, WALK)
+    monkeypatch.chdir(tmp_path)
+    assert validate.run(build_parser().parse_args(["validate", "--record-map", *flags])) == 2
+    assert "--record-map measures the whole suite" in capsys.readouterr().err
+    assert not (tmp_path / "evidence").exists()

@@ -13,13 +13,16 @@ every test that imports the module). What changed since
 the map was measured (from the hashes it stores) widens the selection, so an older map selects
 more; only a missing or unreadable map runs everything. Outside a git checkout, --changed with
 no BASE takes the change since the map. The report names the map's commit and its drift, the
-`dist` (gloo) tests run and the GPU tests the change makes stale. --record-map measures the coverage map (about twice the suite's time). Then
+`dist` (gloo) tests run and the GPU tests the change makes stale. --record-map measures the
+full run itself (one pytest process, ranks included) and writes the coverage map from it: the
+table and a fresh map from one run. Then
 `cpkit cards check`, `cpkit skills check` and each card's follow-up status. Prints feature,
 check, result, time, the GPU tests still owed; exits 1 on any failure.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import json
 import re
@@ -30,6 +33,7 @@ from pathlib import Path
 
 from cpkit.commands import repo_root
 from cpkit.validation.changed_selection import changed_since_map, select_changed
+from cpkit.validation.coverage_record import map_recording
 from cpkit.validation.pytest_runner import run_pytest
 
 __all__ = ["add_parser", "run", "FEATURE_TESTS", "feature_of", "changed_paths", "changed_lines", "gpu_owed"]
@@ -242,11 +246,17 @@ def run(args) -> int:
     root = repo_root(getattr(args, "root", None))
     to_stdout = args.json == "-"
     out = sys.stderr if to_stdout else sys.stdout
-    if getattr(args, "record_map", False):
-        from cpkit.validation.coverage_record import record_map
+    record = getattr(args, "record_map", False)
+    if record and (args.changed is not None or args.markers or args.pytest_args):
+        print("cpkit validate: --record-map measures the whole suite, so it takes no --changed, -m or "
+              "--pytest-args; run `cpkit validate --record-map` alone", file=sys.stderr)
+        return 2
+    with map_recording(root) if record else contextlib.nullcontext() as recording:
+        return _run(args, root, out, to_stdout, recording)
 
-        recorded = record_map(root, out=out)["recorded"]
-        return 0 if recorded["pytest_exit"] == 0 else 1
+
+def _run(args, root: Path, out, to_stdout: bool, recording) -> int:
+    """`run` with its arguments checked; `recording`: a MapRecording (--record-map) or None."""
     extra = ["-m", args.markers] if args.markers else []
     if args.pytest_args:
         extra += args.pytest_args.split()
@@ -281,8 +291,12 @@ def run(args) -> int:
     dist_run: list[str] = []
     if paths or node_ids:
         # "-v" cancels BASE_FLAGS' "-q": pytest's default verbosity names each test file as it runs.
-        run_ = run_pytest(root, ["-v", *paths, *extra], output="stderr" if to_stdout else "inherit",
-                          node_ids=node_ids)
+        measured = recording.pytest_args if recording else []
+        run_ = run_pytest(root, ["-v", *measured, *paths, *extra], output="stderr" if to_stdout else "inherit",
+                          node_ids=node_ids, python_args=recording.python_args if recording else (),
+                          env=recording.env if recording else None)
+        if recording:
+            recording.write(run_, time.perf_counter() - start, paths, out)
         if run_.missing:
             print(f"left out {len(run_.missing)} selected tests the suite no longer has (renamed or removed since "
                   f"the coverage map): {', '.join(run_.missing[:5])}" + (" ..." if len(run_.missing) > 5 else ""),
@@ -334,8 +348,9 @@ def add_parser(sub):
                         "other cpkit modules (default: the tests that use a changed function or class "
                         "through its own package)")
     p.add_argument("--record-map", action="store_true",
-                   help="measure which tests run which function (rank processes included) and write "
-                        "evidence/coverage-map.json, which --changed selects by; takes about twice the suite")
+                   help="measure the full run: which tests run which function (rank processes included), "
+                        "written to evidence/coverage-map.json, which --changed selects by (one pytest "
+                        "process, no xdist)")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="write the report as JSON to PATH, or to stdout when PATH is left out")
     p.add_argument("-m", "--markers", default="",

@@ -9,9 +9,13 @@ can switch per case (cpkit.harness.attribution.rank_case_context). pytest-cov ad
 per-test context switch, which this module's hooks do; testmon keeps its own SQLite database of fingerprints,
 needs a plugin in every CI run and does not attribute spawned ranks to tests.
 
-One pytest process, no xdist workers (`-n 0`): a worker's tests would be measured apart from
-the process that records their contexts. The run takes about twice the suite (measured figure in the
-map's `recorded.seconds`); it is not part of CI's test command.
+`cpkit validate --record-map` is the full validation with its own pytest run measured
+(`MapRecording`): one run gives the table and a fresh map, so a developer who runs the full
+validation before a merge refreshes the map at no second run. One pytest process, no xdist
+workers (`-n 0`): a worker's tests would be measured apart from the process that records their
+contexts. The run's time is in the map's `recorded.seconds`; what measuring costs over the same
+run unmeasured is in the coverage map's evidence (`evidence/README.md`). CI's test command does
+not measure.
 
 Each test's work is recorded under its node id (format 3 of the map: node ids per function), a
 rank's under the test that sent its case (cpkit.harness.attribution: a grid case under its own
@@ -22,6 +26,7 @@ up once, during whichever test needs them first: what they run is recorded under
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -31,6 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -38,7 +44,7 @@ from cpkit.harness.attribution import CONTEXT_ENV, TESTS_LABEL
 from cpkit.validation.coverage_map import (MAP_PATH, MAP_VERSION, TEST_FOLDERS, code_state, encode_indices, file_of,
                                            function_spans)
 
-__all__ = ["record_map", "build_map", "coverage_rcfile", "pytest_runtest_protocol", "pytest_fixture_setup"]
+__all__ = ["record_map", "map_recording", "MapRecording", "build_map", "coverage_rcfile", "pytest_runtest_protocol", "pytest_fixture_setup"]
 
 _FIXTURE_USES_ENV = "CPKIT_COVERAGE_FIXTURES"  # where the hooks write node id -> fixture names
 _contexts: list[str] = []
@@ -156,57 +162,73 @@ def build_map(data, root: Path, fixture_users: dict[str, set[str]], commit: str,
             "functions": {k: encode_indices(index[t] for t in v) for k, v in sorted(functions.items())}}
 
 
-def record_map(root: Path, paths: list[str] | None = None, extra: list[str] | None = None, out=sys.stderr) -> dict:
-    """Run the tests (default tests/ and functional/) under coverage, in one process with ranks
-    measured, and write MAP_PATH. Returns the map. A failing test still counts for the map; the
-    outcome counts are in `recorded`."""
-    import coverage
+class MapRecording:
+    """One pytest run measured for the map, in the run's own process and its ranks: pass
+    `python_args` and `env` to `run_pytest` (cpkit.validation.pytest_runner) and put
+    `pytest_args` on its command line; `write(run, seconds)` then builds the map from what the run
+    recorded and writes MAP_PATH. Use it through `map_recording`, which owns its scratch folder."""
 
-    root = Path(root).resolve()
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
-    with tempfile.TemporaryDirectory(prefix="cpkit-covmap-") as tmp_name:
-        tmp = Path(tmp_name)
-        rc = coverage_rcfile(tmp, root / "src" / "cpkit")
-        uses = tmp / "fixtures.jsonl"
-        report = tmp / "report.jsonl"
-        env = dict(os.environ, **{_FIXTURE_USES_ENV: str(uses), CONTEXT_ENV: "", "CPKIT_TEST_REPORT": str(report)})
-        cmd = [sys.executable, "-m", "coverage", "run", f"--rcfile={rc}", "-m", "pytest", "-q", "-n", "0",
-               "-p", "no:cacheprovider", "-p", "no:randomly", "-p", "cpkit.testing.report_plugin",
-               "-p", "cpkit.validation.coverage_record", "--rootdir", str(root), *(paths or list(TEST_FOLDERS)),
-               *(extra or [])]
-        state = code_state(root)  # the code measured: taken before an edit during the run can change it
-        start = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=root, env=env)
-        seconds = time.perf_counter() - start
-        combined = coverage.Coverage(config_file=str(rc))
+    def __init__(self, root: Path, tmp: Path):
+        self.root, self.tmp = root, tmp
+        self.rcfile = coverage_rcfile(tmp, root / "src" / "cpkit")
+        self.uses = tmp / "fixtures.jsonl"
+        self.python_args = ["-m", "coverage", "run", f"--rcfile={self.rcfile}"]
+        # One process (no xdist workers, whose tests this process could not switch contexts for).
+        self.pytest_args = ["-n", "0", "-p", "no:randomly", "-p", "cpkit.validation.coverage_record"]
+        self.env = {_FIXTURE_USES_ENV: str(self.uses), CONTEXT_ENV: ""}
+        self.commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                                     text=True).stdout.strip()
+        self.state = code_state(root)  # the code measured: taken before an edit during the run can change it
+
+    def write(self, run, seconds: float, paths: list[str], out=sys.stderr) -> dict:
+        """Build the map from the run (`PytestRun`) and write MAP_PATH; returns the map. A failing
+        test still counts for the map; the outcome counts are in `recorded`."""
+        import coverage
+
+        combined = coverage.Coverage(config_file=str(self.rcfile))
         combined.combine(keep=False)
-        data = combined.get_data()
         fixture_users: dict[str, set[str]] = {}
-        if uses.exists():
-            for line in uses.read_text().splitlines():
+        if self.uses.exists():
+            for line in self.uses.read_text().splitlines():
                 nodeid, names = json.loads(line)
                 for name in names:
                     fixture_users.setdefault(name, set()).add(nodeid)
         outcomes: dict[str, int] = {}
-        if report.exists():
-            for line in report.read_text().splitlines():
-                rec = json.loads(line)
-                if rec["outcome"] != "started":
-                    outcomes[rec["outcome"]] = outcomes.get(rec["outcome"], 0) + 1
+        for rec in run.records:
+            outcomes[rec["outcome"]] = outcomes.get(rec["outcome"], 0) + 1
         levels: dict[str, dict[str, int]] = {}
-        levels_path = Path(str(report) + ".levels")
-        if levels_path.exists():
-            for nodeid, level in json.loads(levels_path.read_text()).items():
-                per = levels.setdefault(file_of(nodeid), {})
-                per[level] = per.get(level, 0) + 1
-        recorded = {"seconds": round(seconds, 1), "pytest_exit": proc.returncode, "outcomes": outcomes,
+        for nodeid, level in run.levels.items():
+            per = levels.setdefault(file_of(nodeid), {})
+            per[level] = per.get(level, 0) + 1
+        recorded = {"seconds": round(seconds, 1), "pytest_exit": run.exit_code, "outcomes": outcomes,
                     "python": platform.python_version(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-                    "coverage": coverage.__version__, "paths": paths or list(TEST_FOLDERS)}
-        result = build_map(data, root, fixture_users, commit, levels, recorded, state)
-    target = root / MAP_PATH
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(result, separators=(",", ":"), sort_keys=True) + "\n")
-    files = {file_of(n) for n in result["nodes"]}
-    print(f"coverage map: {len(result['functions'])} functions, {len(result['nodes'])} tests in {len(files)} files, "
-          f"{target.stat().st_size // 1024} KiB, measured in {seconds:.0f} s -> {MAP_PATH}", file=out)
-    return result
+                    "coverage": coverage.__version__, "paths": paths}
+        result = build_map(combined.get_data(), self.root, fixture_users, self.commit, levels, recorded, self.state)
+        target = self.root / MAP_PATH
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(result, separators=(",", ":"), sort_keys=True) + "\n")
+        files = {file_of(n) for n in result["nodes"]}
+        print(f"coverage map: {len(result['functions'])} functions, {len(result['nodes'])} tests in {len(files)} "
+              f"files, {target.stat().st_size // 1024} KiB, from a run of {seconds:.0f} s -> {MAP_PATH}", file=out)
+        return result
+
+
+@contextlib.contextmanager
+def map_recording(root: Path) -> Iterator[MapRecording]:
+    """A `MapRecording` for one pytest run at `root`, its scratch folder removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix="cpkit-covmap-") as tmp:
+        yield MapRecording(Path(root).resolve(), Path(tmp))
+
+
+def record_map(root: Path, paths: list[str] | None = None, extra: list[str] | None = None, out=sys.stderr) -> dict:
+    """Run the tests (default tests/ and functional/) measured, in one process with ranks
+    measured, and write MAP_PATH. Returns the map. (`cpkit validate --record-map` does the same
+    inside a full validation.)"""
+    from cpkit.validation.pytest_runner import run_pytest
+
+    paths = paths or list(TEST_FOLDERS)
+    with map_recording(root) as rec:
+        start = time.perf_counter()
+        run = run_pytest(rec.root, [*rec.pytest_args, *paths, *(extra or [])], python_args=rec.python_args,
+                         env=rec.env)
+        return rec.write(run, time.perf_counter() - start, paths, out)
