@@ -62,6 +62,12 @@ def sleep(case):
 """
 
 
+def _as_in_a_terminal() -> None:
+    """The inner run's SIGINT as a foreground run in a terminal has it: a run started in the
+    background (`cmd &`, nohup) ignores SIGINT, and the inner run would inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as fh:
@@ -83,7 +89,7 @@ def test_a_stopped_run_leaves_no_launch_behind(tmp_path, tree, stop):
     if stop == "timeout":
         cmd = ["timeout", "40", *cmd]  # SIGTERM after 40 s, as the command does by default
     run = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           start_new_session=True)
+                           start_new_session=True, preexec_fn=_as_in_a_terminal)
     pids: list[int] = []
     try:
         seen, deadline = [], time.monotonic() + 180

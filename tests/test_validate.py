@@ -218,6 +218,7 @@ WALK = {
     "src/cpkit/walk.py": "def step(n):\n    return n + 1\n\n\ndef idle():\n    return 0\n",
     # The tree's module by path: the installed cpkit is another tree.
     "tests/test_walk.py": """
+        import os
         import pathlib
         import sys
 
@@ -229,8 +230,8 @@ WALK = {
             assert walk.step(1) == 2
 
 
-        def test_other():
-            assert True
+        def test_other():  # the run knows it records the map (tests/test_coverage_map_fresh.py reads it)
+            assert os.environ.get("CPKIT_RECORDING_MAP") == "1"
         """,
 }
 

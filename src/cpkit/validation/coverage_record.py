@@ -44,9 +44,11 @@ from cpkit.harness.attribution import CONTEXT_ENV, TESTS_LABEL
 from cpkit.validation.coverage_map import (MAP_PATH, MAP_VERSION, TEST_FOLDERS, code_state, encode_indices, file_of,
                                            function_spans)
 
-__all__ = ["record_map", "map_recording", "MapRecording", "build_map", "coverage_rcfile", "pytest_runtest_protocol", "pytest_fixture_setup"]
+__all__ = ["record_map", "map_recording", "MapRecording", "RECORDING_ENV", "build_map", "coverage_rcfile", "pytest_runtest_protocol", "pytest_fixture_setup"]
 
 _FIXTURE_USES_ENV = "CPKIT_COVERAGE_FIXTURES"  # where the hooks write node id -> fixture names
+#: Set in a run that writes the map: its own tests see the map it is about to replace.
+RECORDING_ENV = "CPKIT_RECORDING_MAP"
 _contexts: list[str] = []
 
 
@@ -175,7 +177,7 @@ class MapRecording:
         self.python_args = ["-m", "coverage", "run", f"--rcfile={self.rcfile}"]
         # One process (no xdist workers, whose tests this process could not switch contexts for).
         self.pytest_args = ["-n", "0", "-p", "no:randomly", "-p", "cpkit.validation.coverage_record"]
-        self.env = {_FIXTURE_USES_ENV: str(self.uses), CONTEXT_ENV: ""}
+        self.env = {_FIXTURE_USES_ENV: str(self.uses), CONTEXT_ENV: "", RECORDING_ENV: "1"}
         self.commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
                                      text=True).stdout.strip()
         self.state = code_state(root)  # the code measured: taken before an edit during the run can change it
