@@ -116,3 +116,41 @@ def test_a_survivor_reached_by_an_unselected_test_of_a_file_it_ran_partly_needs_
     log[("complement", ids[1])] = {"caught": True}
     rows, summary = _summarise(items, log, full_seconds=800.0)
     assert [r["full"] for r in rows] == [False, True] and summary["misses"] == [ids[1]]
+
+
+def test_a_nested_runs_hits_are_credited_to_the_suite_test_that_started_it(tmp_path, monkeypatch):
+    # functional/test_children.py and test_rank_pool.py start pytest runs in scratch folders,
+    # whose tests have ids like "test_tree.py::..." (an earlier probe took them for suite tests).
+    import importlib.util
+
+    from cpkit.bench import changed_recall
+
+    (tmp_path / "probe_module.py").write_text(changed_recall._PROBE_SOURCE)
+    spec = importlib.util.spec_from_file_location("probe_module", tmp_path / "probe_module.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    hits = tmp_path / "hits.tsv"
+    monkeypatch.setenv(changed_recall._PROBE_ENV, str(hits))
+    monkeypatch.setenv(changed_recall._OUTER_ENV, "")  # restored after: the plugin hook sets it
+    probe.pytest_runtest_setup(types.SimpleNamespace(nodeid="functional/test_children.py::test_stop[pool]"))
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "test_tree.py::test_starts_a_rank_pool (call)")  # the nested run
+    probe.hit(3)
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/test_a.py::test_b (call)")  # a pooled case of another test
+    probe.hit(4)
+    assert hits.read_text().splitlines() == ["3\tfunctional/test_children.py::test_stop[pool]",
+                                             "4\ttests/test_a.py::test_b"]
+
+
+def test_a_focus_module_with_every_site_taken_leaves_the_sample_its_size(tmp_path):
+    from cpkit.bench import changed_recall
+
+    (tmp_path / "src/cpkit").mkdir(parents=True)
+    (tmp_path / "src/cpkit/big.py").write_text(SOURCE * 4)
+    (tmp_path / "src/cpkit/tiny.py").write_text("def g(x):\n    return x + 1\n")  # one site
+    focus = ("src/cpkit/tiny.py", "src/cpkit/big.py")
+    old, changed_recall.FOCUS = changed_recall.FOCUS, focus
+    try:
+        sample = changed_recall.sample_mutants(tmp_path, 6, seed=1)
+    finally:
+        changed_recall.FOCUS = old
+    assert len(sample) == 6 and sum(item["path"] == "src/cpkit/tiny.py" for item in sample) == 1

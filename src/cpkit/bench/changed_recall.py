@@ -64,20 +64,37 @@ lines = {p: changed_lines(root, base, p) for p in changed if p.startswith("src/c
 print(json.dumps(select_changed(root, base, changed, lines).to_dict()))
 """
 _PROBE_MODULE = "cpkit_recall_probe"
-_PROBE_SOURCE = f'''"""Records which test reaches a probed mutation site (cpkit.bench.changed_recall)."""
+_OUTER_ENV = "CPKIT_RECALL_OUTER"
+_PROBE_SOURCE = f'''"""Records which test reaches a probed mutation site (cpkit.bench.changed_recall).
+Also the probe run's pytest plugin: a pytest run that a suite test starts (in a scratch folder)
+names its own tests, so what it reaches is credited to the suite test that started it."""
 import os
 
 _seen = set()
 
 
+def pytest_runtest_setup(item):
+    os.environ["{_OUTER_ENV}"] = item.nodeid  # inherited by the pytest runs this test starts
+
+
 def hit(site):
     test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
+    if not test.startswith(("tests/", "functional/")):  # a nested run's test, or none
+        test = os.environ.get("{_OUTER_ENV}", test)
     if (site, test) not in _seen:
         _seen.add((site, test))
         with open(os.environ["{_PROBE_ENV}"], "a") as fh:
             fh.write(f"{{site}}\\t{{test}}\\n")
     return None
 '''
+
+
+def _free_site(root: Path, path: str, sources: dict, taken: dict) -> bool:
+    """Whether `path` has a mutant site that overlaps no site taken so far."""
+    source = sources.setdefault(path, (root / path).read_text())
+    spans = taken.get(path, [])
+    return any(not any(a < end and start < b for a, b in spans)
+               for start, end, _ in (_segment(source, m) for m in find_mutants(source)))
 
 
 def _segment(source: str, mutant: Mutant) -> tuple[int, int, bool]:
@@ -124,8 +141,11 @@ def sample_mutants(root: Path, count: int, seed: int) -> list[dict]:
     tries = 0
     while len(out) < count and tries < 50 * count:
         tries += 1
-        # Focus modules in turn (each gets its share), the rest at random across src/cpkit.
-        path = focus[(len(out) // 2) % len(focus)] if len(out) % 2 == 0 else rng.choice(every)
+        # Focus modules in turn (each gets its share), the rest at random across src/cpkit. A
+        # focus module whose every site is taken drops out (it stalled the sample before).
+        open_focus = [p for p in focus if _free_site(root, p, sources, taken)]
+        path = (open_focus[(len(out) // 2) % len(open_focus)] if len(out) % 2 == 0 and open_focus
+                else rng.choice(every))
         source = sources.setdefault(path, (root / path).read_text())
         mutants = find_mutants(source)
         if not mutants:
@@ -249,7 +269,7 @@ def _probe_stage(scratch: Path, survivors: list[dict], timeout: float) -> dict:
     hits.unlink(missing_ok=True)
     start = time.perf_counter()
     proc = _sh([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-p", "no:randomly",
-                "tests", "functional"], scratch, _env(scratch, **{_PROBE_ENV: str(hits)}), timeout)
+                "-p", _PROBE_MODULE, "tests", "functional"], scratch, _env(scratch, **{_PROBE_ENV: str(hits)}), timeout)
     seconds = time.perf_counter() - start
     _reset(scratch)
     reach: dict[str, set[str]] = {}
@@ -286,8 +306,9 @@ def _complement_stage(scratch: Path, item: dict, files: list[str], timeout: floa
     except subprocess.TimeoutExpired:
         code = "timeout"
     _reset(scratch)
+    # A failed test or a hang is a catch; pytest's usage and internal errors (2-4) decide nothing.
     return {"stage": "complement", "id": item["id"], "files": files, "exit": code,
-            "caught": code not in (0, 5), "seconds": round(time.perf_counter() - start, 1)}
+            "caught": None if code in (2, 3, 4) else code not in (0, 5), "seconds": round(time.perf_counter() - start, 1)}
 
 
 def _summarise(items: list[dict], log: dict, full_seconds: float | None) -> tuple[list[dict], dict]:
@@ -304,7 +325,7 @@ def _summarise(items: list[dict], log: dict, full_seconds: float | None) -> tupl
         elif ch is not None and ch["caught"]:
             full = True
         elif ch is not None and probe is not None and item["id"] in probe.get("ids", []):
-            outside = _outside(probe["reach"].get(item["id"], []), ch)
+            outside = [t for t in _outside(probe["reach"].get(item["id"], []), ch) if t.startswith(("tests/", "functional/"))]
             if item["id"] in probe["unprobed"] or outside:
                 full = None if comp is None else comp["caught"]
             else:
@@ -412,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         probe = log.get(("probe", None))
         for item in survivors if probe else []:
             outside = [t for t in _outside(probe["reach"].get(item["id"], []), log[("changed", item["id"])])
-                       if t.split("::", 1)[0].endswith(".py")]
+                       if t.startswith(("tests/", "functional/"))]
             if item["id"] in probe["unprobed"]:
                 outside = ["tests", "functional"]
             if outside and ("complement", item["id"]) not in log and left() > 0:
