@@ -43,6 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from cpkit.validation.coverage_map import TEST_FOLDERS
 from cpkit.validation.mutants import Mutant, find_mutants, mutant_source
 
 __all__ = ["FOCUS", "sample_mutants", "probe_source", "selected_share", "main"]
@@ -246,10 +247,11 @@ def selected_share(run: list[str], tests_per_file: dict[str, int], node_ids: lis
 
 
 def _outside(reaching: list[str], changed: dict) -> list[str]:
-    """The tests (node ids, or files in logs before node ids) of `reaching` that the --changed
-    run did not run: not in a file it ran whole, nor among its single node ids."""
+    """The suite's tests (node ids, or files in logs before node ids) of `reaching` that the
+    --changed run did not run: not in a file it ran whole, nor among its single node ids."""
     singles = set(changed.get("node_ids") or ())
-    return [t for t in reaching if not _in_files(t, changed["run"]) and t not in singles]
+    suite = tuple(f"{folder}/" for folder in TEST_FOLDERS)
+    return [t for t in reaching if t.startswith(suite) and not _in_files(t, changed["run"]) and t not in singles]
 
 
 def _probe_stage(scratch: Path, survivors: list[dict], timeout: float) -> dict:
@@ -325,7 +327,7 @@ def _summarise(items: list[dict], log: dict, full_seconds: float | None) -> tupl
         elif ch is not None and ch["caught"]:
             full = True
         elif ch is not None and probe is not None and item["id"] in probe.get("ids", []):
-            outside = [t for t in _outside(probe["reach"].get(item["id"], []), ch) if t.startswith(("tests/", "functional/"))]
+            outside = _outside(probe["reach"].get(item["id"], []), ch)
             if item["id"] in probe["unprobed"] or outside:
                 full = None if comp is None else comp["caught"]
             else:
@@ -432,8 +434,7 @@ def main(argv: list[str] | None = None) -> int:
             keep(_probe_stage(scratch, survivors, timeout=max(600.0, left())))
         probe = log.get(("probe", None))
         for item in survivors if probe else []:
-            outside = [t for t in _outside(probe["reach"].get(item["id"], []), log[("changed", item["id"])])
-                       if t.startswith(("tests/", "functional/"))]
+            outside = _outside(probe["reach"].get(item["id"], []), log[("changed", item["id"])])
             if item["id"] in probe["unprobed"]:
                 outside = ["tests", "functional"]
             if outside and ("complement", item["id"]) not in log and left() > 0:

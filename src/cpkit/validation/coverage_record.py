@@ -34,7 +34,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -44,7 +43,7 @@ from cpkit.harness.attribution import CONTEXT_ENV, TESTS_LABEL
 from cpkit.validation.coverage_map import (MAP_PATH, MAP_VERSION, TEST_FOLDERS, code_state, encode_indices, file_of,
                                            function_spans)
 
-__all__ = ["record_map", "map_recording", "MapRecording", "RECORDING_ENV", "build_map", "coverage_rcfile", "pytest_runtest_protocol", "pytest_fixture_setup"]
+__all__ = ["map_recording", "MapRecording", "RECORDING_ENV", "build_map", "coverage_rcfile", "pytest_runtest_protocol", "pytest_fixture_setup"]
 
 _FIXTURE_USES_ENV = "CPKIT_COVERAGE_FIXTURES"  # where the hooks write node id -> fixture names
 #: Set in a run that writes the map: its own tests see the map it is about to replace.
@@ -220,17 +219,3 @@ def map_recording(root: Path) -> Iterator[MapRecording]:
     """A `MapRecording` for one pytest run at `root`, its scratch folder removed afterwards."""
     with tempfile.TemporaryDirectory(prefix="cpkit-covmap-") as tmp:
         yield MapRecording(Path(root).resolve(), Path(tmp))
-
-
-def record_map(root: Path, paths: list[str] | None = None, extra: list[str] | None = None, out=sys.stderr) -> dict:
-    """Run the tests (default tests/ and functional/) measured, in one process with ranks
-    measured, and write MAP_PATH. Returns the map. (`cpkit validate --record-map` does the same
-    inside a full validation.)"""
-    from cpkit.validation.pytest_runner import run_pytest
-
-    paths = paths or list(TEST_FOLDERS)
-    with map_recording(root) as rec:
-        start = time.perf_counter()
-        run = run_pytest(rec.root, [*rec.pytest_args, *paths, *(extra or [])], python_args=rec.python_args,
-                         env=rec.env)
-        return rec.write(run, time.perf_counter() - start, paths, out)
