@@ -118,3 +118,49 @@ def test_a_stopped_run_leaves_no_launch_behind(tmp_path, tree, stop):
             except (ProcessLookupError, PermissionError):
                 pass
         run.wait()
+
+
+def test_kill_all_ends_each_running_child_even_one_that_ignores_sigterm():
+    """`kill_all` SIGTERMs every registered child's session, then SIGKILLs what outlived the grace."""
+    from cpkit.harness.children import kill_all, popen_tied, running
+
+    plain = popen_tied(["sleep", "600"], death_signal=0)
+    stubborn = popen_tied(["bash", "-c", "trap '' TERM; sleep 600 & wait"], death_signal=0)
+    time.sleep(0.5)  # bash sets its trap
+    assert {plain, stubborn} <= set(running())
+    start = time.monotonic()
+    assert kill_all(grace_s=2.0) >= 2
+    assert plain.wait(timeout=10) == -signal.SIGTERM
+    assert stubborn.wait(timeout=10) == -signal.SIGKILL and time.monotonic() - start >= 2.0
+    assert plain not in running() and stubborn not in running()
+
+
+_LEFT_RUNNING = """
+import sys
+from cpkit.harness.children import popen_tied
+
+def test_starts_a_child_and_returns():
+    proc = popen_tied(["sleep", "600"], death_signal=0)  # no guard: only the session's end stops it
+    open({out!r}, "w").write(str(proc.pid))
+"""
+
+
+def test_the_plugin_ends_what_a_run_started_when_the_run_finishes(tmp_path):
+    """cpkit's pytest plugin calls `kill_all` as the session finishes: a child a test left running
+    is gone when pytest exits, without waiting for the starter's death."""
+    pid_file = tmp_path / "child.pid"
+    (tmp_path / "test_left.py").write_text(_LEFT_RUNNING.format(out=str(pid_file)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    env.pop("PYTEST_XDIST_WORKER", None)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
+                          "-p", "cpkit.testing.pytest_plugin", str(tmp_path / "test_left.py")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    pid = int(pid_file.read_text())
+    try:
+        assert not _alive(pid), f"the child {pid} outlived the run that started it"
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -363,3 +363,31 @@ def test_ranks_whose_group_counts_differ_get_a_fresh_pool(pools):
         res["diverge"].check()
     assert res["after"].check().values[0] != res["before"].check().values[0]
     assert _pool(pools).retired["group counts differ"] >= 1
+
+
+def _crossed_collectives_case(case):
+    """Two groups with MCore's 30-minute timeout: rank 0 all-reduces on the first, rank 1 on the
+    second, so each waits for a peer that waits elsewhere (as pipeline stages that reduce
+    different numbers of losses do)."""
+    import datetime
+
+    groups = [dist.new_group([0, 1], timeout=datetime.timedelta(minutes=30)) for _ in range(2)]
+    dist.all_reduce(torch.ones(1), group=groups[dist.get_rank()])
+    return case
+
+
+def test_crossed_collectives_raise_at_the_pools_timeout_not_the_groups():
+    """A gloo pool caps the timeout of the groups a case makes at its own collective timeout: a
+    fault that leaves the ranks in different collectives raises there, with its traceback, long
+    before the 30 minutes MCore asks for or the case's deadline."""
+    pool = RankPool(2, "gloo", pg_timeout_s=5.0)
+    try:
+        pool.start()
+        start = time.monotonic()
+        run = pool.run(_crossed_collectives_case, "crossed", timeout=120.0)
+        seconds = time.monotonic() - start
+        assert set(run.errors) == {0, 1}, run
+        assert all("all_reduce" in run.errors[r] and "deadline" not in run.errors[r] for r in (0, 1)), run.errors
+        assert seconds < 60.0, f"the ranks waited {seconds:.0f} s: the groups kept their 30-minute timeout"
+    finally:
+        pool.close()

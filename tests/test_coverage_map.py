@@ -349,14 +349,14 @@ def test_a_pool_rank_credits_each_case_to_the_test_that_sent_it(tmp_path):
     """Recorded as `--record-map` records: a pool started under one test runs a case for the
     next; the case's lines belong to the second test (a rank's static context is the first)."""
     coverage = pytest.importorskip("coverage")
-    from cpkit.validation.coverage_record import _test_of, coverage_rcfile
+    from cpkit.validation.coverage_record import _test_of, coverage_rcfile, measured_env
 
     probe = tmp_path / "probe_case.py"
     probe.write_text("def case(n):\n    return n + 1\n")
     (tmp_path / "run_pool.py").write_text(POOL_SCRIPT)
     rc = coverage_rcfile(tmp_path, tmp_path)
-    env = {**__import__("os").environ, "PYTHONPATH": f"{ROOT / 'src'}:{tmp_path}"}
-    proc = subprocess.run([sys.executable, "-m", "coverage", "run", f"--rcfile={rc}", str(tmp_path / "run_pool.py")],
+    env = {**__import__("os").environ, **measured_env(rc), "PYTHONPATH": f"{ROOT / 'src'}:{tmp_path}"}
+    proc = subprocess.run([sys.executable, str(tmp_path / "run_pool.py")],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     combined = coverage.Coverage(config_file=str(rc))

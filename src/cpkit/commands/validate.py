@@ -293,8 +293,7 @@ def _run(args, root: Path, out, to_stdout: bool, recording) -> int:
         # "-v" cancels BASE_FLAGS' "-q": pytest's default verbosity names each test file as it runs.
         measured = recording.pytest_args if recording else []
         run_ = run_pytest(root, ["-v", *measured, *paths, *extra], output="stderr" if to_stdout else "inherit",
-                          node_ids=node_ids, python_args=recording.python_args if recording else (),
-                          env=recording.env if recording else None)
+                          node_ids=node_ids, env=recording.env if recording else None)
         if recording:
             recording.write(run_, time.perf_counter() - start, paths, out)
         if run_.missing:

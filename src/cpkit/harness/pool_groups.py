@@ -15,6 +15,9 @@ Every rank takes the same path (hit or new), so `new_group`'s collective naming 
 a kept group is deferred to the pool's exit: on some ranks (members) a destroyed group would be
 made anew next time while non-members reused their placeholder, and the ranks would disagree.
 Groups made with `pg_options` are never shared (options objects have no comparable value).
+`max_timeout` caps the collective timeout of the groups made: MCore asks for 30 minutes, and a
+case whose ranks disagree on their collectives (a fault under test) would otherwise wait for its
+whole case deadline instead of raising where it stuck.
 `drop_all()` frees the kept groups: a gloo pool drops them after each grid, since idle gloo
 groups cost CPU (their TCP loops poll), while NCCL pools keep their communicators.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 from collections import defaultdict
+import datetime
 from typing import Any
 
 __all__ = ["GroupReuse", "group_count", "live_groups"]
@@ -47,7 +51,7 @@ class GroupReuse:
     """Installs a find-or-create `new_group` (and a deferring `destroy_process_group`) into
     torch.distributed for this process; `new_case()` starts a case's request count afresh."""
 
-    def __init__(self):
+    def __init__(self, max_timeout: datetime.timedelta | None = None):
         import torch.distributed as dist
         from torch.distributed import distributed_c10d as c10d
 
@@ -57,6 +61,7 @@ class GroupReuse:
         self._kept: dict[tuple, list] = defaultdict(list)
         self._asked: dict[tuple, int] = defaultdict(int)
         self.made = self.reused = 0
+        self.max_timeout = max_timeout
 
     def install(self) -> "GroupReuse":
         for module in (self._dist, self._c10d):
@@ -110,20 +115,27 @@ class GroupReuse:
         return (ranks, str(backend).lower() if backend is not None else None, a.get("timeout"),
                 bool(a.get("use_local_synchronization")), str(a.get("device_id")))
 
+    def _make(self, args: tuple, kwargs: dict):
+        if self.max_timeout is not None:
+            bound = self._signature.bind(*args, **kwargs)
+            asked = bound.arguments.get("timeout")
+            bound.arguments["timeout"] = min(asked, self.max_timeout) if asked is not None else self.max_timeout
+            args, kwargs = bound.args, bound.kwargs
+        self.made += 1
+        return self._new_group(*args, **kwargs)
+
     def new_group(self, *args: Any, **kwargs: Any):
         key = self._key(args, kwargs)
         if key is None:
-            self.made += 1
-            return self._new_group(*args, **kwargs)
+            return self._make(args, kwargs)
         index = self._asked[key]
         self._asked[key] += 1
         groups = self._kept[key]
         if index < len(groups):
             self.reused += 1
             return groups[index]
-        group = self._new_group(*args, **kwargs)
+        group = self._make(args, kwargs)
         groups.append(group)
-        self.made += 1
         return group
 
     def destroy_process_group(self, group=None) -> None:

@@ -224,7 +224,11 @@ def _serve(rank, world_size, backend, pool_dir, conn, threads, pg_timeout_s, syn
     store = dist.FileStore(os.path.join(pool_dir, "store"), world_size)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=pg_timeout_s))
-    reuse = GroupReuse().install()
+    # On gloo a case's groups time out with the world group (MCore asks for 30 minutes): a fault
+    # that leaves ranks in different collectives raises where it stuck, not at the case deadline.
+    # NCCL pools keep what was asked for.
+    cap = datetime.timedelta(seconds=pg_timeout_s) if backend == "gloo" else None
+    reuse = GroupReuse(max_timeout=cap).install()
     baseline_groups = len(live_groups())
     held = _held_bytes(device)
     env, switches = dict(os.environ), _torch_switches()

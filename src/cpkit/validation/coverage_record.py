@@ -1,11 +1,14 @@
 """Measure the coverage map (src/cpkit/validation/coverage_map.py): `cpkit validate --record-map`.
 
-Why coverage.py itself rather than pytest-cov or pytest-testmon: the map must see into rank
-processes that `multiprocessing` spawns, attribute each rank to the test that launched it, and
-end up as a small reviewable JSON in the repository. coverage.py's multiprocessing support
-starts measurement in spawned ranks, and its config expands environment variables when a rank
-reads it, so a rank's static context is the test that spawned it (CONTEXT_ENV) and a rank pool
-can switch per case (cpkit.harness.attribution.rank_case_context). pytest-cov adds only the
+Why coverage.py itself rather than pytest-cov or pytest-testmon: the map must see into every
+process a test starts (ranks that `multiprocessing` spawns, torchrun and its ranks, the examples,
+nested pytest runs), attribute each to the test that launched it, and end up as a small
+reviewable JSON in the repository. coverage.py starts measuring in any Python process that
+starts with COVERAGE_PROCESS_START set (its .pth file), and its config expands environment
+variables when a process reads it, so a process's static context is the test that started it
+(CONTEXT_ENV, inherited) and a rank pool can switch per case
+(cpkit.harness.attribution.rank_case_context). The pytest process itself starts measuring the
+same way. pytest-cov adds only the
 per-test context switch, which this module's hooks do; testmon keeps its own SQLite database of fingerprints,
 needs a plugin in every CI run and does not attribute spawned ranks to tests.
 
@@ -43,7 +46,7 @@ from cpkit.harness.attribution import CONTEXT_ENV, TESTS_LABEL
 from cpkit.validation.coverage_map import (MAP_PATH, MAP_VERSION, TEST_FOLDERS, code_state, encode_indices, file_of,
                                            function_spans)
 
-__all__ = ["map_recording", "MapRecording", "RECORDING_ENV", "build_map", "coverage_rcfile", "pytest_runtest_protocol", "pytest_fixture_setup"]
+__all__ = ["map_recording", "MapRecording", "RECORDING_ENV", "build_map", "coverage_rcfile", "measured_env", "pytest_runtest_protocol", "pytest_fixture_setup"]
 
 _FIXTURE_USES_ENV = "CPKIT_COVERAGE_FIXTURES"  # where the hooks write node id -> fixture names
 #: Set in a run that writes the map: its own tests see the map it is about to replace.
@@ -93,14 +96,17 @@ def pytest_fixture_setup(fixturedef, request):
 
 def coverage_rcfile(tmp: Path, source: Path) -> Path:
     """Write the coverage.py config a map is recorded with (data under `tmp`, measuring `source`):
-    spawned ranks measured, each under the test that spawned it. Returns its path."""
+    run with `measured_env(rc)`, every Python process is measured, each under the test that
+    started it. Returns its path."""
     rc = tmp / "coveragerc"
     rc.write_text("\n".join([
         "[run]",
         f"data_file = {tmp / 'data' / '.coverage'}",
         f"source = {source}",
         "parallel = true",
-        "concurrency = multiprocessing,thread",
+        # Not "multiprocessing": spawned ranks start measuring through COVERAGE_PROCESS_START, as
+        # every other Python process does; its patch would start a second measurement in them.
+        "concurrency = thread",
         "patch = _exit",
         "sigterm = true",
         # Expanded when each process reads this file: a spawned rank gets the test that spawned it.
@@ -109,6 +115,20 @@ def coverage_rcfile(tmp: Path, source: Path) -> Path:
     ]))
     (tmp / "data").mkdir()
     return rc
+
+
+def measured_env(rcfile: Path) -> dict[str, str]:
+    """The environment that makes every Python process started with it measure itself with
+    `rcfile` (coverage.py's .pth file reads it at start-up). Raises RuntimeError where that
+    .pth file is missing (coverage.py older than 7.10, or installed without it)."""
+    env = {"COVERAGE_PROCESS_START": str(rcfile)}
+    probe = subprocess.run([sys.executable, "-c", "import coverage.control as c; print(hasattr(c.process_startup, 'coverage'))"],
+                           env={**os.environ, **env, CONTEXT_ENV: ""}, capture_output=True, text=True, timeout=120)
+    if probe.stdout.strip() != "True":
+        raise RuntimeError("coverage.py does not start in new Python processes here (its a1_coverage.pth is missing "
+                           f"from site-packages): the map would miss every rank and subprocess. Reinstall it: "
+                           f"`{sys.executable} -m pip install --force-reinstall 'coverage>=7.16'`. {probe.stderr[-400:]}")
+    return env
 
 
 #: Where coverage.py joins a static and a dynamic context ("static|dynamic"): a "|" followed by
@@ -164,8 +184,8 @@ def build_map(data, root: Path, fixture_users: dict[str, set[str]], commit: str,
 
 
 class MapRecording:
-    """One pytest run measured for the map, in the run's own process and its ranks: pass
-    `python_args` and `env` to `run_pytest` (cpkit.validation.pytest_runner) and put
+    """One pytest run measured for the map, in the run's own process and every process it starts:
+    pass `env` to `run_pytest` (cpkit.validation.pytest_runner) and put
     `pytest_args` on its command line; `write(run, seconds)` then builds the map from what the run
     recorded and writes MAP_PATH. Use it through `map_recording`, which owns its scratch folder."""
 
@@ -173,10 +193,9 @@ class MapRecording:
         self.root, self.tmp = root, tmp
         self.rcfile = coverage_rcfile(tmp, root / "src" / "cpkit")
         self.uses = tmp / "fixtures.jsonl"
-        self.python_args = ["-m", "coverage", "run", f"--rcfile={self.rcfile}"]
         # One process (no xdist workers, whose tests this process could not switch contexts for).
         self.pytest_args = ["-n", "0", "-p", "no:randomly", "-p", "cpkit.validation.coverage_record"]
-        self.env = {_FIXTURE_USES_ENV: str(self.uses), CONTEXT_ENV: "", RECORDING_ENV: "1"}
+        self.env = {**measured_env(self.rcfile), _FIXTURE_USES_ENV: str(self.uses), CONTEXT_ENV: "", RECORDING_ENV: "1"}
         self.commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
                                      text=True).stdout.strip()
         self.state = code_state(root)  # the code measured: taken before an edit during the run can change it

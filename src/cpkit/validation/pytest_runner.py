@@ -20,7 +20,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Mapping, Sequence
+from typing import Literal, Mapping
 
 import pytest
 
@@ -64,7 +64,6 @@ def run_pytest(
     timeout: float | None = None,
     pythonpath: str | Path | None = None,
     node_ids: list[str] | None = None,
-    python_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
 ) -> PytestRun:
     """Run `python -m pytest <BASE_FLAGS> --rootdir root *args` at `root`.
@@ -74,14 +73,13 @@ def run_pytest(
     first on PYTHONPATH (the mutation driver's mutated copy of src/). `node_ids`: single tests to
     run besides `args`, none of them in a file `args` names whole (see the module docstring). A
     run that cannot start or times out has the reason as its exit code (a string).
-    `python_args` go between the interpreter and `-m pytest` (a measured run: `-m coverage run
-    --rcfile=...`), `env` into its environment.
+    `env` goes into its environment (a measured run: cpkit.validation.coverage_record.measured_env).
     """
     root = Path(root).resolve()
     if node_ids:
         files = list(dict.fromkeys(n.split("::", 1)[0] for n in node_ids))
         args = [*args, "-p", "cpkit.validation.pytest_runner", *files]
-    cmd = [sys.executable, *python_args, "-m", "pytest", *BASE_FLAGS, "--rootdir", str(root), *args]
+    cmd = [sys.executable, "-m", "pytest", *BASE_FLAGS, "--rootdir", str(root), *args]
     with tempfile.TemporaryDirectory(prefix="cpkit-pytest-") as tmp:
         report = os.path.join(tmp, "report.jsonl")
         env = dict(os.environ, **(env or {}), CPKIT_TEST_REPORT=report)
