@@ -364,3 +364,27 @@ def test_a_pool_rank_credits_each_case_to_the_test_that_sent_it(tmp_path):
     contexts = combined.get_data().contexts_by_lineno(str(probe))
     assert contexts.get(2), f"the ranks' coverage was not saved: {contexts}"
     assert {t for c in contexts[2] for t in _test_of(c, {})} == {"tests/test_second.py::t"}  # its node id, not the first test's
+
+
+def test_a_python_process_a_test_starts_is_credited_to_that_test(tmp_path):
+    """Recorded as `--record-map` records: torchrun, the examples, the cluster runner and nested
+    pytest runs are plain subprocesses; each measures itself (coverage.py's .pth file reads
+    COVERAGE_PROCESS_START) under the test whose id it inherited."""
+    coverage = pytest.importorskip("coverage")
+    from cpkit.harness.attribution import CONTEXT_ENV
+    from cpkit.validation.coverage_record import _test_of, coverage_rcfile, measured_env
+
+    probe = tmp_path / "probe_sub.py"
+    probe.write_text("def f(n):\n    return n * 2\n")
+    rc = coverage_rcfile(tmp_path, tmp_path)
+    env = {**__import__("os").environ, **measured_env(rc), CONTEXT_ENV: "functional/test_x.py::t[a]",
+           "PYTHONPATH": str(tmp_path)}
+    outer = subprocess.run([sys.executable, "-c", "import subprocess, sys; sys.exit(subprocess.run("
+                            "[sys.executable, '-c', 'import probe_sub; probe_sub.f(3)']).returncode)"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert outer.returncode == 0, outer.stdout + outer.stderr
+    combined = coverage.Coverage(config_file=str(rc))
+    combined.combine(keep=False)
+    contexts = combined.get_data().contexts_by_lineno(str(probe))
+    assert contexts.get(2), f"the grandchild's coverage was not saved: {contexts}"
+    assert {t for c in contexts[2] for t in _test_of(c, {})} == {"functional/test_x.py::t[a]"}

@@ -12,7 +12,7 @@ import sys
 
 from cpkit.notices import quiet_known_notices
 
-BENCHMARKS = ["attention", "scheduler", "eval_cp", "calibrate", "window", "replay", "dynamic_step", "link", "changed_recall"]
+BENCHMARKS = ["attention", "scheduler", "eval_cp", "calibrate", "window", "replay", "dynamic_step", "link", "changed_recall", "changed_samples"]
 
 
 def describe(name: str) -> str:
