@@ -134,13 +134,20 @@ def test_a_grid_case_is_credited_to_its_own_test(monkeypatch):
 
 def test_node_ids_run_alone_and_a_vanished_one_is_left_out(tmp_path):
     (tmp_path / "tests").mkdir()
+    (tmp_path / "functional").mkdir()
+    (tmp_path / "functional/test_slow.py").write_text("def test_s():\n    pass\n")
     (tmp_path / "tests/test_some.py").write_text("def test_one():\n    pass\n\n\ndef test_two():\n    assert False\n")
     (tmp_path / "tests/test_whole.py").write_text("def test_w():\n    pass\n")
-    run = run_pytest(tmp_path, ["-p", "no:randomly", "tests/test_whole.py"], output="capture", timeout=120,
+    run = run_pytest(tmp_path, ["-p", "no:randomly", "-v", "functional/test_slow.py", "tests/test_whole.py"],
+                     output="capture", timeout=120,
                      node_ids=["tests/test_some.py::test_one", "tests/test_some.py::test_gone"])
     assert run.exit_code == 0, run.output
-    assert run.outcomes() == {"tests/test_some.py::test_one": "passed", "tests/test_whole.py::test_w": "passed"}
+    assert run.outcomes() == {"tests/test_some.py::test_one": "passed", "tests/test_whole.py::test_w": "passed",
+                              "functional/test_slow.py::test_s": "passed"}
     assert run.missing == ["tests/test_some.py::test_gone"]
+    # the unit tests ran first, though functional/ came first on the command line
+    order = [line.split(" ")[0] for line in run.output.splitlines() if line.startswith(("tests/", "functional/"))]
+    assert order == ["tests/test_whole.py", "tests/test_some.py", "functional/test_slow.py"], run.output
 
 
 def test_a_grid_runs_only_the_cases_the_session_collected(monkeypatch):

@@ -138,7 +138,9 @@ def _read_records(path: str, exit_code: int | str) -> list[dict]:
 @pytest.hookimpl(tryfirst=True)  # before -m/-k deselect: an id they drop is not "missing"
 def pytest_collection_modifyitems(config, items):
     """In a run with `node_ids` (NODE_IDS_ENV): of the files holding one of them, keep only those
-    tests; tests of other files stay. Writes the ids not collected to `<that file>.missing`."""
+    tests; tests of other files stay. Writes the ids not collected to `<that file>.missing`.
+    The unit tests (tests/) run first, in their order: under `-x` a fault a unit test catches
+    stops the run in seconds, not after the multi-rank tests that sort before it by name."""
     path = os.environ.get(NODE_IDS_ENV)
     if not path:
         return
@@ -151,4 +153,4 @@ def pytest_collection_modifyitems(config, items):
         json.dump(sorted(wanted - {item.nodeid for item in items}), fh)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
-        items[:] = keep
+    items[:] = sorted(keep, key=lambda item: not item.nodeid.startswith("tests/"))  # stable: the order within each
