@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 import types
 
+import pytest
+
 from cpkit.bench.changed_recall import _segment, _summarise, probe_source
 from cpkit.validation.mutants import find_mutants
 
@@ -154,3 +156,16 @@ def test_a_focus_module_with_every_site_taken_leaves_the_sample_its_size(tmp_pat
     finally:
         changed_recall.FOCUS = old
     assert len(sample) == 6 and sum(item["path"] == "src/cpkit/tiny.py" for item in sample) == 1
+
+
+def test_only_refuses_an_id_the_sample_does_not_hold(capsys, monkeypatch):
+    """`--only` re-times mutants of the sample; an id outside it is named, with one that is in it."""
+    from pathlib import Path
+
+    from cpkit.bench.changed_recall import main
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    with pytest.raises(SystemExit) as exc:
+        main(["--sample", "3", "--seed", "58", "--only", "src/cpkit/nowhere.py:1:0: nothing"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "'src/cpkit/nowhere.py:1:0: nothing'" in err and "e.g. 'src/cpkit/" in err

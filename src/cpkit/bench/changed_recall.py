@@ -392,11 +392,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench-results/changed_recall.json"))
     parser.add_argument("--budget-s", type=float, default=2400.0, help="stop starting new work after this long")
     parser.add_argument("--skip-probe", action="store_true", help="only the --changed stage (no full-suite run)")
+    parser.add_argument("--only", action="append", metavar="ID", default=[],
+                        help="run only these mutants of the sample (repeatable; an id as the table prints it), "
+                             "e.g. to time the slowest again at a later commit")
     args = parser.parse_args(argv)
     root = Path.cwd().resolve()
     started = time.monotonic()
     commit = _sh(["git", "rev-parse", "HEAD"], root).stdout.strip()
     items = sample_mutants(root, args.sample, args.seed)
+    if args.only:
+        unknown = sorted(set(args.only) - {i["id"] for i in items})
+        if unknown:
+            parser.error(f"--only {unknown}: not in the sample of --sample {args.sample} --seed {args.seed} at this "
+                         f"commit; pass ids as the table prints them, e.g. {items[0]['id']!r}")
+        items = [i for i in items if i["id"] in args.only]
     log: dict = {}
     if args.log.exists():
         for line in args.log.read_text().splitlines():
