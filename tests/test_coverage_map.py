@@ -338,53 +338,49 @@ POOL_SCRIPT = textwrap.dedent('''\
         pool = RankPool(1, "gloo")  # one rank: attribution is per rank, the same on every one
         pool.start()
         os.environ[CONTEXT_ENV] = "tests/test_second.py::t"  # a later test reuses it
-        run = pool.run("probe_case:case", 7, timeout=60)
+        run = pool.run("probe:case", 7, timeout=60)
         pool.close()
         assert not run.errors, run.errors
 ''')
+
+
+def _measured_run(tmp_path, probe_source: str, cmd: list[str], env: dict, timeout: float) -> set[str]:
+    """Run `cmd` at `tmp_path` as `--record-map` measures a run (coverage_rcfile, measured_env)
+    with `probe.py` (`probe_source`) importable; the tests credited with the probe's line 2."""
+    coverage = pytest.importorskip("coverage")
+    from cpkit.validation.coverage_record import _test_of, coverage_rcfile, measured_env
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(probe_source)
+    rc = coverage_rcfile(tmp_path, tmp_path)
+    env = {**__import__("os").environ, **measured_env(rc), "PYTHONPATH": f"{ROOT / 'src'}:{tmp_path}", **env}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    combined = coverage.Coverage(config_file=str(rc))
+    combined.combine(keep=False)
+    contexts = combined.get_data().contexts_by_lineno(str(probe))
+    assert contexts.get(2), f"the child's coverage was not saved: {contexts}"
+    return {t for c in contexts[2] for t in _test_of(c, {})}
 
 
 @pytest.mark.dist
 def test_a_pool_rank_credits_each_case_to_the_test_that_sent_it(tmp_path):
     """Recorded as `--record-map` records: a pool started under one test runs a case for the
     next; the case's lines belong to the second test (a rank's static context is the first)."""
-    coverage = pytest.importorskip("coverage")
-    from cpkit.validation.coverage_record import _test_of, coverage_rcfile, measured_env
-
-    probe = tmp_path / "probe_case.py"
-    probe.write_text("def case(n):\n    return n + 1\n")
     (tmp_path / "run_pool.py").write_text(POOL_SCRIPT)
-    rc = coverage_rcfile(tmp_path, tmp_path)
-    env = {**__import__("os").environ, **measured_env(rc), "PYTHONPATH": f"{ROOT / 'src'}:{tmp_path}"}
-    proc = subprocess.run([sys.executable, str(tmp_path / "run_pool.py")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    combined = coverage.Coverage(config_file=str(rc))
-    combined.combine(keep=False)
-    contexts = combined.get_data().contexts_by_lineno(str(probe))
-    assert contexts.get(2), f"the ranks' coverage was not saved: {contexts}"
-    assert {t for c in contexts[2] for t in _test_of(c, {})} == {"tests/test_second.py::t"}  # its node id, not the first test's
+    tests = _measured_run(tmp_path, "def case(n):\n    return n + 1\n", [sys.executable, str(tmp_path / "run_pool.py")],
+                          {}, timeout=240)
+    assert tests == {"tests/test_second.py::t"}  # its node id, not the first test's
 
 
 def test_a_python_process_a_test_starts_is_credited_to_that_test(tmp_path):
     """Recorded as `--record-map` records: torchrun, the examples, the cluster runner and nested
     pytest runs are plain subprocesses; each measures itself (coverage.py's .pth file reads
-    COVERAGE_PROCESS_START) under the test whose id it inherited."""
-    coverage = pytest.importorskip("coverage")
+    COVERAGE_PROCESS_START) under the test whose id it inherited. Here a grandchild."""
     from cpkit.harness.attribution import CONTEXT_ENV
-    from cpkit.validation.coverage_record import _test_of, coverage_rcfile, measured_env
 
-    probe = tmp_path / "probe_sub.py"
-    probe.write_text("def f(n):\n    return n * 2\n")
-    rc = coverage_rcfile(tmp_path, tmp_path)
-    env = {**__import__("os").environ, **measured_env(rc), CONTEXT_ENV: "functional/test_x.py::t[a]",
-           "PYTHONPATH": str(tmp_path)}
-    outer = subprocess.run([sys.executable, "-c", "import subprocess, sys; sys.exit(subprocess.run("
-                            "[sys.executable, '-c', 'import probe_sub; probe_sub.f(3)']).returncode)"],
-                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert outer.returncode == 0, outer.stdout + outer.stderr
-    combined = coverage.Coverage(config_file=str(rc))
-    combined.combine(keep=False)
-    contexts = combined.get_data().contexts_by_lineno(str(probe))
-    assert contexts.get(2), f"the grandchild's coverage was not saved: {contexts}"
-    assert {t for c in contexts[2] for t in _test_of(c, {})} == {"functional/test_x.py::t[a]"}
+    grandchild = [sys.executable, "-c", "import subprocess, sys; sys.exit(subprocess.run("
+                  "[sys.executable, '-c', 'import probe; probe.f(3)']).returncode)"]
+    tests = _measured_run(tmp_path, "def f(n):\n    return n * 2\n", grandchild,
+                          {CONTEXT_ENV: "functional/test_x.py::t[a]"}, timeout=120)
+    assert tests == {"functional/test_x.py::t[a]"}
