@@ -1,4 +1,5 @@
-"""A gloo mesh failure while ranks join is retried once (cpkit.harness.rendezvous); nothing else is.
+"""A gloo mesh failure, or a rank that dies without a word, while ranks join is retried once
+(cpkit.harness.rendezvous); nothing else is.
 
 The launcher's and the pool's one-attempt functions are replaced by fakes here: gloo's mesh
 failure cannot be provoked on demand. functional/test_launcher.py checks on real ranks that a
@@ -12,10 +13,13 @@ import pytest
 import cpkit.harness.launch as launch_mod
 from cpkit.harness.launch import RankFailure, launch
 from cpkit.harness.rank_pool import PoolStartError, RankPool
+from cpkit.harness.rank_stderr import describe_exit
 from cpkit.harness.rendezvous import START_ATTEMPTS, is_transient_rendezvous
 
 MESH = ("RuntimeError: Gloo connectFullMesh failed with [third_party/gloo/gloo/transport/tcp/pair.cc:553] "
         "Connection closed by peer [127.0.0.1]:1771.")
+SILENT = describe_exit(1, 2, 255, "")  # "rank 1 of 2 died with exit code 255; it wrote nothing to stderr"
+SAID = describe_exit(1, 2, 1, "RuntimeError: CUDA error: invalid device ordinal")
 
 
 def _rank_fn():
@@ -27,6 +31,12 @@ def test_only_gloos_mesh_failure_is_transient():
     assert not is_transient_rendezvous("nccl", MESH)
     assert not is_transient_rendezvous("gloo", "RuntimeError: Unable to find address for: eth9")
     assert START_ATTEMPTS == 2
+
+
+def test_a_rank_that_died_without_a_word_is_transient_on_any_backend():
+    assert is_transient_rendezvous("nccl", SILENT) and is_transient_rendezvous("gloo", SILENT)
+    assert "died with exit code 1" in SAID and not is_transient_rendezvous("nccl", SAID)
+    assert not is_transient_rendezvous("nccl", describe_exit(1, 2, 0, ""))  # exited, not died
 
 
 def _scripted(monkeypatch, failures):
@@ -71,7 +81,7 @@ def test_other_failures_are_reported_at_once(monkeypatch, failure):
     assert info.value is failure and len(calls) == 1
 
 
-def test_nccl_is_never_retried(monkeypatch):
+def test_a_gloo_mesh_message_on_nccl_is_not_retried(monkeypatch):
     monkeypatch.setenv("CPKIT_GPU_CLAIM", "0")
     failure = RankFailure("rank 1 failed", 1, {1: MESH}, joining=True)
     calls = _scripted(monkeypatch, [failure])
@@ -97,8 +107,11 @@ def _scripted_pool(monkeypatch, problems_in_turn):
     ("gloo", [{1: MESH}, {0: MESH}], 2, True),
     ("gloo", [{0: "ImportError: no module named user_loop"}], 1, True),
     ("nccl", [{1: MESH}], 1, True),
-], ids=["mesh-once", "mesh-twice", "import-error", "nccl"])
-def test_a_pool_starts_again_only_after_a_gloo_mesh_failure(monkeypatch, capsys, backend, problems,
+    ("nccl", [{1: SILENT}], 2, False),
+    ("nccl", [{1: SILENT}, {1: SILENT}], 2, True),
+    ("nccl", [{1: SAID}], 1, True),
+], ids=["mesh-once", "mesh-twice", "import-error", "nccl-mesh", "silent-once", "silent-twice", "said-why"])
+def test_a_pool_starts_again_only_after_a_mesh_failure_or_a_silent_death(monkeypatch, capsys, backend, problems,
                                                             expected_calls, raises):
     calls = _scripted_pool(monkeypatch, problems)
     pool = RankPool(2, backend)

@@ -4,8 +4,10 @@ gloo's TCP transport occasionally fails to wire its full mesh while the ranks jo
 (`Gloo connectFullMesh failed ... Connection closed by peer`, also seen in PyTorch's own
 ProcessGroupGloo tests, pytorch/pytorch#53270), more often on a loaded 2-core machine. No user
 code has run yet, so starting the ranks again with a fresh store hides nothing under test.
-Anything else that fails while the ranks join (NCCL, a bad device, an import error in the rank)
-is reported as it is.
+A rank that dies while joining without a word (an exit code, nothing on its stderr: seen once
+on 2x H200 at 4aade59, exit code 255, NCCL) is likewise retried once: it said nothing a retry
+could hide. Anything else that fails while the ranks join (an NCCL error, a bad device, an import
+error in the rank) is reported as it is, and so is a second failure of either kind.
 """
 
 from __future__ import annotations
@@ -18,15 +20,18 @@ START_ATTEMPTS = 2
 """A gloo mesh failure while joining is retried once; a second one is reported."""
 
 _GLOO_MESH_FAILURE = "Gloo connectFullMesh failed"
+_SILENT_DEATH = "; it wrote nothing to stderr"  # the end of rank_stderr.describe_exit's text
 
 
 def is_transient_rendezvous(backend: str, error_text: str) -> bool:
-    """True for gloo's own mesh failure while the process group is created."""
-    return backend == "gloo" and _GLOO_MESH_FAILURE in error_text
+    """True for gloo's own mesh failure while the process group is created, and for a rank
+    that died while joining and wrote nothing (any backend)."""
+    silent = error_text.strip().endswith(_SILENT_DEATH) and "died with exit code" in error_text
+    return silent or (backend == "gloo" and _GLOO_MESH_FAILURE in error_text)
 
 
 def note_retry(what: str, error_text: str) -> None:
     """Say on stderr that `what` is started again, quoting the failure's last line."""
     last = (error_text.strip().splitlines() or [""])[-1]
-    print(f"cpkit: {what}: gloo failed to connect its ranks ({last.strip()[:200]}); "
+    print(f"cpkit: {what}: a rank failed while joining ({last.strip()[:200]}); "
           "starting the ranks again once", file=sys.stderr, flush=True)
