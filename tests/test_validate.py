@@ -95,6 +95,32 @@ def test_xdist_counts_each_test_once(tmp_path, monkeypatch, capsys):
     assert rows[("foundation", "dist tests")]["result"] == "pass (1 passed)"
 
 
+
+def test_an_expected_failure_is_counted_as_xfailed_not_as_skipped(tmp_path, monkeypatch, capsys):
+    _tree(tmp_path, {"tests/test_a.py": """
+        import pytest
+
+        def test_one():
+            pass
+        @pytest.mark.xfail(strict=True, raises=AssertionError, reason="upstream defect")
+        def test_upstream():
+            assert 0
+        @pytest.mark.xfail(strict=False, reason="sometimes")
+        def test_loose():
+            pass
+        @pytest.mark.skip(reason="not here")
+        def test_skipped():
+            pass
+        @pytest.mark.dist
+        @pytest.mark.xfail(strict=True, raises=AssertionError, reason="upstream defect")
+        def test_dist_upstream():
+            assert 0
+    """})
+    rc, rows, _ = _validate(tmp_path, monkeypatch, capsys)
+    assert rc == 0
+    assert rows[("foundation", "unit tests")]["result"] == "pass (1 passed, 1 xfailed, 1 xpassed, 1 skipped)"
+    assert rows[("foundation", "dist tests")]["result"] == "pass (1 xfailed)"  # it ran: not "skipped"
+
 def _git(repo, *args):
     import subprocess
 

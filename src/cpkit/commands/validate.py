@@ -120,8 +120,8 @@ def _summarise(records: list[dict], levels: dict) -> list[dict]:
         level = levels.get(rec["nodeid"], "unit")
         key = (feature_of(rec["nodeid"]), level)
         row = rows.setdefault(key, {"feature": key[0], "check": f"{level} tests", "passed": 0,
-                                    "failed": 0, "skipped": 0, "seconds": 0.0, "reasons": set(),
-                                    "failures": []})
+                                    "failed": 0, "skipped": 0, "xfailed": 0, "xpassed": 0, "seconds": 0.0,
+                                    "reasons": set(), "failures": []})
         row[rec["outcome"]] += 1
         row["seconds"] += rec["seconds"]
         if rec["outcome"] == "skipped" and rec["reason"]:
@@ -132,8 +132,9 @@ def _summarise(records: list[dict], levels: dict) -> list[dict]:
     for (feature, level), row in sorted(rows.items(), key=lambda kv: (kv[0][0], LEVEL_ORDER[kv[0][1]])):
         if row["failed"]:
             result = f"fail ({row['failed']} failed, {row['passed']} passed)"
-        elif row["passed"]:
-            result = f"pass ({row['passed']} passed" + (f", {row['skipped']} skipped)" if row["skipped"] else ")")
+        elif row["passed"] or row["xfailed"] or row["xpassed"]:
+            counts = [f"{row[k]} {k}" for k in ("passed", "xfailed", "xpassed", "skipped") if row[k]]
+            result = f"pass ({', '.join(counts)})"
         else:
             # The first clause of each reason keeps the table readable; --json has the rest.
             reasons = sorted({r.split(" (")[0].split(";")[0] for r in row["reasons"]}) or ["no test ran"]

@@ -1,4 +1,6 @@
 """A pytest plugin that writes one JSON line per test (node id, level, outcome, seconds, reason).
+Outcomes: passed, failed, skipped, xfailed (an expected failure that failed as expected: it ran)
+and xpassed (a non-strict xfail that passed; a strict one that passes is failed).
 
 `cpkit validate` loads it with `-p cpkit.testing.report_plugin` and points CPKIT_TEST_REPORT at
 the file to write. A "started" line precedes each test's result, so a test that crashed the
@@ -63,9 +65,13 @@ def pytest_runtest_logreport(report):
             reason = report.longrepr[2].removeprefix("Skipped: ")
         elif report.failed:
             reason = str(report.longrepr).strip().splitlines()[-1][:300] if report.longrepr else ""
+        outcome = report.outcome
+        if hasattr(report, "wasxfail"):  # pytest reports an xfail as skipped, an xpass as passed
+            outcome = {"skipped": "xfailed", "passed": "xpassed"}.get(outcome, outcome)
+            reason = report.wasxfail[:300]
         record = {
             "nodeid": report.nodeid,
-            "outcome": report.outcome,
+            "outcome": outcome,
             "seconds": round(report.duration, 3),
             "reason": reason,
         }
