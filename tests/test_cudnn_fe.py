@@ -16,7 +16,7 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
 from cpkit.attention import cudnn_fe, kernels
 from cpkit.attention.band import Band, Window, _math_band_bwd, _math_band_fwd, band_bwd, band_fwd
@@ -128,6 +128,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(cudnn_fe, "_DTYPES", (torch.float32,))
     monkeypatch.setattr(cudnn_fe, "_ops", lambda: ops)
     monkeypatch.setattr(cudnn_fe, "_FAILED", set())
+    monkeypatch.setattr(cudnn_fe, "STAIR_MIN", 2)  # the backward's staircase at these small windows too
     return ops
 
 
@@ -161,14 +162,37 @@ def test_rectangles_cover_exactly_the_band(q_runs, k_runs, lo, width):
         want &= diff >= lo
     if hi is not None:
         want &= diff <= hi
-    got = torch.zeros_like(want)
-    for r in cudnn_fe.band_rectangles(qr, kr, lo, hi):
+    rects = cudnn_fe.band_rectangles(qr, kr, lo, hi)
+    assert torch.equal(_union(rects, want.shape), want)
+
+
+def _union(rects, shape):
+    got = torch.zeros(shape, dtype=torch.bool)
+    for r in rects:
         assert r.nq > 0 and r.nk > 0
         rect = _visible(r.nq, r.nk, False, r.left, r.right, r.bottom_right)
         assert rect.any(1).all(), "every query of a rectangle sees a key (no empty rows for the kernel)"
         assert not (got[r.q0:r.q0 + r.nq, r.k0:r.k0 + r.nk] & rect).any(), "rectangles overlap"
         got[r.q0:r.q0 + r.nq, r.k0:r.k0 + r.nk] |= rect
-    assert torch.equal(got, want)
+    return got
+
+
+@settings(max_examples=200, deadline=None)
+@given(nq=st.integers(1, 60), nk=st.integers(1, 60), left=st.integers(-1, 70), right=st.integers(1, 70),
+       offset=st.integers(0, 5))
+def test_the_backwards_staircase_has_the_same_pairs(nq, nk, left, right, offset):
+    """`staircase` splits a top-left band reaching right of its diagonal into forms cuDNN's
+    backward skips tiles in (right 0, or 1 / -1 on shifted keys) without changing one pair."""
+    left = -1 if left == 0 else left
+    r = cudnn_fe.Rect(offset, nq, offset, nk, left, right)
+    want = torch.zeros(nq + offset, nk + offset, dtype=torch.bool)
+    want[offset:, offset:] = _visible(nq, nk, False, left, right)
+    assume(want.any(1)[offset:].all())  # a rectangle with empty rows is never made (band_rectangles trims them)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cudnn_fe, "STAIR_MIN", 1)
+        steps = cudnn_fe.staircase([r])
+    assert all(s.right <= 0 and not s.bottom_right for s in steps) or steps == [r]
+    assert torch.equal(_union(steps, want.shape), want)
 
 
 # ---------------------------------------------------------------------------------------------
