@@ -203,32 +203,3 @@ def _check(out, lse, grads, inputs, dout, sink, want, thd, tol):
         check(_close, sink_grad(dout, out, lse, sink), want[5], 2e-2, "dsink")
     assert not errors, "\n".join(errors)
 
-
-@pytest.mark.parametrize("window", ["window-causal", "window-two-sided", "window-two-sided-wide"])
-@pytest.mark.parametrize("cp,rank", [(2, 0), (2, 1), (4, 0), (4, 3)])
-@pytest.mark.parametrize("kernel", ["cudnn_fe", "flex"])
-def test_all_gather_window_blocks_match_math(kernel, cp, rank, window):
-    """all_gather's window block: a rank's two zigzag chunks against every key in natural
-    order, which cuDNN takes as several rectangles per chunk (`cudnn_fe.band_rectangles`: the
-    chunk's own positions, and corners before and after them), merged; forward, LSE and the
-    gradients from that output against float32 math. The kernel test above has square blocks
-    only (one rank)."""
-    _skip_unavailable(kernel)
-    causal, (lo, hi), _, (d_qk, d_v) = FEATURES[window]
-    total, dtype, tol = 4096, torch.bfloat16, TOL[torch.bfloat16]
-    band = Band(Window(hi, None if causal else -lo), causal, local_seq(total // cp, cp), rank, "cuda")
-    mask = band.natural_mask(total)
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{window}/{cp}/{rank}".encode()))
-    q = torch.randn(total // cp, 2, HEADS, d_qk, generator=gen).to("cuda", dtype)
-    k, v = (torch.randn(total, 2, KV_HEADS, d, generator=gen).to("cuda", dtype) for d in (d_qk, d_v))
-    dout = torch.randn(total // cp, 2, HEADS, d_v, generator=gen).to("cuda", dtype)
-    allowed = mask.dense()
-    want = masked_block_reference(*(_to_bhsd(x, False) for x in (q, k, v, dout)), None, allowed, scale=SCALE)
-    forced = "flash" if kernel == "flex" else kernel
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*(refused|failed|falling back|looping).*")
-        out, lse = band_fwd(q, k, v, mask, SCALE, forced)
-        grads = band_bwd(dout, q, k, v, out, lse, mask, SCALE, forced)
-    if kernel == "cudnn_fe":
-        assert len(mask.kernel_cache["cudnn_fe"]) > 2, "the chunks' corners are rectangles of their own"
-    _check(out, lse, grads, (q, k, v), dout, None, want, False, tol)
