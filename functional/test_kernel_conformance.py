@@ -17,7 +17,8 @@ Forms: sbhd dense; sbhd strided (views of one packed [s, b, heads*dims] buffer, 
 them); THD densely packed; THD strided (views of one packed [t, heads*dims] buffer, the
 gradient of the output a view too). Features on each: GQA (8 query heads over 2 kv heads)
 throughout; MLA head dims 192/128; sink logits (off-by-one and learnable); a causal window and
-two two-sided windows (one wide enough that cuDNN's backward takes it as a staircase). THD packings, adversarial ones included:
+two two-sided windows (one wide enough that cuDNN's backward takes it as a staircase,
+`cudnn_fe.staircase`). THD packings, adversarial ones included:
 - `mixed`: 300, 1, 724, 512, 511 tokens (a one-token sequence among long ones);
 - `short`: sequences shorter than 2*cp before padding, padded to 2*cp = 8: lengths 8 (a CP
   half-chunk of one real token and the rest padding, TE #2186's case is a half-chunk that is
@@ -202,4 +203,3 @@ def _check(out, lse, grads, inputs, dout, sink, want, thd, tol):
     if sink is not None:
         check(_close, sink_grad(dout, out, lse, sink), want[5], 2e-2, "dsink")
     assert not errors, "\n".join(errors)
-
