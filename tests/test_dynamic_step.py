@@ -222,53 +222,6 @@ def test_the_calibration_cache_is_per_gpu_ranks_versions_and_model(tmp_path):
               cache_path(str(tmp_path), "NVIDIA H100 80GB HBM3", 4, REPLAY_DIMS, 128)}
     assert a not in others and len(others) == 4
     assert cache_path(str(tmp_path), "NVIDIA H100 80GB HBM3", 4, REPLAY_DIMS, 1024) == a
-    # host costs measured with collections inside the timed points are another calibration
-    assert cache_path(str(tmp_path), "NVIDIA H100 80GB HBM3", 4, REPLAY_DIMS, 1024, "auto") not in others | {a}
-
-
-def test_manual_gc_keeps_collections_out_of_the_timed_steps_and_restores_the_collector(monkeypatch):
-    import gc
-    import weakref
-
-    from cpkit.bench import dynamic_step, dynamic_step_rank
-    from cpkit.bench.dynamic_step_calibrate import collect_between_steps
-
-    def spec(argv):
-        return dynamic_step._spec(dynamic_step._parser().parse_args(["--quick", *argv]))[0]
-
-    assert spec([]).gc == "manual" and spec(["--gc", "auto"]).gc == "auto"
-    seen = []
-    monkeypatch.setattr(dynamic_step_rank, "_run_rank", lambda s: seen.append(gc.isenabled()) or s.gc)
-    assert gc.isenabled()
-    assert dynamic_step_rank.run_rank(spec([])) == "manual" and gc.isenabled()
-    assert dynamic_step_rank.run_rank(spec(["--gc", "auto"])) == "auto"
-    assert seen == [False, True]  # off for the whole manual run, untouched with auto
-
-    class Cycle:
-        pass
-
-    def garbage():
-        a, b = Cycle(), Cycle()
-        a.other, b.other = b, a
-        return weakref.ref(a)
-
-    gc.disable()
-    try:
-        ref = garbage()
-        assert ref() is not None  # the collector is off: the cycle waits
-        collect_between_steps()
-        assert ref() is None
-    finally:
-        gc.enable()
-    thresholds = gc.get_threshold()
-    gc.set_threshold(10**9)  # on, but no automatic collection during the check
-    try:
-        ref = garbage()
-        collect_between_steps()  # with the collector on, Python decides: no collection forced here
-        assert ref() is not None
-    finally:
-        gc.set_threshold(*thresholds)
-        gc.collect()
 
 
 def test_the_micro_benchmarks_span_host_bound_to_gpu_bound_at_every_cp_size():

@@ -89,9 +89,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--replay", action="store_true",
                    help="also the replay's prediction (rank 0 times every plan's kernels: slow)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--gc", choices=("manual", "auto"), default="manual",
-                   help="manual (default): Python's collector off, collecting between timed steps "
-                        "(Megatron-LM's --manual-gc); auto: Python's default, collections inside steps")
     p.add_argument("--budget-s", type=float, default=None,
                    help="start no new batch after this many seconds (the rest is reported skipped)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="launch timeout (all ranks)")
@@ -199,7 +196,7 @@ def _spec(args):
         link_bytes=tuple(QUICK_BYTES if args.quick else BYTES), calibration=args.calibration or "",
         calibration_dir=CALIBRATION_DIR,
         quick=args.quick, budget_s=args.budget_s,
-        partial_path=str(out.with_suffix(".partial.json")), seed=args.seed, gc=args.gc), out
+        partial_path=str(out.with_suffix(".partial.json")), seed=args.seed), out
 
 
 def _link_only(args) -> int:
@@ -261,7 +258,7 @@ def main(argv=None) -> int:
     source = cpkit_source()
     print(f"dynamic_step: {len(spec.batches)} batches x {len(spec.families)} plan families on "
           f"{args.ranks} ranks ({args.device}), {spec.dims.num_layers} layers of "
-          f"{spec.dims.hidden_size}, {spec.warmup} warm-up + {spec.iters} steps each, GC {spec.gc}; cpkit "
+          f"{spec.dims.hidden_size}, {spec.warmup} warm-up + {spec.iters} steps each; cpkit "
           f"{source['commit'] or 'not in git'}{' with changes' if source['dirty'] else ''} (content "
           f"{source['fingerprint']})", flush=True)
     try:
@@ -314,7 +311,7 @@ def main(argv=None) -> int:
         "benchmark": NAME, "source_commit": source["commit"], "cpkit": source,
         "device": res["device"], "ranks": args.ranks,
         "machine": machine_info(), "dims": vars(spec.dims), "vocab_size": spec.vocab_size,
-        "warmup": spec.warmup, "iters": spec.iters, "gc": spec.gc, "link": link, "link_table": res["link_table"],
+        "warmup": spec.warmup, "iters": spec.iters, "link": link, "link_table": res["link_table"],
         "calibration_path": res["calibration_path"], "calibrated_here": res["calibrated_here"],
         "calibration": res["calibration"], "summary": summary, "skipped": res["skipped"],
         "phases": res["phases"], "targets": {k: bool(v) for k, v in checks.items()}, "results": results,

@@ -19,7 +19,6 @@ torch, MCore and model shape (`cache_path`).
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import re
 import statistics
@@ -32,8 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from cpkit.dynamic.plan import CPGroupAssignment, Microbatch, Plan
 
-__all__ = ["cache_path", "collect_between_steps", "count_ops", "measure_step_costs", "share_kernel_timing",
-           "warm_groups"]
+__all__ = ["cache_path", "count_ops", "measure_step_costs", "share_kernel_timing", "warm_groups"]
 
 _ATEN = torch.ops.aten
 _SYNC_OPS = {_ATEN._local_scalar_dense.default, _ATEN.nonzero.default, _ATEN.is_nonzero.default}
@@ -69,22 +67,13 @@ def count_ops(fn) -> tuple[int, int]:
     return counter.ops, counter.syncs
 
 
-def collect_between_steps() -> None:
-    """Under manual GC (the collector disabled: StepSpec.gc), collect now, before a timed region:
-    a host-bound step then never pays a collection inside it, and every rank collects at the same
-    point, as with Megatron-LM's --manual-gc (which it says mitigates CPU jitter across ranks)."""
-    if not gc.isenabled():
-        gc.collect()
-
-
-def cache_path(root: str, device_name: str, world: int, dims, vocab: int, gc_mode: str = "manual") -> Path:
-    """Where the calibration of this GPU, rank count, torch, MCore, model shape and GC mode is kept."""
+def cache_path(root: str, device_name: str, world: int, dims, vocab: int) -> Path:
+    """Where the calibration of this GPU, rank count, torch, MCore and model shape is kept."""
     from cpkit.bench.common import machine_info
 
     info = machine_info()
     shape = hashlib.sha256(repr((sorted(vars(dims).items()), vocab)).encode()).hexdigest()[:10]
     name = f"{device_name}-{world}r-torch{info['torch']}-mcore{info.get('megatron_core')}-{shape}"
-    name += f"-gc{gc_mode}"  # a collection inside a timed point changes the host costs
     return Path(root) / (re.sub(r"[^A-Za-z0-9.+-]+", "_", name) + ".json")
 
 
@@ -139,7 +128,6 @@ class _Runner:
         """Median over `iters` of the slowest rank's seconds of `fn()` (every rank runs it)."""
         rows = []
         for i in range(warmup + iters):
-            collect_between_steps()
             _sync(self.device)
             dist.barrier(self.group)
             t0 = time.perf_counter()

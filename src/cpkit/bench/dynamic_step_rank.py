@@ -26,7 +26,6 @@
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 import statistics
 import time
@@ -73,9 +72,6 @@ class StepSpec:
     recalibrate: bool = False
     replay: bool = False
     """Also the replay's prediction (rank 0 times every plan's kernels: slow)."""
-    gc: str = "manual"
-    """"manual": Python's collector off, a collection before every timed step and calibration
-    point, outside the timing (Megatron-LM's --manual-gc); "auto": Python's default."""
 
 
 def run_order(plan: Plan) -> tuple[Plan, list[list[int]], bool]:
@@ -131,10 +127,7 @@ def _step(model, opt, order, registry, pgc, group, samples, device,
                                        prepare_microbatch)
     from cpkit.loss import all_reduce_gradients
 
-    from cpkit.bench.dynamic_step_calibrate import collect_between_steps
-
     plan, segments, lockstep = order
-    collect_between_steps()
     _sync(device)
     dist.barrier(group)
     t0 = time.perf_counter()
@@ -277,19 +270,7 @@ def _calibrate(spec: StepSpec, device, dev_name, link, link_data, model, opt, pg
 
 
 def run_rank(spec: StepSpec) -> Optional[dict]:
-    """The whole run on this rank (module docstring); rank 0 returns the results, others None.
-    With spec.gc == "manual", Python's collector is off for the run and collects only between
-    timed steps and points (`collect_between_steps`)."""
-    if spec.gc != "manual":
-        return _run_rank(spec)
-    gc.disable()
-    try:
-        return _run_rank(spec)
-    finally:
-        gc.enable()
-
-
-def _run_rank(spec: StepSpec) -> Optional[dict]:
+    """The whole run on this rank (module docstring); rank 0 returns the results, others None."""
     from cpkit.bench.dynamic_step_calibrate import warm_groups
     from cpkit.bench.dynamic_step_predict import Predictor, plan_key, plan_record, start_mlm_worker
     from cpkit.bench.replay_timing import LinkTable
@@ -313,8 +294,7 @@ def _run_rank(spec: StepSpec) -> Optional[dict]:
         from cpkit.bench.dynamic_step_calibrate import cache_path
 
         where = Path(spec.calibration) if spec.calibration else cache_path(
-            spec.calibration_dir, dev_name.split(" (")[0], dist.get_world_size(), spec.dims, spec.vocab_size,
-            spec.gc)
+            spec.calibration_dir, dev_name.split(" (")[0], dist.get_world_size(), spec.dims, spec.vocab_size)
         cached = [str(where), json.loads(where.read_text()) if where.is_file() and not spec.recalibrate
                   else None]
     dist.broadcast_object_list(cached, src=0)
@@ -332,9 +312,6 @@ def _run_rank(spec: StepSpec) -> Optional[dict]:
     model, opt, pgc, registry = _build(spec, device)
     group = get_pg(pgc, "dp_cp")
     warm_groups(model, registry, pgc, group, spec.vocab_size, device)
-    if not gc.isenabled():  # the model and MCore's modules outlive the run: never scan them again
-        gc.collect()
-        gc.freeze()
     phases["build_s"] = time.perf_counter() - start - phases["link_s"]
     calibrated_here = cal is None
     if cal is None:
