@@ -275,3 +275,33 @@ def test_a_second_model_shape_reaches_the_ranks_and_its_own_calibration():
     assert dims(["--quick"]) == TINY_DIMS and dims(["--quick", "--layers", "3"]).num_layers == 3
     # the calibration cache is per shape: the smaller model never reads the default's
     assert cache_path("c", "H100", 4, small, 1024) != cache_path("c", "H100", 4, dims([]), 1024)
+
+
+def test_the_plans_of_a_batch_are_timed_in_interleaved_rounds(world1, monkeypatch):
+    """Each round steps every plan once, so slow drift of the host lands on every plan alike;
+    warm-up rounds are not timed, and each plan keeps its own times, loss and order."""
+    import types
+
+    import torch
+
+    from cpkit.bench import dynamic_step_rank
+
+    calls = []
+
+    def fake_step(model, opt, order, registry, pgc, group, samples, device, recorder=None):
+        calls.append(order[0].fam)
+        return [float(len(calls))] * 4, {"a": 1.0, "b": 2.0}[order[0].fam]
+
+    orders = {fam: (types.SimpleNamespace(fam=fam, microbatches=[0] * n), [[0]], fam == "b")
+              for fam, n in (("a", 2), ("b", 3))}
+    monkeypatch.setattr(dynamic_step_rank, "run_order", orders.__getitem__)
+    monkeypatch.setattr(dynamic_step_rank, "_timeline_step", lambda *a: {"per_rank": []})
+    spec = types.SimpleNamespace(warmup=1, iters=2)
+    out = dynamic_step_rank._time_plans(None, None, {"a": "a", "b": "b"}, spec, None, None, None,
+                                        None, torch.device("cpu"), step=fake_step)
+    assert calls == ["a", "b"] * 3  # a warm-up round, then two timed rounds
+    assert out["a"]["step_s"] == [3.0, 5.0] and out["b"]["step_s"] == [4.0, 6.0]
+    assert out["a"]["per_rank"]["step_s"] == [4.0] and out["b"]["per_rank"]["step_s"] == [5.0]
+    assert (out["a"]["loss"], out["b"]["loss"]) == (1.0, 2.0)
+    assert (out["a"]["runtime_microbatches"], out["b"]["runtime_microbatches"]) == (2, 3)
+    assert not out["a"]["lockstep"] and out["b"]["lockstep"]

@@ -15,7 +15,8 @@
    (cpkit.bench.dynamic_step_predict), broadcast to every rank.
 5. Every rank: per distinct plan, `warmup` + `iters` real training steps through cpkit's runtime
    (prepare_microbatch, agree_on_tokens, forward_backward_local with the per-micro-batch CP
-   switch, all_reduce_gradients, optimizer step); a plan with packed=False (MCore's) runs as
+   switch, all_reduce_gradients, optimizer step), the plans' steps interleaved round by round
+   (`_time_plans`); a plan with packed=False (MCore's) runs as
    MCore runs it (`run_order`). Times per rank and per step; the columns are the slowest rank's.
    A family whose plan equals one already run reuses its times (`same_plan_as`).
 6. Every rank: one more step of each plan with every micro-batch marked (host times and, on
@@ -161,26 +162,39 @@ def _step(model, opt, order, registry, pgc, group, samples, device,
     return [t3 - t0, t2 - t1, t1 - t0, t3 - t2], loss.item()
 
 
-def _time_plan(model, opt, plan, spec, registry, pgc, group, samples, device) -> dict:
-    order = run_order(plan)
+def _time_plans(model, opt, plans: dict, spec, registry, pgc, group, samples, device,
+                step=None) -> dict:
+    """{family: its timed steps} of every plan of one batch, the plans' steps interleaved (round
+    after round, each plan once a round): the host of a host-bound step drifts by several
+    percent over seconds (up to 8% between runs of one plan on 2x H200), and a plan timed in a
+    later window than the others would take that drift as its own. `step`: _step (a stand-in in
+    the unit tests)."""
+    step = step or _step
+    orders = {fam: run_order(plan) for fam, plan in plans.items()}
     world = dist.get_world_size(group)
-    per_step = []  # [step][rank][column]
-    losses = []
+    per_step = {fam: [] for fam in plans}  # [step][rank][column]
+    losses = {fam: [] for fam in plans}
     for i in range(spec.warmup + spec.iters):
-        times, loss = _step(model, opt, order, registry, pgc, group, samples, device)
-        mine = torch.tensor(times, dtype=torch.float64, device=device)
-        every = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(every, mine, group=group)
-        if i >= spec.warmup:
-            per_step.append([t.tolist() for t in every])
-            losses.append(loss)
-    out = {k: [max(r[j] for r in step) for step in per_step] for j, k in enumerate(COLUMNS)}
-    out["per_rank"] = {k: [statistics.median(step[r][j] for step in per_step) for r in range(world)]
-                       for j, k in enumerate(COLUMNS)}
-    out["loss"] = losses[0]
-    out["runtime_microbatches"] = len(order[0].microbatches)
-    out["lockstep"] = order[2]
-    out["timeline"] = _timeline_step(model, opt, order, registry, pgc, group, samples, device)
+        for fam, order in orders.items():
+            times, loss = step(model, opt, order, registry, pgc, group, samples, device)
+            mine = torch.tensor(times, dtype=torch.float64, device=device)
+            every = [torch.empty_like(mine) for _ in range(world)]
+            dist.all_gather(every, mine, group=group)
+            if i >= spec.warmup:
+                per_step[fam].append([t.tolist() for t in every])
+                losses[fam].append(loss)
+    out = {}
+    for fam, order in orders.items():
+        rows = per_step[fam]
+        res = {k: [max(r[j] for r in row) for row in rows] for j, k in enumerate(COLUMNS)}
+        res["per_rank"] = {k: [statistics.median(row[r][j] for row in rows) for r in range(world)]
+                           for j, k in enumerate(COLUMNS)}
+        res["loss"] = losses[fam][0]
+        res["runtime_microbatches"] = len(order[0].microbatches)
+        res["lockstep"] = order[2]
+        out[fam] = res
+    for fam, order in orders.items():  # after every timed step, so their columns stay as they were
+        out[fam]["timeline"] = _timeline_step(model, opt, order, registry, pgc, group, samples, device)
     return out
 
 
@@ -367,9 +381,9 @@ def run_rank(spec: StepSpec) -> Optional[dict]:
         entry, runnable = payload[0]
         t_steps = time.perf_counter()
         samples = _samples(batch, spec.vocab_size, spec.seed + bi, device)
-        for fam, plan in runnable.items():
-            entry["impl"][fam].update(_time_plan(model, opt, plan, spec, registry, pgc, group,
-                                                 samples, device))
+        for fam, timed in _time_plans(model, opt, runnable, spec, registry, pgc, group, samples,
+                                      device).items():
+            entry["impl"][fam].update(timed)
         for fam, info in entry["impl"].items():
             if "same_plan_as" in info:
                 src = entry["impl"][info["same_plan_as"]]
