@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 
-__all__ = ["TAIL_LINES", "capture_stderr", "StderrFollower", "describe_exit"]
+__all__ = ["SILENT_EXIT", "TAIL_LINES", "capture_stderr", "StderrFollower", "describe_exit"]
 
 TAIL_LINES = 30
 """How many of a dead rank's last stderr lines a failure report quotes."""
@@ -62,6 +62,10 @@ class StderrFollower:
         return "\n".join(text.rstrip().splitlines()[-lines:])
 
 
+SILENT_EXIT = "; it wrote nothing to stderr"
+"""How describe_exit ends for a rank that died without a word (rendezvous retries those)."""
+
+
 def describe_exit(rank: int, world_size: int, code: int, tail: str) -> str:
     """'rank R of N died with exit code C (signal S: SIGNAME)' and the rank's last stderr lines."""
     if code < 0:
@@ -75,5 +79,5 @@ def describe_exit(rank: int, world_size: int, code: int, tail: str) -> str:
     else:
         head = f"rank {rank} of {world_size} died with exit code {code}"
     if not tail:
-        return head + "; it wrote nothing to stderr"
+        return head + SILENT_EXIT
     return f"{head}; the last lines of its stderr:\n" + "\n".join("    " + line for line in tail.splitlines())

@@ -16,17 +16,19 @@ import sys
 
 __all__ = ["START_ATTEMPTS", "is_transient_rendezvous", "note_retry"]
 
+from cpkit.harness.rank_stderr import SILENT_EXIT
+
 START_ATTEMPTS = 2
-"""A gloo mesh failure while joining is retried once; a second one is reported."""
+"""A transient failure while joining (gloo's mesh, a rank's silent death) is retried once; a
+second one is reported."""
 
 _GLOO_MESH_FAILURE = "Gloo connectFullMesh failed"
-_SILENT_DEATH = "; it wrote nothing to stderr"  # the end of rank_stderr.describe_exit's text
 
 
 def is_transient_rendezvous(backend: str, error_text: str) -> bool:
     """True for gloo's own mesh failure while the process group is created, and for a rank
     that died while joining and wrote nothing (any backend)."""
-    silent = error_text.strip().endswith(_SILENT_DEATH) and "died with exit code" in error_text
+    silent = error_text.strip().endswith(SILENT_EXIT) and "died with exit code" in error_text
     return silent or (backend == "gloo" and _GLOO_MESH_FAILURE in error_text)
 
 
