@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["START_ATTEMPTS", "is_transient_rendezvous", "note_retry"]
-
 from cpkit.harness.rank_stderr import SILENT_EXIT
+
+__all__ = ["START_ATTEMPTS", "is_transient_rendezvous", "note_retry"]
 
 START_ATTEMPTS = 2
 """A transient failure while joining (gloo's mesh, a rank's silent death) is retried once; a
