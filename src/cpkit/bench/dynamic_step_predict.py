@@ -4,9 +4,8 @@ micro-benchmarks (cpkit.bench.dynamic_step_calibrate); optionally also the repla
 (`--replay`: cpkit.bench.replay.replay_plan, rank 0's kernels timed per shape: slow).
 
 cpkit's plan is cpkit.dynamic.schedule with the step model and MCore's and Megatron-LM's plans
-of the same batch as references (cpkit.dynamic.candidates.choose_plan: of the plans within
-MODEL_ERROR_BAND of the fastest, the most robust). Only plans the registry can run
-become references.
+of the same batch as references (cpkit.dynamic.candidates.choose_plan: the modeled fastest, of
+plans tied within TIE_BAND the most robust). Only plans the registry can run become references.
 """
 
 from __future__ import annotations

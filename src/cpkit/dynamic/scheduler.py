@@ -47,7 +47,7 @@ import math
 import operator
 from typing import Callable, Iterable, Mapping, Sequence
 
-from cpkit.dynamic.candidates import MODEL_ERROR_BAND, choose_plan, fill_to_capacity_plan, usable_references
+from cpkit.dynamic.candidates import TIE_BAND, choose_plan, fill_to_capacity_plan, usable_references
 from cpkit.dynamic.cost import CostModel, default_cost_model
 from cpkit.dynamic.earliest_finish import earliest_finish_plan, placing_order
 from cpkit.dynamic.packing import Overflow, pack_microbatch
@@ -398,7 +398,7 @@ def schedule(
     step_rule: str = "free",
     pp_size: int = 1,
     reference_plans: Mapping[str, Plan] | None = None,
-    model_error_band: float = MODEL_ERROR_BAND,
+    tie_band: float = TIE_BAND,
 ) -> Plan:
     """Plan one global batch of packed samples over the DPxCP ranks with the least modeled step
     time (algorithm: module docstring).
@@ -420,8 +420,8 @@ def schedule(
     step_rule, pp_size: the runtime's step semantics the candidates are timed under
         (cpkit.dynamic.step_rules: "free", cpkit's runtime at PP = 1; "lockstep", micro-batches
         end together, which pp_size > 1 implies).
-    reference_plans, model_error_band: other schedulers' plans (name -> Plan); of the plans within
-        the band of the fastest, the most robust (cpkit.dynamic.candidates.choose_plan); one
+    reference_plans, tie_band: other schedulers' plans (name -> Plan); the modeled fastest, of
+        plans within tie_band of it the most robust (cpkit.dynamic.candidates.choose_plan); one
         that breaks an invariant is never taken (cpkit.dynamic.candidates.usable_references).
 
     The plan is the faster, by the model, of the balancing candidate and static CP
@@ -495,6 +495,6 @@ def schedule(
     if pp_size == 1 and (microbatch_group_size or 1) == 1:  # fill ignores VPP's multiple
         refs.setdefault("fill", fill_to_capacity_plan(lens, needs, workloads=works or at_need, **args))
     step_time, name, chosen = choose_plan((best[0], best[2], best[3]), refs, lambda p: model.step_time(
-        p, step_rule, pp_size), static_time, model_error_band)
+        p, step_rule, pp_size), static_time, tie_band)
     return dataclasses.replace(chosen, step_time_s=step_time, static_step_time_s=static_time,
                                candidate=name)

@@ -121,7 +121,7 @@ CHANGE_MAP: tuple[Row, ...] = (
         "unit, gpu1 (with nvidia-cudnn-frontend installed: README 'Kernels'); numbers: `python -m cpkit.bench window`"),
     Row(("src/cpkit/bench/",), ("tests/test_attention_module.py", "tests/test_eval_plan.py", "tests/test_dynamic_cost.py",
                                 "tests/test_bench_window.py", "tests/test_replay.py", "tests/test_dynamic_step.py",
-                                "tests/test_dynamic_step_timeline.py",
+                                "tests/test_dynamic_step_timeline.py", "tests/test_dynamic_step_order.py",
                                 "tests/test_command_lines.py", "tests/test_readme.py",
                                 "tests/test_bench_attention_table.py", "tests/test_changed_recall.py",
                                 "tests/test_changed_samples.py"),
