@@ -88,7 +88,8 @@ def order_stats(runs: list[dict], band: float = 0.10, resolution: float = 0.01) 
 
 def main(argv=None) -> int:
     """Print order_stats of the runs given (module docstring)."""
-    p = argparse.ArgumentParser(prog="python -m cpkit.bench.dynamic_step_order", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m cpkit.bench.dynamic_step_order", allow_abbrev=False,
+                                description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+", help="dynamic_step JSONs (.json or .json.gz)")
     p.add_argument("--band", type=float, default=0.10, help="pairs modeled within this fraction")
     p.add_argument("--resolution", type=float, default=0.01, help="real differences below this are ties")
