@@ -39,8 +39,8 @@ TIE_BAND = 0.0
 of 10 bench runs (evidence/2026-11-27-4xH200-5b27ec5/, evidence/2026-11-28-2xH200-61901e3/,
 evidence/2026-11-28-2xH200-d9dd766/): of 35 plan pairs modeled within 10% of each other and
 really more than 1% apart, the model ordered 31 right, and the more robust of a pair won 8 of
-25; over 32 batches the plan chosen by robustness within 10% took 1.0118x the best real step
-(worst 1.115x), the modeled fastest 1.0039x (worst 1.086x)."""
+25; over their 32 batches cpkit's choice took 1.0118x the best real step (worst 1.115x), the
+modeled fastest 1.0039x (worst 1.086x): the 4 batches where they differ are robustness picks."""
 VALIDATED_ERROR: float | None = 0.193
 """The largest |modeled / real - 1| of the step model over every plan and batch of the last
 4-GPU `python -m cpkit.bench dynamic_step` run, both model sizes (None: no such run yet); 0.107
