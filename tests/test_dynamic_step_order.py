@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from cpkit.bench.dynamic_step_order import main, order_stats, plan_from_record
-from cpkit.bench.dynamic_step_predict import plan_record
+from cpkit.bench.dynamic_step_order import main, order_stats
+from cpkit.bench.dynamic_step_predict import plan_from_record, plan_record
 from cpkit.dynamic.candidates import robustness
 from cpkit.testing.plans import hand_plan
 
@@ -42,6 +42,7 @@ def _run():
 def test_a_plan_record_reads_back_as_the_plan():
     back = plan_from_record(plan_record(SWITCHY), {"seq_lens": LENS, "dp_cp_size": 2, "max_seq_len_per_rank": 64})
     assert back.microbatches == SWITCHY.microbatches and back.packed == SWITCHY.packed
+    assert back.needed_cp_sizes == SWITCHY.needed_cp_sizes  # per sample, from its length
     assert robustness(back) == robustness(SWITCHY) == (3, 2) and robustness(ROBUST) == (2, 0)
 
 

@@ -21,22 +21,9 @@ import json
 import statistics
 from pathlib import Path
 
-from cpkit.dynamic.plan import CPGroupAssignment, Microbatch, Plan
+from cpkit.bench.dynamic_step_predict import plan_from_record
 
-__all__ = ["main", "order_stats", "plan_from_record"]
-
-
-def plan_from_record(record: dict, result: dict) -> Plan:
-    """The Plan of a bench JSON's plan record (cpkit.bench.dynamic_step_predict.plan_record) in
-    batch `result`; workloads are not recorded (zeros), which robustness and the runtime order
-    do not read."""
-    lens = tuple(result["seq_lens"])
-    mbs = tuple(Microbatch(tuple(CPGroupAssignment(tuple(g["ranks"]), tuple(g["samples"]), g["cp"])
-                                 for g in mb)) for mb in record["microbatches"])
-    return Plan(microbatches=mbs, seq_lens=lens, dp_cp_size=result["dp_cp_size"],
-                max_seq_len_per_rank=result["max_seq_len_per_rank"], workloads=(0.0,) * len(lens),
-                needed_cp_sizes=tuple(sorted({g.cp_size for mb in mbs for g in mb.groups})),
-                packed=record["packed"], candidate=record.get("candidate"))
+__all__ = ["main", "order_stats"]
 
 
 def _load(path: str) -> dict:

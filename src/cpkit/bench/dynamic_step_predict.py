@@ -16,7 +16,7 @@ from typing import Callable, Optional
 from cpkit.bench.replay_plans import Batch
 from cpkit.dynamic.plan import Plan
 
-__all__ = ["Predictor", "plan_key", "plan_record", "start_mlm_worker"]
+__all__ = ["Predictor", "plan_from_record", "plan_key", "plan_record", "start_mlm_worker"]
 
 
 def start_mlm_worker() -> Optional[object]:
@@ -58,6 +58,20 @@ def plan_record(plan: Plan) -> dict:
                                "lengths": [lens[s] for s in g.samples]} for g in mb.groups]
                              for mb in plan.microbatches]}
 
+
+
+def plan_from_record(record: dict, result: dict) -> Plan:
+    """The Plan of `record` (plan_record's form) in batch `result` of the bench JSON (its
+    seq_lens, dp_cp_size, max_seq_len_per_rank). Workloads are not recorded: zeros."""
+    from cpkit.dynamic.plan import CPGroupAssignment, Microbatch
+    from cpkit.dynamic.scheduler import cp_size_for
+
+    lens, m = tuple(result["seq_lens"]), result["max_seq_len_per_rank"]
+    mbs = tuple(Microbatch(tuple(CPGroupAssignment(tuple(g["ranks"]), tuple(g["samples"]), g["cp"])
+                                 for g in mb)) for mb in record["microbatches"])
+    return Plan(microbatches=mbs, seq_lens=lens, dp_cp_size=result["dp_cp_size"], max_seq_len_per_rank=m,
+                workloads=(0.0,) * len(lens), needed_cp_sizes=tuple(cp_size_for(n, m) for n in lens),
+                packed=record["packed"], candidate=record.get("candidate"))
 
 class Predictor:
     """The step model and the plans (module docstring); `runnable(plan)` -> None or why not."""
