@@ -16,7 +16,7 @@ hierarchical_context_parallel_sizes=...)`, then `ProcessGroupCollection.use_mpu_
 rank 0's HIERARCHICAL_CONTEXT_PARALLEL_GROUPS line (Bridge and MCore print none); one step of a
 small MCore GPT with cpkit's CP attention on Bridge's groups, and the same step at CP 1 (data
 parallel, MCore's own attention): same loss, same gradients. Bridge's files come from the
-checkout named by CPKIT_BRIDGE_SRC (cpkit.bridge).
+checkout named by CPKIT_BRIDGE_SRC (cpkit.upstream.bridge).
 
     CPKIT_BRIDGE_SRC=<Megatron-Bridge>/src python examples/bridge_a2a_p2p.py                        # spawns 4 gloo ranks
     CPKIT_BRIDGE_SRC=<Megatron-Bridge>/src torchrun --nproc-per-node 4 examples/bridge_a2a_p2p.py   # or 2; torchrun
@@ -36,11 +36,11 @@ from cpkit.notices import quiet_known_notices
 
 quiet_known_notices()  # before megatron-core is imported: its "Transformer Engine and Apex are not installed" notices
 
-from cpkit.bridge import DistInit, bridge_model_config, bridge_modules, bridge_src
+from cpkit.upstream.bridge import DistInit, bridge_model_config, bridge_modules, bridge_src
 from cpkit.compat import ensure_global_memory_buffer
 from cpkit.devices import check_world_size, describe_rank_devices, init_rank
-from cpkit.groups import HCP_LOG_PREFIX, build_pg_collection, describe_groups
-from cpkit.layout import CPLayout
+from cpkit.parallel.groups import HCP_LOG_PREFIX, build_pg_collection, describe_groups
+from cpkit.parallel.layout import CPLayout
 from cpkit.loss import forward_loss, global_loss, reduce_gradients
 from cpkit.sharding import shard_batch
 

@@ -22,8 +22,8 @@ quiet_known_notices()  # before megatron-core is imported: its "Transformer Engi
 
 from cpkit.attention.spec import get_gpt_block_spec_with_cp_attention
 from cpkit.devices import check_world_size, describe_rank_devices, init_rank
-from cpkit.groups import build_pg_collection
-from cpkit.layout import CPLayout
+from cpkit.parallel.groups import build_pg_collection
+from cpkit.parallel.layout import CPLayout
 from cpkit.loss import forward_loss, global_loss, reduce_gradients
 from cpkit.sharding import shard_batch
 

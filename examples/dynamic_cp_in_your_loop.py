@@ -26,8 +26,8 @@ from cpkit.devices import check_world_size, describe_rank_devices, init_rank
 from cpkit.dynamic import build_group_registry, schedule
 from cpkit.dynamic.cost import CostModel, ModelDims
 from cpkit.dynamic.runtime import dynamic_cp_step
-from cpkit.groups import build_pg_collection
-from cpkit.layout import CPLayout
+from cpkit.parallel.groups import build_pg_collection
+from cpkit.parallel.layout import CPLayout
 from cpkit.loss import forward_loss
 
 LENS = [44, 12, 10, 14, 8, 16, 6]  # one global batch: tokens per sequence

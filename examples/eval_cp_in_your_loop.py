@@ -1,5 +1,5 @@
 """Eval-time CP in your own training loop: train one step at CP 1 on N ranks (data parallel),
-evaluate a validation set with cpkit.eval_loop.evaluate at every eval CP that N allows (2; 2 and
+evaluate a validation set with cpkit.eval_cp.loop.evaluate at every eval CP that N allows (2; 2 and
 4 on 4 ranks; 2, 4 and 8 on 8), each inside eval_cp_context, which restores the training groups
 after it, and check each eval loss against the same samples evaluated at CP 1. evaluate gives
 each eval data-parallel replica its own share of the samples (eval_shard_for on the eval
@@ -26,10 +26,10 @@ quiet_known_notices()  # before megatron-core is imported: its "Transformer Engi
 
 from cpkit.attention.spec import get_gpt_block_spec_with_cp_attention
 from cpkit.devices import check_world_size, describe_rank_devices, init_rank
-from cpkit.eval_cp import build_eval_pg_collection, eval_cp_context
-from cpkit.eval_loop import evaluate
-from cpkit.groups import build_pg_collection
-from cpkit.layout import CPLayout
+from cpkit.eval_cp.context import build_eval_pg_collection, eval_cp_context
+from cpkit.eval_cp.loop import evaluate
+from cpkit.parallel.groups import build_pg_collection
+from cpkit.parallel.layout import CPLayout
 from cpkit.loss import forward_loss, global_loss, reduce_gradients
 
 SEQ, VOCAB, HEADS = 32, 128, 4
@@ -130,7 +130,7 @@ def main() -> str:
     at = ", ".join(str(cp) for cp in results)
     return "\n".join([f"ranks: {ranks}", f"train loss (cp 1, {world} ranks): {train_loss:.6f}"]
                      + [f"eval at cp {cp} x dp {world // cp}: samples {taken[cp]} (of {NUM_VAL})" for cp in results]
-                     + [f"checked: eval loss over the {NUM_VAL} samples (cpkit.eval_loop.evaluate) at cp {at} against "
+                     + [f"checked: eval loss over the {NUM_VAL} samples (cpkit.eval_cp.loop.evaluate) at cp {at} against "
                         f"cp 1, {DTYPE}, within {tol['loss']:g}; each sample once; training groups restored after each",
                         "eval loss " + "; ".join(f"at cp {cp}: {r.loss:.6f}" for cp, r in results.items())
                         + f"; at cp 1: {cp1_loss:.6f}",

@@ -32,8 +32,8 @@ TOLERANCES = {
 }
 
 def _pg_collection(world: int, comm: str):
-    from cpkit.groups import build_pg_collection
-    from cpkit.layout import CPLayout
+    from cpkit.parallel.groups import build_pg_collection
+    from cpkit.parallel.layout import CPLayout
 
     # A rank pool hands the groups of an earlier case out again (cpkit.harness.pool_groups).
     hier = [2, world // 2] if comm == "a2a+p2p" else None

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.dist
 
 
 def test_attention_bench_runs_and_profiles(tmp_path):
-    from cpkit.bench.attention import main
+    from cpkit.bench.attention.attention import main
 
     out, prof = tmp_path / "attention.json", tmp_path / "profile.txt"
     assert main(["--device", "cpu", "--quick", "--comm", "p2p,a2a", "--out", str(out), "--profile", str(prof)]) == 0
@@ -31,7 +31,7 @@ def test_attention_bench_runs_and_profiles(tmp_path):
 
 def test_eval_cp_bench_runs_and_profiles(tmp_path):
     pytest.importorskip("megatron.core")
-    from cpkit.bench.eval_cp import main
+    from cpkit.bench.eval_cp.eval_cp import main
 
     out, prof = tmp_path / "eval_cp.json", tmp_path / "profile.txt"
     assert main(["--device", "cpu", "--quick", "--seq", "64", "--out", str(out), "--profile", str(prof)]) == 0

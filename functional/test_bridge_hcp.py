@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from cpkit.testing import grid_params, grid_result
-from cpkit.bridge import bridge_src
+from cpkit.upstream.bridge import bridge_src
 from cpkit.testing.scenarios.bridge_hcp import WORLD, bridge_hcp_case, cases, expected_levels
 
 _SRC, _WHY = bridge_src()

@@ -40,9 +40,9 @@ import torch.distributed as dist
 from cpkit.compat import get_pg
 from cpkit.dynamic import CPGroupAssignment, Microbatch, Plan, build_group_registry, cp_size_for
 from cpkit.dynamic.pipeline import dynamic_cp_forward_backward, pad_plan, token_loss_sum
-from cpkit.groups import build_pg_collection
-from cpkit.layout import CPLayout
-from cpkit.rank_grid import rank_groups
+from cpkit.parallel.groups import build_pg_collection
+from cpkit.parallel.layout import CPLayout
+from cpkit.parallel.rank_grid import rank_groups
 from cpkit.testing.models import GPTConfig, build_gpt, build_gpt_chunks, named_gradients
 from cpkit.testing import device, grid_params, grid_result
 from cpkit.testing.compare import assert_bf16_against_fp32, assert_grads_close

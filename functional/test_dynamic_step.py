@@ -17,8 +17,8 @@ import pytest
 @pytest.mark.dist
 def test_dynamic_step_smoke_run(tmp_path, capsys):
     pytest.importorskip("megatron.core")
-    from cpkit.bench import dynamic_step
-    from cpkit.bench.dynamic_step_report import cpkit_source
+    from cpkit.bench.dynamic import dynamic_step
+    from cpkit.bench.dynamic.dynamic_step_report import cpkit_source
     from cpkit.dynamic.cost import Calibration, ModelDims
     from cpkit.dynamic.step_model import StepModel
 
@@ -68,7 +68,7 @@ def test_dynamic_step_smoke_run(tmp_path, capsys):
 def test_dynamic_step_quick_on_four_gpus(tmp_path):
     """The same smoke run on 4 GPUs over NCCL (bf16, tiny model, about 40 s): every family's
     step runs on the NCCL path and all give the batch's loss."""
-    from cpkit.bench import dynamic_step
+    from cpkit.bench.dynamic import dynamic_step
 
     out = tmp_path / "ds.json"
     assert dynamic_step.main(["--device", "cuda", "--quick", "--out", str(out),

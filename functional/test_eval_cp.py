@@ -1,6 +1,6 @@
 """Eval-time CP on 2 and 4 ranks: a GPT trained at one CP size evaluates at another.
 
-Each case builds the training collection and the eval collection (cpkit.eval_cp.
+Each case builds the training collection and the eval collection (cpkit.eval_cp.context.
 build_eval_pg_collection, reusing the training tp/pp groups), a model and a control model from
 the same seed, then per iteration:
 - trains one step on both; the model's loss must equal the control's (which never switches);
@@ -43,7 +43,7 @@ def _reduced_eval_loss():
     """Rank r holds a loss sum of r + 1 over 2 (r + 1) tokens; the reduction sums both over the
     eval dp x cp group and gives every rank the global mean."""
     from cpkit.compat import new_pg_collection
-    from cpkit.eval_loop import reduce_eval_loss
+    from cpkit.eval_cp.loop import reduce_eval_loss
 
     rank, world = dist.get_rank(), dist.get_world_size()
     pgc = new_pg_collection(dp_cp=dist.new_group(list(range(world))))

@@ -2,7 +2,7 @@
 
 An example that passes whatever that path does proves nothing about it (the eval-CP example once
 summed its eval loss with cpkit.loss.global_loss, so a fault in the reduction of
-cpkit.eval_loop.evaluate passed it). Here each example runs under torchrun on gloo CPU ranks,
+cpkit.eval_cp.loop.evaluate passed it). Here each example runs under torchrun on gloo CPU ranks,
 the way functional/test_examples.py runs it, with one fault planted in every rank: a small
 runner replaces one function of that path, then runs the example as `__main__` (runpy), so no
 source file changes. The example must exit non-zero with its own check naming the mismatch. One
@@ -47,12 +47,12 @@ FLOAT = r"\d+\.\d{6}"
 
 FAULTS = {
     "eval_cp_in_your_loop.py": Fault(
-        "src/cpkit/eval_loop.py::evaluate",
+        "src/cpkit/eval_cp/loop.py::evaluate",
         "the eval loss reduced over the eval dp group only (reduce_eval_loss's group): the sum over cp dropped",
         """
         from cpkit.compat import get_pg
 
-        plant("cpkit.eval_loop", "reduce_group", lambda pg_collection: get_pg(pg_collection, "dp"))
+        plant("cpkit.eval_cp.loop", "reduce_group", lambda pg_collection: get_pg(pg_collection, "dp"))
         """,
         rf"AssertionError: eval loss at cp 2 {FLOAT} differs from cp 1 {FLOAT}"),
     "cp_attention_in_your_gpt.py": Fault(
@@ -84,12 +84,12 @@ FAULTS = {
         """,
         rf"AssertionError: loss with dynamic CP {FLOAT} differs from each sequence alone at cp 1 {FLOAT}"),
     "hierarchical_cp_in_your_gpt.py": Fault(
-        "src/cpkit/groups.py::build_pg_collection",
+        "src/cpkit/parallel/groups.py::build_pg_collection",
         "the hierarchical levels built in the wrong order: the strided p2p groups handed out as the a2a level",
         """
-        import cpkit.groups
+        import cpkit.parallel.groups
 
-        groups_of = cpkit.groups.rank_groups
+        groups_of = cpkit.parallel.groups.rank_groups
 
         def swapped(layout):
             groups = groups_of(layout)
@@ -97,9 +97,9 @@ FAULTS = {
                 groups["hcp_a2a"], groups["hcp_p2p"] = groups["hcp_p2p"], groups["hcp_a2a"]
             return groups
 
-        plant("cpkit.groups", "rank_groups", swapped)
+        plant("cpkit.parallel.groups", "rank_groups", swapped)
         """,
-        # the model's build-time check of the groups (cpkit.group_info.check_hierarchical_groups), on any rank
+        # the model's build-time check of the groups (cpkit.parallel.group_info.check_hierarchical_groups), on any rank
         r"pg_collection\.hcp=\[\[\d, \d\], \[\d, \d\]\]: the a2a group \(level 0\) must be CP positions \d\.\.\d "
         r"of CP group \[0, 1, 2, 3\]",
         world_size=4),  # [2, 2]: the swap changes only the order (at [2, 1] it changes the sizes too)

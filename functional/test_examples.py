@@ -82,7 +82,7 @@ def _cases(backend: str) -> list:
 
 def _skip_without_bridge(name: str) -> None:
     if name in NEEDS_BRIDGE:
-        from cpkit.bridge import bridge_src
+        from cpkit.upstream.bridge import bridge_src
 
         src, why = bridge_src()
         if src is None:
@@ -149,7 +149,7 @@ def _start_nccl_runs() -> None:
     GPU pairs, 4-rank runs take the first four GPUs. Failures surface in each example's own test."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from cpkit.bridge import bridge_src
+    from cpkit.upstream.bridge import bridge_src
     from cpkit.devices import cuda_device_count
 
     count = cuda_device_count()

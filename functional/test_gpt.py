@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cpkit.layout import CPLayout
-from cpkit.groups import build_pg_collection
+from cpkit.parallel.layout import CPLayout
+from cpkit.parallel.groups import build_pg_collection
 from cpkit.testing.models import (
     GPTConfig,
     build_gpt,

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from cpkit.compat import get_pg
-from cpkit.groups import build_pg_collection
-from cpkit.layout import CPLayout
+from cpkit.parallel.groups import build_pg_collection
+from cpkit.parallel.layout import CPLayout
 from cpkit.sharding import shard_batch
 from cpkit.testing import device, grid_params, grid_result
 from cpkit.testing.compare import assert_grads_close

@@ -20,7 +20,7 @@ Per case:
    initialized model's loss moves only ~1e-4 when attention goes local, below bf16 noise, so
    there the gradient is the proof;
 4. rank 0 logs exactly one `HIERARCHICAL_CONTEXT_PARALLEL_GROUPS a2a=[...] p2p=[...]` line while
-   the model is built (captured from the `cpkit.groups` logger), with the membership derived
+   the model is built (captured from the `cpkit.parallel.groups` logger), with the membership derived
    here from the sizes; p2p and a2a log none.
 """
 

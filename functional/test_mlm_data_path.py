@@ -118,8 +118,8 @@ def training_step_case(delivered: list[dict]):
     from cpkit.dynamic.invariants import plan_violations
     from cpkit.dynamic.mcore import groups_from_rank_lists
     from cpkit.dynamic.runtime import dynamic_cp_step
-    from cpkit.groups import build_pg_collection
-    from cpkit.layout import CPLayout
+    from cpkit.parallel.groups import build_pg_collection
+    from cpkit.parallel.layout import CPLayout
     from cpkit.testing.compare import assert_grads_close
     from cpkit.mcore_cpu import install_mcore_cpu_shim
     from cpkit.testing.models import GPTConfig, build_gpt, named_gradients

@@ -286,8 +286,8 @@ def _layout_case(i):
     layout each time, so that every case asks for groups an earlier case made."""
     import megatron.core.parallel_state as ps
 
-    from cpkit.groups import build_pg_collection
-    from cpkit.layout import CPLayout
+    from cpkit.parallel.groups import build_pg_collection
+    from cpkit.parallel.layout import CPLayout
 
     ps.initialize_model_parallel(**_LAYOUTS[i % len(_LAYOUTS)])
     cp = 1 + i % 2

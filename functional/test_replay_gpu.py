@@ -12,7 +12,7 @@ import statistics
 import pytest
 import torch
 
-from cpkit.bench import replay
+from cpkit.bench.dynamic import replay
 
 pytestmark = pytest.mark.gpu1
 

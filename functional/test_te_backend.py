@@ -151,7 +151,7 @@ def _gpt_cfg(seq_length: int = GPT_SEQ):
 
 
 def _layout(world, cp, comm="p2p", hcp=None, seq_length=GPT_SEQ):
-    from cpkit.layout import CPLayout
+    from cpkit.parallel.layout import CPLayout
 
     return CPLayout(world_size=world, cp=cp, cp_comm_type=comm, hierarchical_context_parallel_sizes=hcp,
                     seq_length=seq_length, num_attention_heads=HEADS, num_query_groups=GPT_KV_HEADS)
@@ -287,7 +287,7 @@ def _check_bound(model, pgc, comm) -> None:
 def gpt_case(case):
     """cpkit spec vs TE spec at cp = world: loss, loss after the update, gradients."""
     _require_te()
-    from cpkit.groups import build_pg_collection
+    from cpkit.parallel.groups import build_pg_collection
     from cpkit.testing.models import eval_step, make_batch, named_gradients, train_step
     from cpkit.sharding import shard_batch
     from cpkit.testing.te_support import map_te_names
@@ -346,8 +346,8 @@ def _eval_case(case):
     from megatron.core.extensions.transformer_engine import TEDotProductAttention
 
     from cpkit.compat import get_pg
-    from cpkit.eval_cp import build_eval_pg_collection, eval_cp_context, evaluate
-    from cpkit.groups import build_pg_collection
+    from cpkit.eval_cp.context import build_eval_pg_collection, eval_cp_context, evaluate
+    from cpkit.parallel.groups import build_pg_collection
     from cpkit.testing.models import make_batch, train_step
     from cpkit.testing.te_support import assert_rebind_restored, rebind_snapshot
 
@@ -400,7 +400,7 @@ def _hcp_case(case):
     from megatron.core.extensions.transformer_engine import TEDotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from cpkit.groups import build_pg_collection
+    from cpkit.parallel.groups import build_pg_collection
     from cpkit.testing.models import build_gpt, eval_step, make_batch, named_gradients, train_step
     from cpkit.sharding import shard_batch
     from cpkit.testing.reference import single_rank_pg_collection
@@ -455,7 +455,7 @@ def _dynamic_samples(vocab: int, dev) -> list[dict]:
 def _dynamic_case(case):
     from cpkit.dynamic import build_group_registry
     from cpkit.dynamic.runtime import dynamic_cp_step
-    from cpkit.groups import build_pg_collection
+    from cpkit.parallel.groups import build_pg_collection
     from cpkit.testing.models import build_gpt, named_gradients
     from cpkit.loss import forward_loss
     from cpkit.testing.reference import per_sequence_reference, single_rank_pg_collection

@@ -56,7 +56,7 @@ try:
     import cudnn; print("cudnn-frontend", cudnn.__version__)
 except Exception as e:
     print("cudnn-frontend: not importable:", type(e).__name__)
-from cpkit.checkouts import checkout_identity  # a commit, or "content-<hash>" for a copy without .git
+from cpkit.upstream.checkouts import checkout_identity  # a commit, or "content-<hash>" for a copy without .git
 for name, var in (("Megatron-LM", "CPKIT_MLM_SRC"), ("Megatron-Bridge", "CPKIT_BRIDGE_SRC")):
     src = os.environ.get(var)
     print(name, src or "-", checkout_identity(src) if src else "")

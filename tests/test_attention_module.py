@@ -473,7 +473,7 @@ def test_bind_te_attention_groups_at_cp1_turns_cp_off(groups):
 
 
 def test_bench_helpers():
-    from cpkit.bench.attention import build_cases, causal_fwd_bwd_flops, render
+    from cpkit.bench.attention.attention import build_cases, causal_fwd_bwd_flops, render
     from cpkit.bench.common import format_table, parse_int_list
 
     assert parse_int_list("32K,65536, 128k") == [32768, 65536, 131072]
@@ -574,7 +574,7 @@ def test_machine_info_records_the_comm_knobs(monkeypatch):
 
 
 def test_bench_refuses_bad_arguments(capsys, tmp_path):
-    from cpkit.bench.attention import main
+    from cpkit.bench.attention.attention import main
 
     assert main(["--device", "cpu", "--seq", "100", "--cp", "4"]) == 2
     assert "divisible by 2 * cp" in capsys.readouterr().err

@@ -1,11 +1,11 @@
-"""The attention benchmark's table (cpkit.bench.attention_table): TFLOP/s cells, and the cpkit/TE
+"""The attention benchmark's table (cpkit.bench.attention.attention_table): TFLOP/s cells, and the cpkit/TE
 and /sdpa ratio columns computed from the same run's cells (numbers here are made up)."""
 
 from __future__ import annotations
 
 import pytest
 
-from cpkit.bench.attention_table import render, sdpa_ratios, te_ratios
+from cpkit.bench.attention.attention_table import render, sdpa_ratios, te_ratios
 
 
 def cell(backend, comm, seq, tflops, kv=8, cp=4, error=None):
@@ -77,7 +77,7 @@ def test_feature_cells_pair_with_te_of_the_same_feature_and_have_no_sdpa_ratio()
 
 
 def test_attended_pairs_count_every_query_key_pair_of_the_band():
-    from cpkit.bench.attention_features import attended_pairs
+    from cpkit.bench.attention.attention_features import attended_pairs
 
     for seq, causal, window in [(10, True, (3, 0)), (10, False, (3, 2)), (7, False, (9, 9)),
                                 (12, True, (11, 5)), (5, False, (0, 0))]:
@@ -89,8 +89,8 @@ def test_attended_pairs_count_every_query_key_pair_of_the_band():
 
 
 def test_dense_feature_flops_are_the_causal_formula_and_mla_counts_both_head_dims():
-    from cpkit.bench.attention import causal_fwd_bwd_flops
-    from cpkit.bench.attention_features import feature, fwd_bwd_flops
+    from cpkit.bench.attention.attention import causal_fwd_bwd_flops
+    from cpkit.bench.attention.attention_features import feature, fwd_bwd_flops
 
     assert fwd_bwd_flops(1, 32, 4096, 128, feature("dense", 64)) == causal_fwd_bwd_flops(1, 32, 4096, 128)
     mla = feature("mla", 64)
@@ -101,7 +101,7 @@ def test_dense_feature_flops_are_the_causal_formula_and_mla_counts_both_head_dim
 
 
 def test_build_cases_runs_features_on_cpkit_and_te_and_dense_only_on_sdpa_and_torch():
-    from cpkit.bench.attention import build_cases
+    from cpkit.bench.attention.attention import build_cases
 
     cases = build_cases(["cpkit", "te", "sdpa", "torch"], ["a2a"], [8], [4], [1024], 2, te_ok=True,
                         features=("dense", "sink"))
@@ -113,7 +113,7 @@ def test_build_cases_runs_features_on_cpkit_and_te_and_dense_only_on_sdpa_and_to
 
 
 def test_bench_refuses_an_unknown_feature(capsys):
-    from cpkit.bench.attention import main
+    from cpkit.bench.attention.attention import main
 
     assert main(["--device", "cpu", "--features", "dense,windw"]) == 2
     assert "--features ['windw']: each must be one of" in capsys.readouterr().err

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from cpkit.bench.window import main
+from cpkit.bench.attention.window import main
 
 
 def test_window_bench_runs_on_cpu(tmp_path):

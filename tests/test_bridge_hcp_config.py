@@ -2,7 +2,7 @@
 `cpkit layout check` runs), on the configurations of `cpkit.testing.bridge_hcp.CONFIGS`.
 
 Bridge's checks run from the checkout named by CPKIT_BRIDGE_SRC (loaded by file path:
-`cpkit.bridge`); without it those tests skip with the reason, and cpkit's side still
+`cpkit.upstream.bridge`); without it those tests skip with the reason, and cpkit's side still
 runs. Where the two disagree:
 - Bridge accepts a configuration that cannot train correctly: a strict xfail naming Bridge's
   check, next to the passing test of cpkit refusing the same configuration;
@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpkit.layout import CP_COMM_TYPES
+from cpkit.parallel.layout import CP_COMM_TYPES
 from cpkit.testing.bridge_hcp import (
     BRIDGE_CONFIG_CHECK,
     BRIDGE_DECENTRALIZED_CHECK,
@@ -167,7 +167,7 @@ def test_decentralized_path_with_sizes_is_refused_with_bridges_message(bridge):
 
 
 def test_decentralized_path_with_sizes_is_a_cpkit_layout():
-    """cpkit's decentralized groups (cpkit.groups.build_pg_collection) carry hcp, so the same
+    """cpkit's decentralized groups (cpkit.parallel.groups.build_pg_collection) carry hcp, so the same
     configuration is a valid cpkit layout (functional/test_hierarchical.py trains it)."""
     assert cpkit_verdict(BY_ID["decentralized-with-sizes"]).accepted
 
@@ -227,7 +227,7 @@ def test_what_bridge_accepts_cpkit_accepts(bridge, config):
 def test_no_bridge_or_mcore_code_logs_the_line_bridges_skill_looks_for(bridge):
     """Bridge's skill says to verify HCP by HIERARCHICAL_CONTEXT_PARALLEL_GROUPS in the logs; the
     name occurs in no Bridge file and in MCore only as parallel_state's private global
-    (_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS), which nothing prints. cpkit.groups.log_groups logs it
+    (_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS), which nothing prints. cpkit.parallel.groups.log_groups logs it
     (functional/test_bridge_hcp.py checks the example's line)."""
     import re
 

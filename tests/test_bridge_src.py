@@ -1,4 +1,4 @@
-"""cpkit.bridge: Bridge files loaded by path, on a stand-in Bridge src/ tree (CI has
+"""cpkit.upstream.bridge: Bridge files loaded by path, on a stand-in Bridge src/ tree (CI has
 no Bridge): a function runs with what it uses, an import that fails here is named when reached."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from cpkit.errors import CPConfigError
-from cpkit import bridge as bridge_src
+from cpkit.upstream import bridge as bridge_src
 
 
 @pytest.fixture

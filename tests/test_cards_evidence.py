@@ -24,7 +24,7 @@ from tests.test_cards_results import CARD, FIXTURES, ROOT, commit_all, git, need
 
 CLUSTER_LOG = """cpkit.cluster: smoke, attention on 4 rank(s), 1 node(s), nccl
 smoke: pass (8.7 s)
-INFO:cpkit.groups:PROCESS_GROUPS rank=0 world_size=4
+INFO:cpkit.parallel.groups:PROCESS_GROUPS rank=0 world_size=4
 attention: FAIL (11.4 s)
 attention: pass (1.0 s)
 """

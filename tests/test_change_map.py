@@ -32,9 +32,9 @@ CHECKS = ["tests/test_import_graph.py", "tests/test_repo_text.py"]  # with every
 
 
 @pytest.mark.parametrize("changed,expected", [
-    ("src/cpkit/eval_cp.py", ["functional/test_eval_cp.py", "tests/test_eval_cp.py", "tests/test_eval_cp_protocol.py",
+    ("src/cpkit/eval_cp/context.py", ["functional/test_eval_cp.py", "tests/test_eval_cp.py", "tests/test_eval_cp_protocol.py",
                               "tests/test_eval_plan.py"]),
-    ("src/cpkit/layout.py", ["functional/test_groups.py", "tests/test_groups.py", "tests/test_layout.py",
+    ("src/cpkit/parallel/layout.py", ["functional/test_groups.py", "tests/test_groups.py", "tests/test_layout.py",
                              "tests/test_layout_cli.py"]),
     ("src/cpkit/dynamic/scheduler.py", ["functional/test_dynamic_cp.py", "functional/test_dynamic_failures.py",
                                         "functional/test_dynamic_p2p_shapes.py", "functional/test_dynamic_pipeline.py",
@@ -97,7 +97,7 @@ def test_a_thd_position_change_selects_the_tests_that_catch_it():
 
 def test_a_module_an_example_imports_selects_the_example_test():
     # The examples run in a subprocess: functional/test_examples.py imports none of them.
-    assert "functional/test_examples.py" in select_tests(["src/cpkit/eval_cp.py"]).files
+    assert "functional/test_examples.py" in select_tests(["src/cpkit/eval_cp/context.py"]).files
     assert "functional/test_examples.py" in select_tests(["examples/eval_cp_in_your_loop.py"]).files
 
 
@@ -128,7 +128,7 @@ def test_docs_only_change_selects_only_the_text_check():
 @pytest.mark.parametrize("harness", ["src/cpkit/harness/launch.py", "src/cpkit/compat.py", "pyproject.toml",
                                      "tests/conftest.py"])
 def test_harness_change_selects_everything(harness):
-    selection = select_tests(["README.md", "src/cpkit/eval_cp.py", harness])
+    selection = select_tests(["README.md", "src/cpkit/eval_cp/context.py", harness])
     assert selection.everything and selection.files == list(EVERYTHING)
 
 

@@ -215,9 +215,9 @@ def test_a_body_change_runs_the_import_graph_checks_with_the_per_module_one_for_
     from cpkit.validation.changed_selection import PER_MODULE_CHECK, source_check_nodes
 
     root = Path(__file__).resolve().parents[1]
-    nodes = source_check_nodes(root, ["src/cpkit/eval_loop.py", "src/cpkit/attention/__init__.py"])
+    nodes = source_check_nodes(root, ["src/cpkit/eval_cp/loop.py", "src/cpkit/attention/__init__.py"])
     per_module = sorted(n for n in nodes if PER_MODULE_CHECK in n)
     assert per_module == [f"tests/test_import_graph.py::{PER_MODULE_CHECK}[cpkit.attention]",
-                          f"tests/test_import_graph.py::{PER_MODULE_CHECK}[cpkit.eval_loop]"]
+                          f"tests/test_import_graph.py::{PER_MODULE_CHECK}[cpkit.eval_cp.loop]"]
     assert "tests/test_import_graph.py::test_each_layer_imports_only_layers_below" in nodes
     assert "tests/test_import_graph.py::test_no_import_circle_in_the_package" in nodes

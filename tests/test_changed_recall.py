@@ -1,4 +1,4 @@
-"""The changed_recall bench's own logic (cpkit.bench.changed_recall): probes that change no
+"""The changed_recall bench's own logic (cpkit.bench.validation.changed_recall): probes that change no
 behaviour, and the verdicts that recall is computed from."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from cpkit.bench.changed_recall import _segment, _summarise, probe_source
+from cpkit.bench.validation.changed_recall import _segment, _summarise, probe_source
 from cpkit.validation.mutants import find_mutants
 
 SOURCE = '''\
@@ -69,7 +69,7 @@ def test_verdicts_from_the_log():
 
 
 def test_precision_is_the_share_of_the_suites_tests_each_selection_ran():
-    from cpkit.bench.changed_recall import selected_share
+    from cpkit.bench.validation.changed_recall import selected_share
 
     counts = {"tests/a.py": 6, "tests/b.py": 3, "functional/c.py": 1}
     assert selected_share(["tests/a.py"], counts) == 0.6
@@ -89,7 +89,7 @@ def test_precision_is_the_share_of_the_suites_tests_each_selection_ran():
 
 
 def test_precision_counts_the_node_ids_a_selection_ran_singly():
-    from cpkit.bench.changed_recall import selected_share
+    from cpkit.bench.validation.changed_recall import selected_share
 
     counts = {"tests/a.py": 6, "tests/b.py": 3, "functional/c.py": 1}
     suite = [f"tests/a.py::t{i}" for i in range(6)] + [f"tests/b.py::u{i}" for i in range(3)] + ["functional/c.py::v"]
@@ -125,7 +125,7 @@ def test_a_nested_runs_hits_are_credited_to_the_suite_test_that_started_it(tmp_p
     # whose tests have ids like "test_tree.py::..." (an earlier probe took them for suite tests).
     import importlib.util
 
-    from cpkit.bench import changed_recall
+    from cpkit.bench.validation import changed_recall
 
     (tmp_path / "probe_module.py").write_text(changed_recall._PROBE_SOURCE)
     spec = importlib.util.spec_from_file_location("probe_module", tmp_path / "probe_module.py")
@@ -144,7 +144,7 @@ def test_a_nested_runs_hits_are_credited_to_the_suite_test_that_started_it(tmp_p
 
 
 def test_a_focus_module_with_every_site_taken_leaves_the_sample_its_size(tmp_path):
-    from cpkit.bench import changed_recall
+    from cpkit.bench.validation import changed_recall
 
     (tmp_path / "src/cpkit").mkdir(parents=True)
     (tmp_path / "src/cpkit/big.py").write_text(SOURCE * 4)
@@ -162,7 +162,7 @@ def test_only_refuses_an_id_the_sample_does_not_hold(capsys, monkeypatch):
     """`--only` re-times mutants of the sample; an id outside it is named, with one that is in it."""
     from pathlib import Path
 
-    from cpkit.bench.changed_recall import main
+    from cpkit.bench.validation.changed_recall import main
 
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
     with pytest.raises(SystemExit) as exc:

@@ -1,4 +1,4 @@
-"""The one-function-change bench (cpkit.bench.changed_samples): where its no-op goes, and its
+"""The one-function-change bench (cpkit.bench.validation.changed_samples): where its no-op goes, and its
 refusal of a function that is not there."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cpkit.bench.changed_samples import DEFAULT_FUNCTIONS, insert_noop, main
+from cpkit.bench.validation.changed_samples import DEFAULT_FUNCTIONS, insert_noop, main
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = '''\

@@ -1,11 +1,11 @@
-"""The identity of an upstream checkout a run used (cpkit.checkouts): its commit where one can be
+"""The identity of an upstream checkout a run used (cpkit.upstream.checkouts): its commit where one can be
 read, else a fingerprint of its Python files that changes with them and only with them."""
 
 from __future__ import annotations
 
 import subprocess
 
-from cpkit.checkouts import checkout_identity, content_fingerprint, upstream_identities
+from cpkit.upstream.checkouts import checkout_identity, content_fingerprint, upstream_identities
 
 
 def _tree(root, text="x = 1\n"):
@@ -56,7 +56,7 @@ def test_every_bench_json_records_the_upstream_checkouts(tmp_path, monkeypatch):
 
 
 def test_a_bridge_copy_without_git_is_named_by_content_not_unknown(tmp_path):
-    from cpkit.bridge import bridge_commit
+    from cpkit.upstream.bridge import bridge_commit
 
     src = _tree(tmp_path / "bridge") / "megatron"
     assert bridge_commit(src) == f"content-{content_fingerprint(src)}"

@@ -7,7 +7,7 @@ import json
 from cpkit.cluster import _layout, build_parser
 from cpkit.cluster.checks import JobShape
 from cpkit.cluster.report import Report, merge_outcomes
-from cpkit.layout import CPLayout
+from cpkit.parallel.layout import CPLayout
 
 
 def _args(*argv) -> argparse.Namespace:

@@ -1,5 +1,5 @@
 """A tensor handed to a collective lives on its group's device, even where it is made from data that
-is empty on this rank (cpkit.group_info.group_device).
+is empty on this rank (cpkit.parallel.group_info.group_device).
 
 An NCCL group refuses CPU tensors and gloo accepts them, so the gloo tier cannot show a device taken
 from the wrong place. Here an NCCL-like group (a fake backend serving CUDA tensors only,
@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import cpkit.eval_loop
+import cpkit.eval_cp.loop
 import cpkit.loss
 from cpkit.compat import new_pg_collection
-from cpkit.group_info import group_device
+from cpkit.parallel.group_info import group_device
 from cpkit.testing.fakes import fake_group
 
 MARKER = torch.device("meta")  # what the patched group_device hands out for the NCCL-like group
@@ -54,7 +54,7 @@ def nccl_like(monkeypatch):
 
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     monkeypatch.setattr(dist, "broadcast_object_list", lambda objs, src=None, group=None: objs.__setitem__(0, ["lm loss"]))
-    for module in (cpkit.loss, cpkit.eval_loop):
+    for module in (cpkit.loss, cpkit.eval_cp.loop):
         monkeypatch.setattr(module, "group_device", mapped, raising=False)
     return group, seen
 
@@ -77,7 +77,7 @@ def test_reported_losses_on_the_last_stage_reduce_on_the_pp_groups_device(nccl_l
 def test_eval_loss_reduces_on_the_groups_device_whatever_the_callers_sums_are_on(nccl_like):
     dp_cp, seen = nccl_like
     with pytest.raises(_Stop):
-        cpkit.eval_loop.reduce_eval_loss(torch.zeros((), dtype=torch.float64), torch.zeros(()),
+        cpkit.eval_cp.loop.reduce_eval_loss(torch.zeros((), dtype=torch.float64), torch.zeros(()),
                                          new_pg_collection(dp_cp=dp_cp))
     assert seen == [MARKER]
 

@@ -57,7 +57,7 @@ def test_timeline_reads_a_trace_file_and_prints_its_split(tmp_path, capsys):
 
 
 def test_the_attention_table_says_per_rank_on_cpu_and_per_gpu_on_cuda():
-    from cpkit.bench.attention import render
+    from cpkit.bench.attention.attention import render
 
     cell = {"backend": "cpkit", "comm": "p2p", "kv_heads": 2, "cp": 2, "seq": 64, "error": None,
             "tflops_per_gpu": 0.01}

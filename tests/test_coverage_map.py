@@ -274,7 +274,7 @@ def test_rebind_code_run_inside_dist_ranks_selects_the_dist_tests():
     which the static selection missed: the map records it against the functional tests that
     spawned the ranks, so a change there runs them."""
     cmap = load_map(ROOT)
-    path, name = "src/cpkit/rebind.py", "install_pg_collection"
+    path, name = "src/cpkit/eval_cp/rebind.py", "install_pg_collection"
     spawning = {"functional/test_eval_cp.py", "functional/test_dynamic_cp.py"}
     assert spawning <= set(cmap.tests_of(path, name) or ()), "rank processes not measured?"
     picked, nodes, everything, _ = _measured(ROOT, _Change(functions={path: {name}}), cmap)

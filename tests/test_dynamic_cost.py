@@ -174,7 +174,7 @@ def test_step_time_waits_for_group_members_only_without_mcore_barrier():
 
 
 def test_calibrate_writes_a_file_the_model_reads(tmp_path, capsys):
-    from cpkit.bench.calibrate import main
+    from cpkit.bench.dynamic.calibrate import main
 
     out = tmp_path / "cal.json"
     assert main(["--device", "cpu", "--quick", "--ring-ranks", "1", "--warmup", "0", "--hidden",

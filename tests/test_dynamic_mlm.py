@@ -420,7 +420,7 @@ def test_impl_mlm_reports_an_endless_loop_upstream_within_30_s(capsys):
 
 @needs_checkout
 def test_the_scheduler_benchmark_times_megatron_lm_beside_the_others():
-    from cpkit.bench.scheduler import _one_batch
+    from cpkit.bench.dynamic.scheduler import _one_batch
     from cpkit.dynamic.cost import default_cost_model
 
     row = _one_batch([4096, 1024, 512, 2048, 8192, 300], 8, 2048, default_cost_model(), 1)

@@ -1,4 +1,4 @@
-"""The real-step bench's pure parts (cpkit.bench.dynamic_step, dynamic_step_rank, link): how a
+"""The real-step bench's pure parts (cpkit.bench.dynamic.dynamic_step, dynamic_step_rank, link): how a
 plan is run (MCore's one sample at a time, lockstep), which plans the registry can run, the
 summary's ratios and targets, the link table's fit, and every bad option reported at once."""
 
@@ -21,7 +21,7 @@ def _plan(mbs, packed=True, n=4):
 
 
 def test_a_packed_plan_runs_as_it_is_free():
-    from cpkit.bench.dynamic_step_rank import run_order
+    from cpkit.bench.dynamic.dynamic_step_rank import run_order
 
     plan = _plan([[((0, 1), (0, 1)), ((2,), (2,)), ((3,), (3,))], [((0, 1, 2, 3), (4,))]])
     ran, segments, lockstep = run_order(plan)
@@ -29,7 +29,7 @@ def test_a_packed_plan_runs_as_it_is_free():
 
 
 def test_an_unpacked_plan_runs_one_sample_at_a_time_in_lockstep():
-    from cpkit.bench.dynamic_step_rank import run_order
+    from cpkit.bench.dynamic.dynamic_step_rank import run_order
 
     plan = _plan([[((0, 1), (0, 1, 5)), ((2,), (2,)), ((3,), ())], [((0, 1, 2, 3), (4,))]], packed=False)
     ran, segments, lockstep = run_order(plan)
@@ -42,7 +42,7 @@ def test_an_unpacked_plan_runs_one_sample_at_a_time_in_lockstep():
 
 
 def test_only_aligned_registry_blocks_are_runnable():
-    from cpkit.bench.dynamic_step_rank import unrunnable
+    from cpkit.bench.dynamic.dynamic_step_rank import unrunnable
 
     assert unrunnable(_plan([[((0, 1), (0,)), ((2, 3), (1,))]]), (1, 2, 4)) is None
     assert "aligned block" in unrunnable(_plan([[((1, 2), (0,))]]), (1, 2, 4))
@@ -62,7 +62,7 @@ def _impl(step, fb, pred_step, pred_fb, loss=2.0, **extra):
 
 
 def test_summary_errors_ratios_order_and_targets():
-    from cpkit.bench.dynamic_step_report import summarize, table, targets
+    from cpkit.bench.dynamic.dynamic_step_report import summarize, table, targets
 
     results = [_result("lognormal a", {"cpkit": _impl(1.0, 0.9, 1.05, 0.95), "static": _impl(1.5, 1.4, 1.4, 1.3),
                                        "mcore": {"error": "crash: x"}, "mlm": _impl(1.02, 0.9, 1.2, 1.0)}),
@@ -94,7 +94,7 @@ def test_summary_errors_ratios_order_and_targets():
 
 
 def test_a_family_running_anothers_plan_is_not_an_order_problem():
-    from cpkit.bench.dynamic_step_report import order_problems, summarize
+    from cpkit.bench.dynamic.dynamic_step_report import order_problems, summarize
 
     r = _result("x", {"cpkit": _impl(1.0, 0.9, 1.0, 0.9), "mlm": _impl(1.2, 0.9, 0.9, 0.9, same_plan_as="cpkit")})
     summarize([r])
@@ -104,7 +104,7 @@ def test_a_family_running_anothers_plan_is_not_an_order_problem():
 def test_the_recorded_commit_is_cpkits_not_the_current_directorys(tmp_path, monkeypatch):
     import subprocess
 
-    from cpkit.bench.dynamic_step_report import cpkit_commit, cpkit_source
+    from cpkit.bench.dynamic.dynamic_step_report import cpkit_commit, cpkit_source
 
     other = tmp_path / "other"
     other.mkdir()
@@ -123,7 +123,7 @@ def test_the_recorded_commit_is_cpkits_not_the_current_directorys(tmp_path, monk
 
 
 def test_the_plan_record_names_every_group_with_its_lengths():
-    from cpkit.bench.dynamic_step_predict import plan_key, plan_record
+    from cpkit.bench.dynamic.dynamic_step_predict import plan_key, plan_record
 
     plan = _plan([[((0, 1), (0, 1)), ((2,), (2,))]])
     rec = plan_record(plan)
@@ -135,8 +135,8 @@ def test_the_plan_record_names_every_group_with_its_lengths():
 
 
 def test_link_table_fits_the_rings_default_modes(tmp_path):
-    from cpkit.bench.link import format_link, link_table_data, update_calibration
-    from cpkit.bench.replay_timing import link_table
+    from cpkit.bench.dynamic.link import format_link, link_table_data, update_calibration
+    from cpkit.bench.dynamic.replay_timing import link_table
     from cpkit.dynamic.cost import load_calibration, shipped_calibration_path
 
     def line(lat, bw):
@@ -159,7 +159,7 @@ def test_link_table_fits_the_rings_default_modes(tmp_path):
 
 
 def test_dynamic_step_reports_every_bad_option_at_once():
-    from cpkit.bench import dynamic_step
+    from cpkit.bench.dynamic import dynamic_step
 
     with pytest.raises(CPConfigError) as err:
         dynamic_step.main(["--device", "cpu", "--ranks", "3", "--iters", "0", "--sets", "mix,short",
@@ -169,7 +169,7 @@ def test_dynamic_step_reports_every_bad_option_at_once():
 
 
 def test_link_reports_every_bad_option_at_once():
-    from cpkit.bench import link
+    from cpkit.bench.dynamic import link
 
     with pytest.raises(CPConfigError) as err:
         link.main(["--device", "cpu", "--ranks", "1", "--iters", "0", "--calibration", "/nonexistent"])
@@ -177,7 +177,7 @@ def test_link_reports_every_bad_option_at_once():
 
 
 def test_link_from_a_measured_table_updates_a_calibration(tmp_path):
-    from cpkit.bench import link
+    from cpkit.bench.dynamic import link
     from cpkit.dynamic.cost import load_calibration, shipped_calibration_path
 
     table = link.link_table_data({"cp2_batched": [[1 << 20, 30e-6], [1 << 24, 130e-6]]}, device="t",
@@ -210,8 +210,8 @@ def test_rope_fusion_needs_transformer_engine():
 def test_the_calibration_cache_is_per_gpu_ranks_versions_and_model(tmp_path):
     import re
 
-    from cpkit.bench.dynamic_step_calibrate import cache_path
-    from cpkit.bench.replay import REPLAY_DIMS, TINY_DIMS
+    from cpkit.bench.dynamic.dynamic_step_calibrate import cache_path
+    from cpkit.bench.dynamic.replay import REPLAY_DIMS, TINY_DIMS
 
     a = cache_path(str(tmp_path), "NVIDIA H100 80GB HBM3", 4, REPLAY_DIMS, 1024)
     assert a.parent == tmp_path and a.suffix == ".json" and re.fullmatch(r"[A-Za-z0-9.+_-]+", a.stem)
@@ -225,7 +225,7 @@ def test_the_calibration_cache_is_per_gpu_ranks_versions_and_model(tmp_path):
 
 
 def test_the_micro_benchmarks_span_host_bound_to_gpu_bound_at_every_cp_size():
-    from cpkit.bench.dynamic_step_calibrate import _grid
+    from cpkit.bench.dynamic.dynamic_step_calibrate import _grid
 
     grid = _grid([1, 2, 4], longest=20000, quick=False)
     assert {cp for cp, _ in grid} == {1, 2, 4}
@@ -237,7 +237,7 @@ def test_the_micro_benchmarks_span_host_bound_to_gpu_bound_at_every_cp_size():
 
 
 def test_the_model_shape_options_report_every_broken_constraint_with_a_fix_that_passes():
-    from cpkit.bench import dynamic_step
+    from cpkit.bench.dynamic import dynamic_step
 
     def shape_problems(argv):
         return dynamic_step._shape_violations(dynamic_step._shape(dynamic_step._parser().parse_args(argv)))
@@ -261,9 +261,9 @@ def test_the_model_shape_options_report_every_broken_constraint_with_a_fix_that_
 def test_a_second_model_shape_reaches_the_ranks_and_its_own_calibration():
     import dataclasses
 
-    from cpkit.bench import dynamic_step
-    from cpkit.bench.dynamic_step_calibrate import cache_path
-    from cpkit.bench.replay import REPLAY_DIMS, TINY_DIMS
+    from cpkit.bench.dynamic import dynamic_step
+    from cpkit.bench.dynamic.dynamic_step_calibrate import cache_path
+    from cpkit.bench.dynamic.replay import REPLAY_DIMS, TINY_DIMS
 
     def dims(argv):
         return dynamic_step._spec(dynamic_step._parser().parse_args(argv))[0].dims
@@ -284,7 +284,7 @@ def test_the_plans_of_a_batch_are_timed_in_interleaved_rounds(world1, monkeypatc
 
     import torch
 
-    from cpkit.bench import dynamic_step_rank
+    from cpkit.bench.dynamic import dynamic_step_rank
 
     calls = []
 

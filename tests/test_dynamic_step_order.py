@@ -1,4 +1,4 @@
-"""cpkit.bench.dynamic_step_order: the step model's ordering of close plans against real steps,
+"""cpkit.bench.dynamic.dynamic_step_order: the step model's ordering of close plans against real steps,
 counted from bench JSONs (here written by hand, with plans the tests know)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from cpkit.bench.dynamic_step_order import main, order_stats
-from cpkit.bench.dynamic_step_predict import plan_from_record, plan_record
+from cpkit.bench.dynamic.dynamic_step_order import main, order_stats
+from cpkit.bench.dynamic.dynamic_step_predict import plan_from_record, plan_record
 from cpkit.dynamic.candidates import robustness
 from cpkit.testing.plans import hand_plan
 

@@ -1,7 +1,7 @@
 """Where a real step's time goes, so a step the model under-predicts shows which term misses:
 the micro-batch marks of one step (cpkit.dynamic.microbatch_timeline) through the runtime's
 loop, their stream and host seconds, and the bench's breakdown of a step into the model's terms
-(cpkit.bench.dynamic_step_breakdown) on a synthetic result."""
+(cpkit.bench.dynamic.dynamic_step_breakdown) on a synthetic result."""
 
 from __future__ import annotations
 
@@ -117,8 +117,8 @@ def _rank(fb, mbs, tail, prep=0.01, ro=0.02):
 
 
 def test_the_breakdown_takes_the_slowest_rank_and_names_the_term_that_misses():
-    from cpkit.bench.dynamic_step_breakdown import breakdown_table
-    from cpkit.bench.dynamic_step_report import summarize
+    from cpkit.bench.dynamic.dynamic_step_breakdown import breakdown_table
+    from cpkit.bench.dynamic.dynamic_step_report import summarize
 
     # rank 1 is slowest: micro-batches 0.030 + 0.025 on the stream, gaps 0.004 + 0.006, tail 0.002,
     # and 0.003 of its 0.070 forward + backward off the stream; the model gives it 0.020 + 0.021
@@ -145,7 +145,7 @@ def test_the_breakdown_takes_the_slowest_rank_and_names_the_term_that_misses():
 
 
 def test_the_breakdown_on_cpu_uses_host_times_and_says_when_the_counts_differ():
-    from cpkit.bench.dynamic_step_breakdown import breakdown, breakdown_table
+    from cpkit.bench.dynamic.dynamic_step_breakdown import breakdown, breakdown_table
 
     cpu = _rank(0.030, [_mark(1, None, 0.001, host=0.010), _mark(None, None, 0.002, host=0.005)], 0.001)
     info = _family([cpu], [[0.010]], [0.012])  # the model counts one micro-batch, two ran

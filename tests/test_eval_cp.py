@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cpkit import eval_loop, rebind
+from cpkit.eval_cp import loop as eval_loop, rebind
 from cpkit.compat import get_pg, new_pg_collection
 from cpkit.errors import CPConfigError
-from cpkit.eval_cp import (
+from cpkit.eval_cp.context import (
     CP_ATTENTION_ATTRS,
     REBIND_TABLE,
     EvalCPWarning,
@@ -30,7 +30,7 @@ from cpkit.eval_cp import (
     reduce_eval_loss,
     install_pg_collection,
 )
-from cpkit.layout import CPLayout
+from cpkit.parallel.layout import CPLayout
 from cpkit.testing.models import GPTConfig, build_gpt, eval_step, make_batch
 from cpkit.testing.fakes import fake_group
 from cpkit.testing.reference import single_rank_pg_collection
@@ -315,7 +315,7 @@ def test_build_eval_pg_collection_reuses_training_groups_of_the_same_members(pgc
 
 
 def test_build_eval_pg_collection_keeps_its_own_group_where_the_training_one_differs_or_is_unset(pgc):
-    from cpkit.group_info import members
+    from cpkit.parallel.group_info import members
 
     train = new_pg_collection(tp=fake_group([0, 1]), cp=fake_group([0, 1]))  # other members, no hcp
     ev = build_eval_pg_collection(CPLayout(world_size=1), 1, hierarchical_sizes=[1, 1], train_pgs=train)
@@ -361,7 +361,7 @@ def test_evaluate_filler_micro_batches_change_nothing_but_the_count(pgc):
 def test_micro_batches_are_views_of_consecutive_rows_and_filler_is_masked():
     # evaluate() used to gather rows on the CPU per micro-batch (aten::index): 32 ms each on a
     # 64-core GPU host with 4 ranks. Consecutive rows are now views; padding is loss-masked.
-    from cpkit.eval_loop import _micro_batches
+    from cpkit.eval_cp.loop import _micro_batches
 
     data = make_batch(CFG, batch_size=5, seed=5)
     mbs = _micro_batches(data, range(1, 4), 2, pad=True, at_least=3)
@@ -376,7 +376,7 @@ def test_evaluate_pipeline_transfers_skip_the_device_sync_and_leave_the_model_co
     import megatron.core.pipeline_parallel.p2p_communication as p2p
     import megatron.core.pipeline_parallel.schedules as schedules
 
-    import cpkit.eval_loop as eval_loop
+    import cpkit.eval_cp.loop as eval_loop
 
     model = build_gpt(GPTConfig(), pgc)
     assert model.config.batch_p2p_sync and model.config.batch_p2p_comm  # MCore's defaults
@@ -401,7 +401,7 @@ def test_evaluate_pipeline_transfers_skip_the_device_sync_and_leave_the_model_co
 def test_a_replica_without_samples_runs_only_loss_masked_filler():
     # More eval replicas than samples: a replica's shard is empty, yet it must take part in every
     # micro-batch of the pipeline; its one row (copied from the data) is the filler's source.
-    from cpkit.eval_loop import _micro_batches
+    from cpkit.eval_cp.loop import _micro_batches
 
     one_row = make_batch(CFG, batch_size=1, seed=6)
     mbs = _micro_batches(one_row, range(0), 2, pad=True, at_least=3)
@@ -542,7 +542,7 @@ def test_reduce_eval_loss_sums_loss_and_tokens_over_the_dp_cp_group(pgc, monkeyp
 def test_the_pipeline_schedule_sums_what_the_plain_loop_sums(pgc):
     """_pipeline_sums through MCore's schedule at pp = 1 (its no-pipelining function) gives the
     loss sum and token count of the forward loop evaluate() runs at pp = 1."""
-    from cpkit.eval_loop import _micro_batches, _pipeline_sums
+    from cpkit.eval_cp.loop import _micro_batches, _pipeline_sums
 
     model = build_gpt(CFG, pgc, attention="cpkit").eval()
     data = make_batch(CFG, batch_size=3, seed=7)

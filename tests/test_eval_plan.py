@@ -8,7 +8,7 @@ import pytest
 
 from cpkit.cli import main as cli_main
 from cpkit.errors import CPConfigError
-from cpkit.eval_plan import REFERENCE_POINTS, micro_batches_per_rank, plan_eval_cp
+from cpkit.eval_cp.plan import REFERENCE_POINTS, micro_batches_per_rank, plan_eval_cp
 
 CALIBRATION_BAND = 0.05
 """The estimate reproduces each reference measurement within 5% (the documented band)."""
@@ -102,7 +102,7 @@ def test_cli_invalid_exits_2_with_one_line_per_violation(capsys):
 
 
 def test_bench_layout_spec_parses():
-    from cpkit.bench.eval_cp import parse_layout
+    from cpkit.bench.eval_cp.eval_cp import parse_layout
 
     assert parse_layout("tp2pp1") == (2, 1) and parse_layout(" tp1pp4 ") == (1, 4)
     with pytest.raises(ValueError, match="tp<N>pp<M>"):

@@ -8,9 +8,9 @@ import math
 import pytest
 
 from cpkit.errors import CPConfigError
-from cpkit.group_info import require_hierarchical_groups
-from cpkit.layout import CPLayout
-from cpkit.rank_grid import GROUP_KINDS, groups_of_rank, hierarchical_levels, rank_coordinates, rank_groups
+from cpkit.parallel.group_info import require_hierarchical_groups
+from cpkit.parallel.layout import CPLayout
+from cpkit.parallel.rank_grid import GROUP_KINDS, groups_of_rank, hierarchical_levels, rank_coordinates, rank_groups
 from cpkit.testing.fakes import fake_group
 
 
@@ -266,7 +266,7 @@ def test_gate_passes_on_a_rank_that_is_not_the_first_of_its_a2a_block(monkeypatc
                                         hcp=[a2a, fake_group([0, 1], rank=1)]), "a2a+p2p")
 
 def test_build_pg_collection_validates_the_layout_first(world1):
-    from cpkit.groups import build_pg_collection
+    from cpkit.parallel.groups import build_pg_collection
 
     pgc = build_pg_collection(CPLayout(world_size=1))
     assert (pgc.tp.size(), pgc.cp.size(), pgc.dp.size(), pgc.pp.size()) == (1, 1, 1, 1)
@@ -287,8 +287,8 @@ _SET_FIELDS = ("tp", "cp", "dp", "pp", "mp", "tp_cp", "dp_cp", "tp_dp_cp", "embd
 @pytest.mark.parametrize("use_grid", [True, False])
 def test_build_pg_collection_sets_every_documented_field(use_grid, world1):
     from cpkit.compat import get_pg
-    from cpkit.group_info import members
-    from cpkit.groups import build_pg_collection
+    from cpkit.parallel.group_info import members
+    from cpkit.parallel.groups import build_pg_collection
 
     pgs = build_pg_collection(CPLayout(world_size=1), use_hyper_comm_grid=use_grid)
     assert {f: members(get_pg(pgs, f)) for f in _SET_FIELDS} == {f: (0,) for f in _SET_FIELDS}
@@ -300,7 +300,7 @@ def test_build_pg_collection_sets_every_documented_field(use_grid, world1):
 def test_the_axis_groups_come_from_hyper_comm_grid_unless_turned_off(monkeypatch, caplog, world1):
     from megatron.core.hyper_comm_grid import HyperCommGrid
 
-    from cpkit.groups import build_pg_collection
+    from cpkit.parallel.groups import build_pg_collection
 
     made = []
     create_pg = HyperCommGrid.create_pg
@@ -310,7 +310,7 @@ def test_the_axis_groups_come_from_hyper_comm_grid_unless_turned_off(monkeypatch
         return create_pg(self, dims, **kwargs)
 
     monkeypatch.setattr(HyperCommGrid, "create_pg", recording)
-    with caplog.at_level("WARNING", logger="cpkit.groups"):
+    with caplog.at_level("WARNING", logger="cpkit.parallel.groups"):
         build_pg_collection(CPLayout(world_size=1))
         assert sorted(made) == sorted([("tp",), ("cp",), ("dp",), ("pp",), ("tp", "pp"),
                                        ("tp", "cp"), ("cp", "dp"), ("tp", "cp", "dp")])
@@ -321,7 +321,7 @@ def test_the_axis_groups_come_from_hyper_comm_grid_unless_turned_off(monkeypatch
 
 
 def test_describe_groups_names_every_set_group_and_the_hierarchical_levels(world1):
-    from cpkit.groups import HCP_LOG_PREFIX, build_pg_collection, describe_groups
+    from cpkit.parallel.groups import HCP_LOG_PREFIX, build_pg_collection, describe_groups
 
     lines = describe_groups(build_pg_collection(hcp(1, [1, 1])))
     assert lines == [
@@ -343,7 +343,7 @@ def test_describe_groups_names_every_set_group_and_the_hierarchical_levels(world
 def test_log_groups_logs_the_lines_at_info_on_rank_0(caplog, world1):
     import logging
 
-    from cpkit.groups import build_pg_collection, describe_groups, log_groups
+    from cpkit.parallel.groups import build_pg_collection, describe_groups, log_groups
 
     pgs = build_pg_collection(CPLayout(world_size=1))
     log = logging.getLogger("cpkit.test_log_groups")
@@ -356,12 +356,12 @@ def test_log_groups_logs_the_lines_at_info_on_rank_0(caplog, world1):
 def test_a_hyper_comm_grid_that_disagrees_is_not_used_and_the_kind_is_logged(monkeypatch, caplog, world1):
     from megatron.core.hyper_comm_grid import HyperCommGrid
 
-    from cpkit.group_info import members
-    from cpkit.groups import build_pg_collection
+    from cpkit.parallel.group_info import members
+    from cpkit.parallel.groups import build_pg_collection
 
     monkeypatch.setattr(HyperCommGrid, "get_rank_enum", lambda self, dims: [[0, 1]])  # not [[0]]
     monkeypatch.setattr(HyperCommGrid, "create_pg", lambda self, dims, **kwargs: pytest.fail("grid used"))
-    with caplog.at_level("WARNING", logger="cpkit.groups"):
+    with caplog.at_level("WARNING", logger="cpkit.parallel.groups"):
         pgs = build_pg_collection(CPLayout(world_size=1))
     assert (members(pgs.tp), members(pgs.cp), members(pgs.dp_cp)) == ((0,), (0,), (0,))
     warned = [r.getMessage().split()[1] for r in caplog.records]
@@ -371,10 +371,10 @@ def test_a_hyper_comm_grid_that_disagrees_is_not_used_and_the_kind_is_logged(mon
 def test_log_groups_on_another_rank_logs_nothing_and_returns_an_empty_list(monkeypatch, caplog, world1):
     import torch.distributed as dist
 
-    from cpkit.groups import build_pg_collection, log_groups
+    from cpkit.parallel.groups import build_pg_collection, log_groups
 
     pgs = build_pg_collection(CPLayout(world_size=1))
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
-    with caplog.at_level("INFO", logger="cpkit.groups"):
+    with caplog.at_level("INFO", logger="cpkit.parallel.groups"):
         assert log_groups(pgs) == []
     assert caplog.records == []

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from cpkit.validation.import_graph import LAYERS, import_cycles, imports, layer_of, layer_violations, module_name
+from cpkit.validation.import_graph import (FEATURES, LAYERS, feature_of, feature_violations, import_cycles, imports, layer_of,
+                                          layer_violations, module_name)
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "cpkit"
@@ -53,12 +54,12 @@ def test_each_layer_imports_only_layers_below():
 def test_the_layers_are_found():
     names = {_module_name(p) for p in PACKAGE.rglob("*.py")}
     by_layer = {name: {m for m in names if LAYERS[layer_of(m)][0] == name} for name, _ in LAYERS}
-    assert {"cpkit.layout", "cpkit.groups", "cpkit.rank_grid", "cpkit.devices", "cpkit.process_device",
+    assert {"cpkit.parallel.layout", "cpkit.parallel.groups", "cpkit.parallel.rank_grid", "cpkit.devices", "cpkit.process_device",
             "cpkit.attention.p2p", "cpkit.dynamic.runtime"} <= by_layer["the product"]
     assert {"cpkit.harness.launch", "cpkit.harness.rank_pool", "cpkit.harness.attribution"} <= by_layer["the harness"]
     assert {"cpkit.validation.change_map", "cpkit.validation.coverage_map",
             "cpkit.validation.junit"} <= by_layer["the validation tooling"]
-    assert {"cpkit.cli", "cpkit.cards.check", "cpkit.bench.attention", "cpkit.testing.pytest_plugin"} <= \
+    assert {"cpkit.cli", "cpkit.cards.check", "cpkit.bench.attention.attention", "cpkit.testing.pytest_plugin"} <= \
         by_layer["the consumers"]
 
 
@@ -86,9 +87,9 @@ def test_the_layer_check_names_the_module_and_the_import(tmp_path):
 
 def test_the_library_is_found():
     names = {_module_name(p) for p in LIBRARY}
-    for expected in ("cpkit.attention.functional", "cpkit.layout", "cpkit.groups", "cpkit.group_info",
-                     "cpkit.rebind", "cpkit.eval_cp", "cpkit.eval_loop", "cpkit.loss", "cpkit.dynamic.runtime", "cpkit.rank_grid",
-                     "cpkit.topology"):
+    for expected in ("cpkit.attention.functional", "cpkit.parallel.layout", "cpkit.parallel.groups", "cpkit.parallel.group_info",
+                     "cpkit.eval_cp.rebind", "cpkit.eval_cp.context", "cpkit.eval_cp.loop", "cpkit.loss", "cpkit.dynamic.runtime", "cpkit.parallel.rank_grid",
+                     "cpkit.hierarchical.topology"):
         assert expected in names
 
 
@@ -100,9 +101,9 @@ def test_library_module_imports_no_test_support(path):
 
 def test_the_benchmarks_and_their_model_are_library():
     """Users run `python -m cpkit.bench`: no benchmark module imports test scaffolding (its model
-    is `cpkit.models`, its launcher `cpkit.harness.launch`)."""
+    is `cpkit.attention.gpt`, its launcher `cpkit.harness.launch`)."""
     names = {_module_name(p) for p in LIBRARY}
-    assert "cpkit.bench.attention" in names and "cpkit.bench.eval_cp" in names and "cpkit.models" in names
+    assert "cpkit.bench.attention.attention" in names and "cpkit.bench.eval_cp.eval_cp" in names and "cpkit.attention.gpt" in names
 
 
 def test_the_check_catches_a_lazy_import(tmp_path):
@@ -132,12 +133,12 @@ def test_the_cycle_check_catches_a_lazy_circle(tmp_path):
     # through a third module and a relative import.
     _write(tmp_path, {
         "cpkit/__init__.py": "",
-        "cpkit/layout.py": "def f():\n    from cpkit.groups import build\n",
-        "cpkit/groups.py": "from .rank_grid import grid\n",
-        "cpkit/rank_grid.py": "from cpkit.layout import CPLayout\n",
-        "cpkit/leaf.py": "import cpkit.layout\n",
+        "cpkit/parallel/layout.py": "def f():\n    from cpkit.parallel.groups import build\n",
+        "cpkit/parallel/groups.py": "from .rank_grid import grid\n",
+        "cpkit/parallel/rank_grid.py": "from cpkit.parallel.layout import CPLayout\n",
+        "cpkit/leaf.py": "import cpkit.parallel.layout\n",
     })
-    assert import_cycles(tmp_path) == [["cpkit.groups", "cpkit.layout", "cpkit.rank_grid"]]
+    assert import_cycles(tmp_path) == [["cpkit.parallel.groups", "cpkit.parallel.layout", "cpkit.parallel.rank_grid"]]
 
 
 def test_a_package_importing_its_submodules_is_no_circle(tmp_path):
@@ -164,3 +165,40 @@ def test_no_module_is_over_500_lines():
             if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
     assert not long, f"modules over {MAX_MODULE_LINES} lines (split each by concern): " + \
         ", ".join(f"{m} ({n})" for m, n in long.items())
+
+
+def test_each_feature_imports_the_base_and_what_it_builds_on():
+    """One package per CP feature: the shared base imports no feature, and a feature imports no
+    other feature than those it builds on (BUILDS_ON)."""
+    assert feature_violations(SRC) == []
+
+
+def test_every_feature_package_exists_and_the_base_is_small():
+    """`ls src/cpkit` shows the features; at most 12 modules at the top, none over 500 lines."""
+    for feature in FEATURES:
+        if feature != "cpkit.hybrid" or (SRC / "cpkit" / "hybrid").is_dir():
+            assert (SRC / feature.replace(".", "/") / "__init__.py").is_file(), feature
+    top = sorted(p.name for p in (SRC / "cpkit").glob("*.py"))
+    assert len(top) <= 12, top
+    long = {p.relative_to(SRC).as_posix(): n for p in (SRC / "cpkit").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 500}
+    assert long == {}
+
+
+def test_the_feature_check_names_the_import(tmp_path):
+    src = tmp_path / "src"
+    _write(src, {
+        "cpkit/__init__.py": "",
+        "cpkit/loss.py": "from cpkit.attention import comm\n",
+        "cpkit/attention/__init__.py": "",
+        "cpkit/attention/comm.py": "def f():\n    from cpkit.eval_cp.rebind import rebind\n",
+        "cpkit/eval_cp/__init__.py": "",
+        "cpkit/eval_cp/rebind.py": "from cpkit.loss import x\n",
+        "cpkit/dynamic/__init__.py": "",
+        "cpkit/dynamic/runtime.py": "from cpkit.eval_cp import rebind\n",
+    })
+    assert feature_of("cpkit.attention.comm") == "cpkit.attention" and feature_of("cpkit.loss") is None
+    assert feature_violations(src) == [
+        "src/cpkit/attention/comm.py:2: cpkit.attention.comm (cpkit.attention) imports cpkit.eval_cp.rebind (cpkit.eval_cp)",
+        "src/cpkit/loss.py:1: cpkit.loss (the shared base) imports cpkit.attention.comm (cpkit.attention)",
+    ]

@@ -3,7 +3,7 @@
 import pytest
 
 from cpkit.errors import CPConfigError
-from cpkit.layout import CP_COMM_TYPES, CPLayout, validate_layout
+from cpkit.parallel.layout import CP_COMM_TYPES, CPLayout, validate_layout
 
 LAYOUT_FIELDS = {
     "world_size", "tp", "pp", "cp", "cp_comm_type", "hierarchical_context_parallel_sizes",
@@ -275,7 +275,7 @@ def test_eval_a2a_head_violation_is_reported_under_the_eval_size():
 
 
 # ---------------------------------------------------------------------------------------------
-# What violations() cannot check without head counts (src/cpkit/head_rules.py)
+# What violations() cannot check without head counts (src/cpkit/hierarchical/head_rules.py)
 
 HEADLESS = [
     dict(cp=4, cp_comm_type="p2p"),
@@ -292,7 +292,7 @@ HEADLESS = [
 def test_unchecked_head_rules_are_the_ones_that_fire_on_bad_counts(fields):
     """Counts of tp pass the tp rule and leave one head per TP rank, which every all-to-all rule
     (a2a size > 1) refuses: the all-to-all rules listed as unchecked are exactly those."""
-    from cpkit.head_rules import unchecked_head_rules
+    from cpkit.hierarchical.head_rules import unchecked_head_rules
 
     layout = CPLayout(world_size=16, **fields)
     assert layout.is_valid()

@@ -1,4 +1,4 @@
-"""Concrete fixes for an invalid layout (src/cpkit/layout_fixes.py::nearest_layouts): every offered
+"""Concrete fixes for an invalid layout (src/cpkit/hierarchical/layout_fixes.py::nearest_layouts): every offered
 layout passes the same check, nearest first, and `cpkit layout check` prints them as commands."""
 
 import json
@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cpkit.cli import main
-from cpkit.layout import COMM_TYPE_SPELLING_HINTS, CP_COMM_TYPES, CPLayout
-from cpkit.layout_fixes import changed_fields, describe_change, nearest_layouts, offer_reason
+from cpkit.parallel.layout import COMM_TYPE_SPELLING_HINTS, CP_COMM_TYPES, CPLayout
+from cpkit.hierarchical.layout_fixes import changed_fields, describe_change, nearest_layouts, offer_reason
 
 ISSUE = ["layout", "check", "--world-size", "6", "--cp", "3", "--seq-length", "4096", "--num-heads", "12",
          "--num-kv-heads", "4", "--cp-comm-type", "a2a"]

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from cpkit.bench.replay_timing import AnalyticTimer, LinkTable, pass_time
-from cpkit.bench.replay_work import AttnCall, padded, plan_work, rank_work
+from cpkit.bench.dynamic.replay_timing import AnalyticTimer, LinkTable, pass_time
+from cpkit.bench.dynamic.replay_work import AttnCall, padded, plan_work, rank_work
 from cpkit.dynamic.cost import CostModel, load_calibration
 from cpkit.dynamic.step_rules import step_end
 from cpkit.errors import CPConfigError
@@ -109,7 +109,7 @@ def test_pass_time_exposes_only_the_unhidden_transfer():
 
 
 def test_replay_of_a_plan_under_both_rules():
-    from cpkit.bench.replay import TINY_DIMS, replay_plan
+    from cpkit.bench.dynamic.replay import TINY_DIMS, replay_plan
 
     timer = AnalyticTimer(linear_flops_per_token=TINY_DIMS.linear_flops_per_token, heads=4,
                           head_dim=16, launch_s=0.0)
@@ -138,11 +138,11 @@ def test_model_step_time_uses_the_shared_rule():
 
 
 def test_a_model_calibrated_from_the_replay_predicts_it():
-    """The calibration the replay writes (cpkit.bench.replay_calibration) makes the cost model
+    """The calibration the replay writes (cpkit.bench.dynamic.replay_calibration) makes the cost model
     predict the replay of the same timer: here an analytic one, so the check runs on CPU."""
-    from cpkit.bench.replay import REPLAY_DIMS, replay_plan
-    from cpkit.bench.replay_calibration import calibration_from_timer
-    from cpkit.bench.replay_timing import LINKS
+    from cpkit.bench.dynamic.replay import REPLAY_DIMS, replay_plan
+    from cpkit.bench.dynamic.replay_calibration import calibration_from_timer
+    from cpkit.bench.dynamic.replay_timing import LINKS
     from cpkit.dynamic import schedule
     from cpkit.dynamic.cost import Calibration
 
@@ -172,7 +172,7 @@ def test_replay_cli_runs_a_file_of_batches_on_cpu(tmp_path, capsys):
     """The whole command on CPU at tiny shapes (a smoke run: CPU kernels, not a measurement)."""
     import json
 
-    from cpkit.bench import replay
+    from cpkit.bench.dynamic import replay
     from cpkit.dynamic.cost import shipped_calibration_path
 
     lens = tmp_path / "batches.txt"
@@ -192,7 +192,7 @@ def test_replay_cli_runs_a_file_of_batches_on_cpu(tmp_path, capsys):
 @pytest.mark.parametrize("text, says", [(None, "cannot be read"), ("1 2 x\n", "non-integer"),
                                         ("\n# nothing\n", "no batch")])
 def test_a_bad_seq_lens_file_is_a_clear_error(tmp_path, text, says):
-    from cpkit.bench.replay_plans import read_seq_lens_file
+    from cpkit.bench.dynamic.replay_plans import read_seq_lens_file
 
     path = tmp_path / "lens.txt"
     if text is not None:
@@ -202,7 +202,7 @@ def test_a_bad_seq_lens_file_is_a_clear_error(tmp_path, text, says):
 
 
 def test_replay_reports_every_bad_option_at_once():
-    from cpkit.bench import replay
+    from cpkit.bench.dynamic import replay
 
     with pytest.raises(CPConfigError) as err:
         replay.main(["--device", "cpu", "--pp", "0", "--iters", "0", "--sets", "mix,short"])

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpkit.errors import CPConfigError
-from cpkit.layout import CPLayout
-from cpkit.topology import (NodeTopology, a2a_fix, a2a_groups, check_topology, cross_node_a2a, cross_node_hops,
+from cpkit.parallel.layout import CPLayout
+from cpkit.hierarchical.topology import (NodeTopology, a2a_fix, a2a_groups, check_topology, cross_node_a2a, cross_node_hops,
                             format_node_report, node_report, p2p_rings, topology_violations)
 
 

@@ -7,7 +7,7 @@ share for a GPT-style model (logits gathered over tp, `gather_vocab`); `reduce_g
 dp x cp group; `all_reduce_gradients` / `reduce_gradients` sum gradients over it, as MCore's DDP
 does over its dp_cp group; `attach_grad_sync` gives a model without MCore's DDP the two methods
 MCore's `finalize_model_grads` calls, with DDP's scaling, and `reduce_reported_losses` is
-Megatron-LM's reduction of the loss_func's [sum, tokens] pairs to the logged loss. Eval CP (cpkit.eval_loop) and dynamic CP (cpkit.dynamic.runtime) use
+Megatron-LM's reduction of the loss_func's [sum, tokens] pairs to the logged loss. Eval CP (cpkit.eval_cp.loop) and dynamic CP (cpkit.dynamic.runtime) use
 them, and so do the test models' train and eval steps.
 """
 
@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from cpkit.compat import get_pg
 from cpkit.errors import CPConfigError
-from cpkit.group_info import group_device, group_size
+from cpkit.parallel.group_info import group_device, group_size
 
 __all__ = [
     "reduce_group",
@@ -147,7 +147,7 @@ def require_single_stage(pg_collection, what: str) -> None:
     pp = group_size(get_pg(pg_collection, "pp"))
     if pp > 1:
         raise CPConfigError.single("pp", pp, f"{what} runs the whole model on one pipeline stage",
-                                   "use pp=1, or MCore's pipeline schedule (see cpkit.eval_cp.evaluate)")
+                                   "use pp=1, or MCore's pipeline schedule (see cpkit.eval_cp.context.evaluate)")
 
 
 def attach_grad_sync(model, pg_collection, *, calculate_per_token_loss: bool) -> None:

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from cpkit.group_info import group_size  # noqa: F401 - part of this module's API
+from cpkit.parallel.group_info import group_size  # noqa: F401 - part of this module's API
 
 __all__ = [
     "RingComm",

@@ -21,8 +21,8 @@ from cpkit.attention.hierarchical import hierarchical_attention
 from cpkit.attention.options import CPAttentionOptions, default_options
 from cpkit.attention.p2p import ring_attention
 from cpkit.errors import CPConfigError
-from cpkit.group_info import check_hierarchical_groups
-from cpkit.layout import A2A, A2A_P2P, ALL_GATHER, COMM_TYPE_SPELLING_HINTS, CP_COMM_TYPES, P2P
+from cpkit.parallel.group_info import check_hierarchical_groups
+from cpkit.parallel.layout import A2A, A2A_P2P, ALL_GATHER, COMM_TYPE_SPELLING_HINTS, CP_COMM_TYPES, P2P
 from cpkit.sharding import check_cu_seqlens
 
 __all__ = ["context_parallel_attention", "check_comm_type", "check_a2a_heads", "CP_COMM_TYPES"]
@@ -59,7 +59,7 @@ def _groups(cp_group: CPGroup, comm: str):
     is_list = isinstance(cp_group, (list, tuple))
     if comm == A2A_P2P:
         return check_hierarchical_groups(cp_group, source="cp_group",
-                                         fix="pass pg_collection.hcp (cpkit.groups builds it)")
+                                         fix="pass pg_collection.hcp (cpkit.parallel.groups builds it)")
     if is_list or not isinstance(cp_group, dist.ProcessGroup):
         raise CPConfigError.single(
             "cp_group", _describe(cp_group),

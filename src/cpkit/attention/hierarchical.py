@@ -7,7 +7,7 @@ shard, is p2p_rank * A + a2a_rank. After the all-to-all a rank holds h/A heads o
 shard of its whole a2a block, which is the zigzag shard of the p2p level (2P chunks of A
 original chunks each), so the ring runs unchanged over the p2p group.
 
-The groups come from `cpkit.groups` (MCore's `pg_collection.hcp`).
+The groups come from `cpkit.parallel.groups` (MCore's `pg_collection.hcp`).
 """
 
 from __future__ import annotations

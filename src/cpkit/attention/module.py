@@ -27,8 +27,8 @@ from cpkit.attention.functional import check_comm_type, context_parallel_attenti
 from cpkit.attention.options import CPAttentionOptions, default_options
 from cpkit.compat import get_pg
 from cpkit.errors import CPConfigError, Violation
-from cpkit.group_info import check_hierarchical_groups, group_size, require_hierarchical_groups
-from cpkit.layout import A2A_P2P, P2P
+from cpkit.parallel.group_info import check_hierarchical_groups, group_size, require_hierarchical_groups
+from cpkit.parallel.layout import A2A_P2P, P2P
 
 __all__ = ["ContextParallelAttention"]
 
@@ -42,7 +42,7 @@ _THD_MASKS = {"padding_causal": True, "padding_causal_bottom_right": True, "padd
 
 CPGroup = Union[dist.ProcessGroup, Sequence[dist.ProcessGroup], None]
 
-_HCP_FIX = ("build the collection with cpkit.groups.build_pg_collection(layout) for a layout with "
+_HCP_FIX = ("build the collection with cpkit.parallel.groups.build_pg_collection(layout) for a layout with "
             "hierarchical_context_parallel_sizes, or set pg_collection.hcp = [a2a_group, p2p_group]")
 
 
@@ -94,7 +94,7 @@ def _resolve_build_groups(config, pg_collection, cp_comm_type: str) -> tuple[CPG
             "pg_collection.cp",
             None,
             f"context_parallel_size={cp_size} needs the CP group in pg_collection",
-            "pass pg_collection with cp set (cpkit.groups.build_pg_collection builds it); "
+            "pass pg_collection with cp set (cpkit.parallel.groups.build_pg_collection builds it); "
             "ContextParallelAttention does not read MCore's global parallel_state",
         )
     # The hierarchical gate first: its message says what is missing, not only that sizes differ.
@@ -113,7 +113,7 @@ def _resolve_build_groups(config, pg_collection, cp_comm_type: str) -> tuple[CPG
 
 def _require_hcp(pg_collection, sizes: Optional[Sequence[int]]) -> list:
     """pg_collection.hcp checked for a2a+p2p (and against the config's
-    hierarchical_context_parallel_sizes when set): the build-time gate of cpkit.group_info."""
+    hierarchical_context_parallel_sizes when set): the build-time gate of cpkit.parallel.group_info."""
     return list(require_hierarchical_groups(pg_collection, A2A_P2P, hierarchical_context_parallel_sizes=sizes))
 
 

@@ -5,7 +5,7 @@ Why `bind_te_attention_groups` exists: MCore's `TEDotProductAttention.__init__`
 group from `pg_collection.cp`, but for `cp_comm_type == "a2a+p2p"` it replaces it with
 `parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False)`, the *global*
 groups, and never reads `pg_collection.hcp`. On cpkit's decentralized path (groups built by
-`cpkit.groups`, MCore's parallel_state not initialized) that is None, and TE then runs each rank
+`cpkit.parallel.groups`, MCore's parallel_state not initialized) that is None, and TE then runs each rank
 on its own chunk with no CP communication; with parallel_state initialized for another layout it
 silently uses the wrong groups. TE's public `DotProductAttention.set_context_parallel_group(
 cp_group, cp_global_ranks, cp_stream, cp_comm_type)` accepts the [a2a, p2p] list, so the fix is
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from cpkit.compat import get_pg
-from cpkit.layout import A2A_P2P
+from cpkit.parallel.layout import A2A_P2P
 
 __all__ = [
     "te_available",
@@ -118,7 +118,7 @@ def bind_te_attention_groups(
     fit pg_collection.cp (the case where MCore would silently leave CP off).
     """
     from cpkit.attention.module import _check_comm_type
-    from cpkit.group_info import check_hierarchical_groups
+    from cpkit.parallel.group_info import check_hierarchical_groups
 
     modules = te_attention_modules(model, attention_type)
     if not modules:

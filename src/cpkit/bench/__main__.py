@@ -1,4 +1,4 @@
-"""`python -m cpkit.bench <name> [options]`: run one benchmark (cpkit.bench.<name>.main).
+"""`python -m cpkit.bench <name> [options]`: run one benchmark (the `main` of BENCHMARKS[name]).
 
 `--help` lists every benchmark with the first line of its docstring, read from the source so
 that the list imports neither torch nor megatron-core; a misspelled name is argparse's
@@ -12,12 +12,24 @@ import sys
 
 from cpkit.notices import quiet_known_notices
 
-BENCHMARKS = ["attention", "scheduler", "eval_cp", "calibrate", "window", "replay", "dynamic_step", "link", "changed_recall", "changed_samples"]
+#: Each benchmark's name -> its module, grouped per feature like the product (cpkit.bench.<feature>).
+BENCHMARKS = {
+    "attention": "cpkit.bench.attention.attention",
+    "window": "cpkit.bench.attention.window",
+    "eval_cp": "cpkit.bench.eval_cp.eval_cp",
+    "scheduler": "cpkit.bench.dynamic.scheduler",
+    "calibrate": "cpkit.bench.dynamic.calibrate",
+    "replay": "cpkit.bench.dynamic.replay",
+    "dynamic_step": "cpkit.bench.dynamic.dynamic_step",
+    "link": "cpkit.bench.dynamic.link",
+    "changed_recall": "cpkit.bench.validation.changed_recall",
+    "changed_samples": "cpkit.bench.validation.changed_samples",
+}
 
 
 def describe(name: str) -> str:
     """The first line of benchmark `name`'s module docstring, without its leading command."""
-    spec = importlib.util.find_spec(f"cpkit.bench.{name}")
+    spec = importlib.util.find_spec(BENCHMARKS[name])
     with open(spec.origin, encoding="utf-8") as fh:
         doc = ast.get_docstring(ast.parse(fh.read())) or ""
     first = doc.splitlines()[0] if doc else ""
@@ -42,7 +54,7 @@ def main(argv=None) -> int:
         build_parser().parse_args(argv[:1] or [])  # --help, or "invalid choice" / "required": exits
         return 2
     quiet_known_notices()  # before a benchmark imports megatron-core
-    return int(importlib.import_module(f"cpkit.bench.{argv[0]}").main(argv[1:]) or 0)
+    return int(importlib.import_module(BENCHMARKS[argv[0]]).main(argv[1:]) or 0)
 
 
 if __name__ == "__main__":

@@ -239,7 +239,7 @@ def machine_info() -> dict:
     # The knobs that change what is measured (cpkit's comm modes, NCCL, TE), so an A/B's JSON
     # says which side it is.
     info["env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith(RECORDED_ENV_PREFIXES)}
-    from cpkit.checkouts import upstream_identities
+    from cpkit.upstream.checkouts import upstream_identities
 
     upstream = upstream_identities()  # the commit, or the content of a copy without .git
     if upstream:

@@ -40,7 +40,7 @@ def _int_list(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `python -m cpkit.cluster` (also used to check skills' commands)."""
     from cpkit.cluster.checks import CHECKS
-    from cpkit.topology import ALLOW_FLAG
+    from cpkit.hierarchical.topology import ALLOW_FLAG
 
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m cpkit.cluster", description=__doc__.splitlines()[0])
     p.add_argument("check", choices=CHECKS + ("all",), help="what to run")
@@ -64,7 +64,7 @@ def _layout(args, world: int, nproc: int):
     """The job's CPLayout from the flags; by default CP over all ranks, hierarchical across nodes."""
     import math
 
-    from cpkit.layout import CPLayout
+    from cpkit.parallel.layout import CPLayout
 
     cp = args.cp or max(1, world // (args.tp * args.pp))
     inner = math.gcd(cp, max(1, nproc // args.tp))  # CP positions inside one node
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     a failure the process groups are left as they are (a rank may still be inside a collective):
     leave with os._exit, as `python -m cpkit.cluster` does."""
     from cpkit.errors import CPConfigError
-    from cpkit.topology import NodeTopology, check_topology, format_node_report, node_report
+    from cpkit.hierarchical.topology import NodeTopology, check_topology, format_node_report, node_report
 
     args = build_parser().parse_args(argv)
     rank, world, local_rank, nproc = _torchrun_env()

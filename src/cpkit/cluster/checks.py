@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from cpkit.harness.pool_groups import GroupReuse
-from cpkit.layout import CPLayout
+from cpkit.parallel.layout import CPLayout
 
 __all__ = ["CHECKS", "FAULT_ENV", "JobShape", "Check", "build_check", "run_check"]
 
@@ -102,8 +102,8 @@ def _dynamic_cp(job: JobShape) -> Check:
 
 
 def _bench_attention(job: JobShape) -> Check:
-    """The attention benchmark's own cells (cpkit.bench.attention.run_cells), tiny on CPU."""
-    from cpkit.bench.attention import Settings, build_cases, render, run_cells
+    """The attention benchmark's own cells (cpkit.bench.attention.attention.run_cells), tiny on CPU."""
+    from cpkit.bench.attention.attention import Settings, build_cases, render, run_cells
 
     gpu = job.backend == "nccl"
     world = job.world_size

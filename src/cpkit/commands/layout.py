@@ -15,11 +15,11 @@ import json
 import sys
 
 from cpkit.errors import CPConfigError, Violation
-from cpkit.head_rules import HEAD_FLAGS, UncheckedRule, unchecked_head_rules
-from cpkit.layout import CPLayout, P2P
-from cpkit.layout_fixes import describe_change, layout_flags, nearest_layouts, offer_reason
-from cpkit.rank_grid import rank_groups
-from cpkit.topology import ALLOW_FLAG, NodeTopology, format_node_report, node_report, topology_violations
+from cpkit.hierarchical.head_rules import HEAD_FLAGS, UncheckedRule, unchecked_head_rules
+from cpkit.parallel.layout import CPLayout, P2P
+from cpkit.hierarchical.layout_fixes import describe_change, layout_flags, nearest_layouts, offer_reason
+from cpkit.parallel.rank_grid import rank_groups
+from cpkit.hierarchical.topology import ALLOW_FLAG, NodeTopology, format_node_report, node_report, topology_violations
 
 __all__ = ["add_parser", "layout_from_args", "check"]
 

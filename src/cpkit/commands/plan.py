@@ -3,7 +3,7 @@
 Exit 0 with the plan (text, or `--json`: {"train": {...}, "eval": {...}, "speedup_estimate",
 "warnings": [...], "inputs": {...}}); exit 2 with one `error:` line per violated constraint on
 stderr when the sizes are invalid (the CPLayout rules for both layouts, and the planner's own).
-The arithmetic and the speedup model are in cpkit.eval_plan.
+The arithmetic and the speedup model are in cpkit.eval_cp.plan.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 import sys
 
 from cpkit.errors import CPConfigError
-from cpkit.eval_plan import EvalPlan, plan_eval_cp
+from cpkit.eval_cp.plan import EvalPlan, plan_eval_cp
 
 __all__ = ["add_parser", "eval_cp"]
 
@@ -81,7 +81,7 @@ def _text(plan: EvalPlan) -> str:
         lines.append("  ".join(r[c].ljust(widths[c]) if c == 0 else r[c].rjust(widths[c])
                                for c in range(len(r))).rstrip())
     lines.append(f"estimated speedup of evaluate(): {plan.speedup_estimate:.2f}x "
-                 "(model and calibration: cpkit.eval_plan)")
+                 "(model and calibration: cpkit.eval_cp.plan)")
     lines += [f"warning: {w}" for w in plan.warnings]
     return "\n".join(lines)
 

@@ -35,7 +35,7 @@ __all__ = ["VALIDATED_ERROR", "VALIDATED_ON", "choose_plan",
 
 TIE_BAND = 0.0
 """Plans modeled within this fraction of the fastest count as tied (then the most robust wins).
-0: the model's ranking decides. `python -m cpkit.bench.dynamic_step_order` over the real steps
+0: the model's ranking decides. `python -m cpkit.bench.dynamic.dynamic_step_order` over the real steps
 of 10 bench runs (evidence/2026-11-27-4xH200-5b27ec5/, evidence/2026-11-28-2xH200-61901e3/,
 evidence/2026-11-28-2xH200-d9dd766/): of 35 plan pairs modeled within 10% of each other and
 really more than 1% apart, the model ordered 31 right, and the more robust of a pair won 8 of

@@ -30,7 +30,7 @@ blocks (their own rates where the calibration has `attention_offdiag`); chunks a
 each sample padded to a multiple of 2c.
 
 Calibration (`Calibration`, JSON): attention TFLOP/s vs sequence length (FLOPs 3.5 * 2 * h * L^2
-* d, causal fwd+bwd, the convention of cpkit.bench.attention), GEMM TFLOP/s vs tokens, and link
+* d, causal fwd+bwd, the convention of cpkit.bench.attention.attention), GEMM TFLOP/s vs tokens, and link
 seconds vs bytes (from which latency and bandwidth are fitted). Rates are interpolated linearly in
 log-log between points and held constant above the largest; below the smallest, the time of the
 smallest is kept (short calls are launch-bound: a shorter one is no faster). The shipped file
@@ -72,7 +72,7 @@ _FWD_SHARE = 1.0 / 3.5  # forward share of causal fwd+bwd attention time (backwa
 
 
 def _attention_flops(tokens: float, heads: int, head_dim: int) -> float:
-    """Causal forward + backward attention FLOPs of one sequence (cpkit.bench.attention's
+    """Causal forward + backward attention FLOPs of one sequence (cpkit.bench.attention.attention's
     convention)."""
     return 3.5 * 2.0 * heads * tokens * tokens * head_dim
 

@@ -34,6 +34,7 @@ from typing import Sequence
 
 from cpkit.dynamic.mcore import SchedulerCrash, groups_from_rank_lists
 from cpkit.dynamic.plan import Microbatch, Plan
+from cpkit.upstream.checkouts import git_commit
 
 __all__ = ["MLM_SCHEDULER", "MLM_SRC_ENV", "MLMCheckoutError", "checkout_commit", "mlm_call",
            "mlm_schedule", "mlm_src", "skip_reason"]
@@ -70,46 +71,12 @@ def skip_reason() -> str | None:
     return None
 
 
-def _git_dir(root: Path) -> Path | None:
-    dot_git = root / ".git"
-    if dot_git.is_dir():
-        return dot_git
-    if dot_git.is_file():  # a worktree or submodule: "gitdir: <path>"
-        text = dot_git.read_text().strip()
-        if text.startswith("gitdir:"):
-            path = Path(text[len("gitdir:"):].strip())
-            return path if path.is_absolute() else (root / path).resolve()
-    return None
-
-
 def checkout_commit(root: str | os.PathLike | None = None) -> str:
     """The commit the checkout at `root` (default: CPKIT_MLM_SRC) has checked out, read from its
-    .git without running git; "unknown" for a tree without .git or an unreadable one."""
+    .git without running git (cpkit.upstream.checkouts.git_commit); "unknown" for a tree without
+    .git or an unreadable one."""
     root = Path(root) if root is not None else mlm_src()
-    git_dir = _git_dir(root) if root is not None else None
-    if git_dir is None:
-        return "unknown"
-    try:
-        head = (git_dir / "HEAD").read_text().strip()
-        if not head.startswith("ref:"):
-            return head or "unknown"
-        ref = head[len("ref:"):].strip()
-        common = git_dir
-        if (git_dir / "commondir").is_file():  # a linked worktree keeps refs in the common dir
-            common = (git_dir / (git_dir / "commondir").read_text().strip()).resolve()
-        for base in (git_dir, common):
-            if (base / ref).is_file():
-                return (base / ref).read_text().strip()
-        for base in (git_dir, common):
-            packed = base / "packed-refs"
-            if packed.is_file():
-                for line in packed.read_text().splitlines():
-                    parts = line.split()
-                    if len(parts) == 2 and parts[1] == ref:
-                        return parts[0]
-    except OSError:
-        pass
-    return "unknown"
+    return git_commit(root) if root is not None else "unknown"
 
 
 class _Worker:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-from cpkit.group_info import group_device
+from cpkit.parallel.group_info import group_device
 
 __all__ = ["PairSafeP2PCommunicator", "pipeline_communicator"]
 

@@ -58,8 +58,8 @@ from cpkit.dynamic.runtime import (
     use_cp_group,
 )
 from cpkit.errors import CPConfigError, Violation
-from cpkit.group_info import group_size
-from cpkit.layout import A2A_P2P, P2P
+from cpkit.parallel.group_info import group_size
+from cpkit.parallel.layout import A2A_P2P, P2P
 from cpkit.loss import all_reduce_gradients, gather_vocab
 
 __all__ = [

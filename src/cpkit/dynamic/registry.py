@@ -11,7 +11,7 @@ Two optional kinds of group per block, for layouts beyond tp = 1 with one comm t
 - with `tp_rank_lists` (the tensor-parallel groups of the world), the block's tp x cp group: the
   union of the tp groups of its ranks (what MCore's `pg_collection.tp_cp` is for a static CP group);
 - with `hierarchical_sizes=[a2a, p2p]`, every block of size a2a * p2p also gets its a2a+p2p pair
-  (`cpkit.rank_grid.hierarchical_levels`: a2a contiguous, p2p strided, as MCore and TE split a
+  (`cpkit.parallel.rank_grid.hierarchical_levels`: a2a contiguous, p2p strided, as MCore and TE split a
   CP group); smaller blocks run a flat comm type.
 """
 
@@ -189,7 +189,7 @@ def tp_cp_layout(layout: Sequence[BlockSpec], tp_rank_lists: Sequence[Sequence[i
 def hierarchical_layout(layout: Sequence[BlockSpec], sizes: Sequence[int]) -> list[tuple[BlockSpec, list[list[int]], list[list[int]]]]:
     """(block, a2a groups, p2p groups) of every block in `layout` whose size is the product of
     `sizes` = [a2a, p2p], in creation order. Raises CPConfigError unless sizes are two ints >= 2."""
-    from cpkit.rank_grid import hierarchical_levels
+    from cpkit.parallel.rank_grid import hierarchical_levels
 
     if not (len(sizes) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 2 for x in sizes)):
         raise CPConfigError.single("hierarchical_sizes", list(sizes), "must be [a2a, p2p], two ints >= 2",

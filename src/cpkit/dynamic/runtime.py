@@ -11,7 +11,7 @@ Per micro-batch m, on the rank at DPxCP position p (`dp_cp_position`):
    TEDotProductAttention switches to it and never switches back, and 0.16's Attention applies
    THD RoPE over `self.pg_collection.cp`, the group it was built with.
 4. `use_cp_group(model, group)` therefore also rebinds every cached CP group of the model
-   (cpkit.rebind.install_pg_collection: pg_collection, RoPE and language-module groups, CP
+   (cpkit.eval_cp.rebind.install_pg_collection: pg_collection, RoPE and language-module groups, CP
    attention through set_context_parallel_group, config.context_parallel_size) for the forward
    and restores each of them, exactly, in a `finally` block.
 
@@ -49,8 +49,8 @@ from cpkit.dynamic.plan import CPGroupAssignment, Plan
 from cpkit.dynamic.registry import GroupRegistry
 from cpkit.errors import CPConfigError
 from cpkit.loss import all_reduce_gradients, forward_loss
-from cpkit.group_info import global_ranks, group_rank, group_size
-from cpkit.rebind import rebound
+from cpkit.parallel.group_info import global_ranks, group_rank, group_size
+from cpkit.eval_cp.rebind import rebound
 from cpkit.sharding import offsets_to, pad_cu_seqlens, shard_thd, thd_position_ids
 
 __all__ = [
@@ -229,7 +229,7 @@ def use_cp_group(
     on its modules); the block runs on a shallow copy of it whose `cp` is `group`, whose `tp_cp`
     is `tp_cp_group` (default: `group` at tp == 1, else the static one) and, when given, whose
     `hcp` is the block's [a2a, p2p] pair (for cp_comm_type "a2a+p2p"; GroupRegistry.hcp_for),
-    installed with cpkit.rebind.install_pg_collection: every cached CP
+    installed with cpkit.eval_cp.rebind.install_pg_collection: every cached CP
     group, CP attention through set_context_parallel_group (cpkit's and TE's alike),
     config.context_parallel_size. On exit, also when the block raises, every rebound attribute
     is the object it was before. Yields the Rebinding. Raises CPConfigError for a nested use on

@@ -1,7 +1,7 @@
 """Fit the step model's host and memory-bound constants from micro-benchmark points.
 
 Pure Python. A point is one micro-batch forward + backward of the real model on every rank at
-once (cpkit.bench.dynamic_step_calibrate runs them): CP size c, packed sample lengths, the
+once (cpkit.bench.dynamic.dynamic_step_calibrate runs them): CP size c, packed sample lengths, the
 counted ops and syncs, and the measured seconds (median over repeats, slowest rank). Never a
 plan's step: the bench validates the model against those.
 
@@ -116,7 +116,7 @@ def fit_costs(points: Sequence[MicrobatchPoint], kernel_time: Callable[[Microbat
     base = [p for p in points if p.cp == 1 and p.seconds > 0]
     if not base:
         raise CPConfigError.single("points", [p.cp for p in points], "need micro-batches at cp 1",
-                                   "measure cp 1 points (cpkit.bench.dynamic_step_calibrate)")
+                                   "measure cp 1 points (cpkit.bench.dynamic.dynamic_step_calibrate)")
     kern = {id(p): kernel_time(p) for p in points}
     # a first guess: all of the smallest micro-batch's time is host time
     tiny = min(base, key=lambda p: p.local_tokens)

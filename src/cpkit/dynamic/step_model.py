@@ -19,7 +19,7 @@ cpkit.dynamic.candidates.VALIDATED_ERROR):
     step                     = max over ranks of prep + fwd+bwd makespan + reduce_opt_s
 
 c is the group's CP size and n its packed samples. ops() and syncs() are counted, not guessed
-(`OpCounts`, from cpkit.bench.dynamic_step_calibrate counting dispatched aten ops of a
+(`OpCounts`, from cpkit.bench.dynamic.dynamic_step_calibrate counting dispatched aten ops of a
 micro-batch forward + backward of the bench's model), linear in n per c. join() is the host
 launching work while the GPU runs it: max() where one hides the other, plus the part that does
 not hide (overlap_loss = 1: no overlap). Every constant is fitted from micro-benchmarks
@@ -54,7 +54,7 @@ class OpCounts:
     def __post_init__(self):
         if not self.per_cp:
             raise CPConfigError.single("ops.per_cp", dict(self.per_cp), "must count at least one CP size",
-                                       "count ops with cpkit.bench.dynamic_step_calibrate.count_ops")
+                                       "count ops with cpkit.bench.dynamic.dynamic_step_calibrate.count_ops")
 
     def _row(self, cp: int) -> tuple[float, float, float, float]:
         if cp in self.per_cp:

@@ -1,7 +1,7 @@
 """When a training step of a plan ends, given how long each group of each micro-batch takes.
 
 One function for the cost model (cpkit.dynamic.cost.CostModel.step_time) and the replay
-(cpkit.bench.replay), so the scheduler optimizes the rule the replay measures under. Rules:
+(cpkit.bench.dynamic.replay), so the scheduler optimizes the rule the replay measures under. Rules:
 
 - "free" (cpkit's runtime at PP = 1, cpkit.dynamic.runtime.dynamic_cp_step): a rank runs its
   micro-batches in order; a group starts when the last of its ranks is free (its ring waits for

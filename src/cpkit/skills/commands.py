@@ -182,6 +182,6 @@ def _check_bench(args: list[str]) -> list[str]:
     name = args[0] if args else None
     if name not in BENCHMARKS:
         return [f"`python -m cpkit.bench {name or ''}`: unknown benchmark (known: {', '.join(BENCHMARKS)})"]
-    if importlib.util.find_spec(f"cpkit.bench.{name}") is None:
-        return [f"`python -m cpkit.bench {name}`: module cpkit.bench.{name} does not exist yet"]
+    if importlib.util.find_spec(BENCHMARKS[name]) is None:
+        return [f"`python -m cpkit.bench {name}`: module {BENCHMARKS[name]} does not exist yet"]
     return []

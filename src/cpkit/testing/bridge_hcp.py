@@ -1,6 +1,6 @@
 """Megatron-Bridge's hierarchical-CP configuration checks beside cpkit's, on the same configs.
 
-Bridge's checks, run from its checkout (`cpkit.bridge`), in the order a Bridge run
+Bridge's checks, run from its checkout (`cpkit.upstream.bridge`), in the order a Bridge run
 meets them:
 1. `megatron/bridge/models/transformer_config.py::TransformerConfig.finalize` (runs MCore's
    `TransformerConfig.__post_init__`);
@@ -23,9 +23,9 @@ import types
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Union
 
-from cpkit.bridge import DistInit, bridge_model_config, bridge_modules
+from cpkit.upstream.bridge import DistInit, bridge_model_config, bridge_modules
 from cpkit.errors import CPConfigError
-from cpkit.layout import CPLayout
+from cpkit.parallel.layout import CPLayout
 
 __all__ = [
     "BRIDGE_CONFIG_CHECK",
@@ -163,7 +163,7 @@ def cpkit_verdict(cfg: BridgeHCPConfig) -> Verdict:
     try:
         cfg.layout().validate()
     except CPConfigError as err:
-        return Verdict(False, "src/cpkit/layout.py::CPLayout.validate", _first_line(err),
+        return Verdict(False, "src/cpkit/parallel/layout.py::CPLayout.validate", _first_line(err),
                        sorted({v.field for v in err.violations}))
     return Verdict(True)
 

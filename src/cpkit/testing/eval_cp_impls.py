@@ -6,7 +6,7 @@ also after an exception, the model holds what it held before. `train_pgs` is the
 model was built with; an implementation may use it or not.
 
 Implementations:
-- `cpkit_impl()`: cpkit.eval_cp.eval_cp_context (snapshot and restore; ignores train_pgs);
+- `cpkit_impl()`: cpkit.eval_cp.context.eval_cp_context (snapshot and restore; ignores train_pgs);
 - `reinstall_impl()`: a stand-in that installs `eval_pgs` on entry and re-installs `train_pgs`
   on exit (no snapshot). It runs in CI so that the adapter path and the tests that tell the two
   designs apart are exercised without a Megatron-Bridge checkout;
@@ -33,7 +33,7 @@ from typing import Any, Callable, ContextManager, Mapping, Optional
 
 import torch
 
-from cpkit.bridge import BRIDGE_SRC_ENV, bridge_src
+from cpkit.upstream.bridge import BRIDGE_SRC_ENV, bridge_src
 
 __all__ = [
     "BRIDGE_SRC_ENV",
@@ -90,8 +90,8 @@ def _no_rederive(upstream: str) -> Deviation:
 
 
 def cpkit_impl() -> EvalCPImpl:
-    """cpkit.eval_cp.eval_cp_context under the protocol (train_pgs unused: it restores a snapshot)."""
-    from cpkit.eval_cp import eval_cp_context
+    """cpkit.eval_cp.context.eval_cp_context under the protocol (train_pgs unused: it restores a snapshot)."""
+    from cpkit.eval_cp.context import eval_cp_context
 
     def context(model, eval_pgs, train_pgs):
         return eval_cp_context(model, eval_pgs)
@@ -110,7 +110,7 @@ def _install(model: Any, target: Any) -> None:
     attributes, CP attention through set_context_parallel_group, each chunk's config CP size,
     the lru caches of the modules' classes). Records nothing: what was there is overwritten."""
     from cpkit.compat import get_pg
-    from cpkit.eval_cp import REBIND_TABLE
+    from cpkit.eval_cp.context import REBIND_TABLE
 
     cp = get_pg(target, "cp")
     size = cp.size()

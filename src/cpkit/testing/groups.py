@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from cpkit.errors import CPConfigError
-from cpkit.rank_grid import hierarchical_levels
+from cpkit.parallel.rank_grid import hierarchical_levels
 
 __all__ = ["new_hierarchical_groups"]
 
@@ -16,7 +16,7 @@ def new_hierarchical_groups(cp_ranks: Sequence[int], a2a_size: int, backend: Opt
     """Create the a2a and p2p groups of one CP group and return this rank's (a2a, p2p).
 
     `cp_ranks`: the global ranks of the CP group in CP order; a2a groups are consecutive blocks
-    of `a2a_size`, p2p groups take every a2a_size-th rank (cpkit.rank_grid.hierarchical_levels).
+    of `a2a_size`, p2p groups take every a2a_size-th rank (cpkit.parallel.rank_grid.hierarchical_levels).
     Collective over the WORLD: every process must call it with the same arguments
     (torch.distributed.new_group's rule). A rank outside `cp_ranks` gets (None, None). Raises
     CPConfigError when a2a_size does not divide len(cp_ranks).

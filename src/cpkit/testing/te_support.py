@@ -102,7 +102,7 @@ _CONFIG_ATTRS = ("context_parallel_size", "hierarchical_context_parallel_sizes",
 
 
 def _attrs_eval_cp_may_set() -> tuple[str, ...]:
-    from cpkit.rebind import CP_ATTENTION_ATTRS, REBIND_TABLE
+    from cpkit.eval_cp.rebind import CP_ATTENTION_ATTRS, REBIND_TABLE
 
     rope_caches = ("max_seq_len_cached", "offset_cached", "dtype_cached", "packed_seq_cached",
                    "cos_cached", "sin_cached")
@@ -113,7 +113,7 @@ def _attrs_eval_cp_may_set() -> tuple[str, ...]:
 def rebind_snapshot(model: torch.nn.Module) -> list[tuple[str, Any, str, Any]]:
     """(label, object, attribute, value) of every attribute eval CP may rebind in `model`.
 
-    Covers each module's instance attributes in cpkit.rebind.REBIND_TABLE and
+    Covers each module's instance attributes in cpkit.eval_cp.rebind.REBIND_TABLE and
     CP_ATTENTION_ATTRS (and the RoPE caches), the CP fields of every distinct config, and the
     class-level `cp_stream` of every class that has one (MCore's TEDotProductAttention).
     """

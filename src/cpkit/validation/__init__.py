@@ -1,5 +1,5 @@
 """Validation tooling: what to run for a change, and what the results say. Not part of what a
-training loop imports (and not the validation of a layout: that is cpkit.layout).
+training loop imports (and not the validation of a layout: that is cpkit.parallel.layout).
 
 - Selecting tests: `change_map` (paths -> test files, and the validating skill's table),
   `import_graph` and `symbol_graph` (read with `ast`), `coverage_map` and `coverage_record` (the

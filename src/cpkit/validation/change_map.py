@@ -64,14 +64,14 @@ class Row:
 
 
 CHANGE_MAP: tuple[Row, ...] = (
-    Row(("src/cpkit/layout.py", "src/cpkit/rank_grid.py", "src/cpkit/layout_fixes.py", "src/cpkit/head_rules.py"),
+    Row(("src/cpkit/parallel/__init__.py", "src/cpkit/parallel/layout.py", "src/cpkit/parallel/rank_grid.py", "src/cpkit/hierarchical/layout_fixes.py", "src/cpkit/hierarchical/head_rules.py"),
         ("tests/test_layout.py", "tests/test_layout_cli.py", "tests/test_layout_fixes.py", "tests/test_groups.py"),
         ("functional/test_groups.py",), "unit, dist"),
-    Row(("src/cpkit/topology.py",), ("tests/test_topology.py", "tests/test_layout_cli.py"), ("functional/test_cluster.py",),
+    Row(("src/cpkit/hierarchical/__init__.py", "src/cpkit/hierarchical/topology.py"), ("tests/test_topology.py", "tests/test_layout_cli.py"), ("functional/test_cluster.py",),
         "unit, dist"),
     Row(("src/cpkit/cluster/",), ("tests/test_cluster_runner.py", "tests/test_skills.py"), ("functional/test_cluster.py",),
         "unit, dist; on a cluster, README 'On a cluster'"),
-    Row(("src/cpkit/groups.py", "src/cpkit/group_info.py", "src/cpkit/testing/groups.py"),
+    Row(("src/cpkit/parallel/groups.py", "src/cpkit/parallel/group_info.py", "src/cpkit/testing/groups.py"),
         ("tests/test_groups.py", "tests/test_collective_devices.py"),
         ("functional/test_groups.py", "functional/test_hierarchical.py", "functional/test_eval_cp.py"),
         "unit, dist, gpu4"),
@@ -89,7 +89,7 @@ CHANGE_MAP: tuple[Row, ...] = (
         "`functional/test_attention.py::test_a2a_head_chunks_match_full_attention`, "
         "`functional/test_hierarchical.py::test_hierarchical_gpt_trains_like_cp1` and "
         "`functional/test_te_backend.py::test_te_hierarchical_cp`"),
-    Row(("src/cpkit/eval_cp.py", "src/cpkit/rebind.py", "src/cpkit/eval_loop.py", "src/cpkit/eval_plan.py",
+    Row(("src/cpkit/eval_cp/__init__.py", "src/cpkit/eval_cp/context.py", "src/cpkit/eval_cp/rebind.py", "src/cpkit/eval_cp/loop.py", "src/cpkit/eval_cp/plan.py",
          "src/cpkit/testing/eval_cp_impls.py", "src/cpkit/commands/plan.py"),
         ("tests/test_eval_cp.py", "tests/test_eval_cp_protocol.py", "tests/test_eval_plan.py"),
         ("functional/test_eval_cp.py",), "unit, dist, gpu2, gpu4"),
@@ -104,7 +104,7 @@ CHANGE_MAP: tuple[Row, ...] = (
          "functional/test_loss_matrix_dynamic.py"),
         "unit, dist, gpu2, gpu4 (`functional/test_mcore_hybrid_cp.py` is gpu4 only; "
         "`tests/test_dynamic_mlm.py` and `functional/test_mlm_data_path.py` need CPKIT_MLM_SRC)"),
-    Row(("src/cpkit/models.py", "src/cpkit/testing/models.py", "src/cpkit/loss.py"),
+    Row(("src/cpkit/attention/gpt.py", "src/cpkit/testing/models.py", "src/cpkit/loss.py"),
         ("tests/test_models.py", "tests/test_eval_cp.py", "tests/test_dynamic_runtime.py", "tests/test_loss_hook.py",
          "tests/test_collective_devices.py"),
         ("functional/test_gpt.py", "functional/test_hierarchical.py", "functional/test_eval_cp.py",
@@ -139,11 +139,11 @@ CHANGE_MAP: tuple[Row, ...] = (
         "unit; the bundle it prunes: `bash scripts/te-install.sh` on a GPU machine, then `import transformer_engine.pytorch`"),
     Row(("scripts/host-wheels.sh", "scripts/kernels-wheel.sh"), ("tests/test_host_wheels.py",), (),
         "unit; the download itself: `bash scripts/host-wheels.sh` on a machine with network"),
-    Row(("src/cpkit/checkouts.py",), ("tests/test_checkouts.py", "tests/test_bridge_hcp_config.py",
+    Row(("src/cpkit/upstream/__init__.py", "src/cpkit/upstream/checkouts.py"), ("tests/test_checkouts.py", "tests/test_bridge_hcp_config.py",
                                       "tests/test_bridge_src.py", "tests/test_eval_cp_protocol.py"),
         ("functional/test_bridge_hcp.py", "functional/test_examples.py"),
         "unit; on GPUs its identities land in every bench JSON and proof's env.txt"),
-    Row(("src/cpkit/bridge.py", "src/cpkit/testing/bridge_hcp.py", "src/cpkit/testing/scenarios/bridge_hcp.py"),
+    Row(("src/cpkit/upstream/bridge.py", "src/cpkit/testing/bridge_hcp.py", "src/cpkit/testing/scenarios/bridge_hcp.py"),
         ("tests/test_bridge_src.py", "tests/test_bridge_hcp_config.py", "tests/test_eval_cp_protocol.py",
          "tests/test_checkouts.py"),
         ("functional/test_bridge_hcp.py", "functional/test_examples.py"),
@@ -315,7 +315,7 @@ SKILL_TABLE_END = "<!-- end of generated table -->"
 #: one has parts that run only with the variable set (they skip with the reason without it).
 UPSTREAM_LOOKUPS = {
     "CPKIT_MLM_SRC": ("src/cpkit/dynamic/mlm.py", "mlm_src"),
-    "CPKIT_BRIDGE_SRC": ("src/cpkit/bridge.py", "bridge_src"),
+    "CPKIT_BRIDGE_SRC": ("src/cpkit/upstream/bridge.py", "bridge_src"),
 }
 
 

@@ -16,7 +16,7 @@ from typing import Iterable, Iterator
 
 __all__ = ["module_name", "imports", "package_modules", "cpkit_imports", "transitive_cpkit_imports",
            "TEST_FOLDERS", "SCRIPT_RUNNERS", "importing_tests", "named_imports", "import_cycles", "LAYERS",
-           "layer_of", "layer_violations"]
+           "layer_of", "layer_violations", "FEATURES", "BUILDS_ON", "feature_of", "feature_violations"]
 
 #: The folders of test files (test_*.py) whose imports select them.
 TEST_FOLDERS = ("tests", "functional")
@@ -39,6 +39,14 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                        "cpkit.commands", "cpkit.cli", "cpkit.tools")),
 )
 
+
+#: Inside the product: one package per CP feature, on the shared base (every other product module:
+#: `cpkit.parallel`, `cpkit.upstream` and the modules at the top of `cpkit`). The base imports no
+#: feature; a feature imports the base and only the features it builds on (BUILDS_ON).
+FEATURES = ("cpkit.attention", "cpkit.hierarchical", "cpkit.eval_cp", "cpkit.dynamic", "cpkit.hybrid")
+#: feature -> the features it builds on: dynamic CP switches groups per micro-batch with eval-time
+#: CP's rebinding (cpkit.eval_cp.rebind).
+BUILDS_ON = {"cpkit.dynamic": ("cpkit.eval_cp",)}
 
 def module_name(path: Path, root: Path) -> str:
     """Dotted name of the module at `path` below the import root `root` (a package's
@@ -245,4 +253,29 @@ def import_cycles(src: Path, package: str = "cpkit") -> list[list[str]]:
     for m in sorted(modules):
         if m not in index:
             visit(m)
+    return sorted(out)
+
+
+def feature_of(module: str) -> str | None:
+    """The feature package (FEATURES) `module` belongs to, None for the shared base and others."""
+    return next((f for f in FEATURES if module == f or module.startswith(f + ".")), None)
+
+
+def feature_violations(src: Path, package: str = "cpkit") -> list[str]:
+    """Every import inside the product (LAYERS[0]) that crosses features the wrong way, lazy
+    imports included, one line each, sorted: a base module importing a feature, or a feature
+    importing a feature it does not build on (BUILDS_ON)."""
+    modules = package_modules(src, package)
+    out = []
+    for name, path in modules.items():
+        if layer_of(name) != 0:
+            continue
+        own = feature_of(name)
+        allowed = {own, None, *BUILDS_ON.get(own, ())}
+        for line, base, names in _import_statements(path, src):
+            for target in _named_targets(base, names, modules):
+                there = feature_of(target)
+                if layer_of(target) == 0 and there not in allowed:
+                    where = f"{path.relative_to(src.parent).as_posix()}:{line}"
+                    out.append(f"{where}: {name} ({own or 'the shared base'}) imports {target} ({there})")
     return sorted(out)

@@ -10,7 +10,7 @@ Per case, on every rank (cp = the world size, tp = pp = 1):
 2. the collection's `hcp` holds two groups, and this rank's membership is MCore's definition of
    the levels, derived here from the sizes: level 0 (a2a) the `a` consecutive CP ranks holding
    this rank, level 1 (p2p) the CP ranks with this rank's position in its level-0 group; the
-   same ranks as cpkit's decentralized groups for the same layout (`cpkit.groups`);
+   same ranks as cpkit's decentralized groups for the same layout (`cpkit.parallel.groups`);
 3. one SGD step of the small GPT (cpkit attention, a2a+p2p on those groups) gives the cp=1
    reference's loss before and after the step and its gradients: fp32 loss 1e-5 and gradients
    rtol = atol = 1e-5 (bf16 on NCCL: 5e-3 and 2e-2 of each gradient's scale). The reference is
@@ -61,9 +61,9 @@ def bridge_hcp_case(case):
     gradient difference."""
     from megatron.core import parallel_state
 
-    from cpkit.bridge import DistInit, bridge_model_config, bridge_modules
-    from cpkit.groups import build_pg_collection
-    from cpkit.layout import CPLayout
+    from cpkit.upstream.bridge import DistInit, bridge_model_config, bridge_modules
+    from cpkit.parallel.groups import build_pg_collection
+    from cpkit.parallel.layout import CPLayout
     from cpkit.mcore_cpu import install_mcore_cpu_shim
     from cpkit.process_device import device
     from cpkit.sharding import shard_batch

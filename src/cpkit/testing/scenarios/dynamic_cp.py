@@ -11,8 +11,8 @@ import torch.distributed as dist
 from cpkit.dynamic import CPGroupAssignment, Microbatch, Plan, build_group_registry, cp_size_for, schedule
 from cpkit.dynamic.cost import CostModel, ModelDims
 from cpkit.dynamic.runtime import dynamic_cp_step
-from cpkit.groups import build_pg_collection
-from cpkit.layout import CPLayout
+from cpkit.parallel.groups import build_pg_collection
+from cpkit.parallel.layout import CPLayout
 from cpkit.mcore_cpu import install_mcore_cpu_shim
 from cpkit.process_device import device
 from cpkit.testing.compare import assert_grads_close

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 from cpkit.compat import get_pg
-from cpkit.eval_cp import build_eval_pg_collection, eval_cp_context, evaluate
-from cpkit.groups import build_pg_collection
-from cpkit.layout import CPLayout
+from cpkit.eval_cp.context import build_eval_pg_collection, eval_cp_context, evaluate
+from cpkit.parallel.groups import build_pg_collection
+from cpkit.parallel.layout import CPLayout
 from cpkit.mcore_cpu import install_mcore_cpu_shim
 from cpkit.process_device import device
 from cpkit.sharding import shard_batch

@@ -95,21 +95,21 @@ def groups_case(case):
     passes on them and fails on swapped levels. Returns this rank's describe_groups() lines."""
     from cpkit.compat import get_pg
     from cpkit.errors import CPConfigError
-    from cpkit.group_info import require_hierarchical_groups
-    from cpkit.groups import HCP_LOG_PREFIX, build_pg_collection, describe_groups
-    from cpkit.layout import CPLayout
-    from cpkit.rank_grid import groups_of_rank, rank_groups
+    from cpkit.parallel.group_info import require_hierarchical_groups
+    from cpkit.parallel.groups import HCP_LOG_PREFIX, build_pg_collection, describe_groups
+    from cpkit.parallel.layout import CPLayout
+    from cpkit.parallel.rank_grid import groups_of_rank, rank_groups
 
     rank = dist.get_rank()
     layout = CPLayout(world_size=dist.get_world_size(), tp=case.get("tp", 1), pp=case.get("pp", 1),
                       cp=case["cp"], cp_comm_type=case.get("cp_comm_type", "p2p"),
                       hierarchical_context_parallel_sizes=case.get("hier"))
     warnings = _WarningCounter()
-    logging.getLogger("cpkit.groups").addHandler(warnings)
+    logging.getLogger("cpkit.parallel.groups").addHandler(warnings)
     try:
         pgc = build_pg_collection(layout, use_hyper_comm_grid=case.get("use_grid", True))
     finally:
-        logging.getLogger("cpkit.groups").removeHandler(warnings)
+        logging.getLogger("cpkit.parallel.groups").removeHandler(warnings)
     assert warnings.count == 0, "HyperCommGrid disagreed with MCore's rank order"
     mine = {f: _ranks_of(pgc, f) for f in FIELDS}
     mine_hcp = _hcp_ranks(pgc)

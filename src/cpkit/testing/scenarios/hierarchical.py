@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from cpkit.compat import get_pg, new_pg_collection
 from cpkit.errors import CPConfigError
-from cpkit.groups import HCP_LOG_PREFIX, build_pg_collection
-from cpkit.layout import CPLayout
+from cpkit.parallel.groups import HCP_LOG_PREFIX, build_pg_collection
+from cpkit.parallel.layout import CPLayout
 from cpkit.mcore_cpu import install_mcore_cpu_shim
 from cpkit.process_device import device
 from cpkit.sharding import shard_batch
@@ -60,8 +60,8 @@ class _Lines(logging.Handler):
 
 
 def _build_logged(*args, **kwargs):
-    """build_gpt with the `cpkit.groups` logger captured at INFO: (model, logged lines)."""
-    log = logging.getLogger("cpkit.groups")
+    """build_gpt with the `cpkit.parallel.groups` logger captured at INFO: (model, logged lines)."""
+    log = logging.getLogger("cpkit.parallel.groups")
     handler, old_level = _Lines(), log.level
     log.addHandler(handler)
     log.setLevel(logging.INFO)  # the root default (WARNING) would drop the INFO lines

@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 
 from cpkit.compat import get_pg, schedule_pg_collection
-from cpkit.group_info import group_size
-from cpkit.groups import build_pg_collection
-from cpkit.layout import CPLayout
+from cpkit.parallel.group_info import group_size
+from cpkit.parallel.groups import build_pg_collection
+from cpkit.parallel.layout import CPLayout
 from cpkit.loss import attach_grad_sync, reduce_group, reduce_reported_losses
 from cpkit.mcore_cpu import install_mcore_cpu_shim
 from cpkit.process_device import device
@@ -388,7 +388,7 @@ def dynamic_loss_scenario(case: dict):
 
     from cpkit.dynamic import build_group_registry
     from cpkit.dynamic.pipeline import dynamic_cp_forward_backward
-    from cpkit.rank_grid import rank_groups
+    from cpkit.parallel.rank_grid import rank_groups
     from cpkit.testing.reference import token_sample
 
     install_mcore_cpu_shim()

@@ -1,0 +1,299 @@
+"""The step model's calibration, measured on the bench's ranks from micro-benchmarks only.
+
+Run on every rank of `python -m cpkit.bench dynamic_step` (cpkit.bench.dynamic.dynamic_step_rank) when
+no cached calibration exists; never from a plan's step (the bench validates the model on those).
+1. Kernels (cpkit.bench.dynamic.replay_calibration's GEMM and attention shapes): spread over the ranks,
+   each times its share with cpkit.bench.dynamic.replay_kernels.KernelTimer, then all share them.
+2. Ops and syncs (`count_ops`): dispatched aten ops and host syncs of one micro-batch forward +
+   backward of the bench's own model through cpkit's runtime, per CP size c of the registry and
+   n = 1 and 3 packed samples (all ranks at once, real groups), fitted linear in n.
+3. Micro-batches (cpkit.dynamic.step_fit.MicrobatchPoint): the same forward + backward at
+   several local token counts and sample counts, at c = 1 (every rank alone) and on the real
+   c = 2 and c = 4 groups; seconds of the slowest rank, median of `iters`. Also timed: a host
+   sync, an idle slot's zero-loss backward, the batch preparation and the gradient all-reduce
+   with the optimizer step.
+4. cpkit.dynamic.step_fit.fit_costs turns them into cpkit.dynamic.step_model.StepCosts.
+The result is one JSON (CostModel's calibration plus a "step" section), cached by GPU, ranks,
+torch, MCore and model shape (`cache_path`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from cpkit.dynamic.plan import CPGroupAssignment, Microbatch, Plan
+
+__all__ = ["cache_path", "count_ops", "measure_step_costs", "share_kernel_timing", "warm_groups"]
+
+_ATEN = torch.ops.aten
+_SYNC_OPS = {_ATEN._local_scalar_dense.default, _ATEN.nonzero.default, _ATEN.is_nonzero.default}
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts every dispatched aten op, and those that block the host on the device."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = self.syncs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.ops += 1
+        if func in _SYNC_OPS:
+            self.syncs += 1
+        elif func in (_ATEN._to_copy.default, _ATEN.copy_.default) and args:
+            src = args[1] if func is _ATEN.copy_.default else args[0]
+            dst = args[0].device if func is _ATEN.copy_.default else kwargs.get("device")
+            if isinstance(src, torch.Tensor) and src.device.type != "cpu" and dst is not None \
+                    and torch.device(dst).type == "cpu":
+                self.syncs += 1  # a device-to-host copy (.tolist(), .cpu())
+        return func(*args, **kwargs)
+
+
+def count_ops(fn) -> tuple[int, int]:
+    """(dispatched aten ops, host syncs) while `fn()` runs on this thread (the autograd engine
+    carries the mode into backward)."""
+    counter = _OpCounter()
+    with counter:
+        fn()
+    return counter.ops, counter.syncs
+
+
+def cache_path(root: str, device_name: str, world: int, dims, vocab: int) -> Path:
+    """Where the calibration of this GPU, rank count, torch, MCore and model shape is kept."""
+    from cpkit.bench.common import machine_info
+
+    info = machine_info()
+    shape = hashlib.sha256(repr((sorted(vars(dims).items()), vocab)).encode()).hexdigest()[:10]
+    name = f"{device_name}-{world}r-torch{info['torch']}-mcore{info.get('megatron_core')}-{shape}"
+    return Path(root) / (re.sub(r"[^A-Za-z0-9.+-]+", "_", name) + ".json")
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _point_plan(cp: int, lens: list[int], world: int, max_len: int) -> Plan:
+    """One micro-batch: every aligned block of `cp` ranks runs its own samples of `lens`."""
+    n = len(lens)
+    groups = tuple(CPGroupAssignment(tuple(range(f, f + cp)), tuple(range(g * n, (g + 1) * n)), cp)
+                   for g, f in enumerate(range(0, world, cp)))
+    all_lens = tuple(lens) * len(groups)
+    return Plan(microbatches=(Microbatch(groups),), seq_lens=all_lens, dp_cp_size=world,
+                max_seq_len_per_rank=max_len, workloads=tuple(float(L) for L in all_lens),
+                needed_cp_sizes=(cp,) * len(all_lens), packed=True)
+
+
+class _Runner:
+    """Runs one micro-batch of a point plan on this rank through cpkit's runtime."""
+
+    def __init__(self, model, registry, pgc, group, vocab, device):
+        self.model, self.registry, self.pgc, self.group = model, registry, pgc, group
+        self.vocab, self.device = vocab, device
+
+    def samples(self, plan: Plan) -> list[dict]:
+        """The plan's samples on the device (as the bench holds its batch: preparing them does
+        no host-to-device copy)."""
+        gen = torch.Generator().manual_seed(0)
+        out = []
+        for L in plan.seq_lens:
+            seq = torch.randint(0, self.vocab, (L + 1,), generator=gen)
+            out.append({"tokens": seq[:-1].to(self.device), "labels": seq[1:].to(self.device),
+                        "loss_mask": torch.ones(L, device=self.device)})
+        return out
+
+    def prepare(self, plan: Plan, samples: list[dict] | None = None):
+        """This rank's micro-batch 0 of `plan` (cpkit.dynamic.runtime.prepare_microbatch)."""
+        from cpkit.dynamic.runtime import dp_cp_position, prepare_microbatch
+
+        samples = samples if samples is not None else self.samples(plan)
+        return prepare_microbatch(plan, 0, self.registry, dp_cp_position(self.registry), samples.__getitem__,
+                                  device=self.device)
+
+    def fwd_bwd(self, local, total: float) -> None:
+        from cpkit.dynamic.runtime import forward_backward_local
+
+        forward_backward_local(self.model, [local], total_tokens=total, pg_collection=self.pgc)
+
+    def timed(self, fn, warmup: int, iters: int) -> float:
+        """Median over `iters` of the slowest rank's seconds of `fn()` (every rank runs it)."""
+        rows = []
+        for i in range(warmup + iters):
+            _sync(self.device)
+            dist.barrier(self.group)
+            t0 = time.perf_counter()
+            fn()
+            _sync(self.device)
+            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=self.device)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=self.group)
+            if i >= warmup:
+                rows.append(dt.item())
+        return statistics.median(rows)
+
+
+def warm_groups(model, registry, pgc, group, vocab, device) -> None:
+    """One tiny micro-batch on every CP size of the registry: NCCL communicators (collectives
+    and the ring's point-to-point) and kernels are set up before anything is timed."""
+    run = _Runner(model, registry, pgc, group, vocab, device)
+    world = dist.get_world_size(group)
+    for cp in registry.sizes:
+        if cp <= world:
+            local = run.prepare(_point_plan(cp, [16 * cp], world, 1 << 20))
+            run.fwd_bwd(local, 1.0)
+    model.zero_grad(set_to_none=False)
+    _sync(device)
+
+
+def _grid(sizes, longest: int, quick: bool) -> list[tuple[int, list[int]]]:
+    """(cp, sample lengths) of the micro-benchmark points (module docstring, step 3): at cp 1,
+    one sample from tiny to the batches' scale (host-bound to GPU-bound), four of a quarter of
+    the largest, and four and eight tiny ones (the per-sample host cost); at cp > 1, a tiny
+    and a large sample and four of a quarter (the residual's median)."""
+    top = max(256, min(8192, longest))
+    locals_ = [64, 256] if quick else [64, 1024, top // 2, top]
+    out = []
+    for cp in sizes:
+        tokens = locals_ if cp == 1 else [locals_[0], locals_[-1]]
+        out += [(cp, [min(longest, T * cp)]) for T in tokens]
+        out.append((cp, [min(longest, locals_[-1] * cp // 4)] * 4))
+        out.append((cp, [16 * cp] * 4))
+        if cp == 1:
+            out.append((cp, [16] * 8))
+    return out
+
+
+def measure_step_costs(model, opt, registry, pgc, group, vocab, device, *, longest: int,
+                       quick: bool, kernel_model) -> dict:
+    """The "step" section of the calibration (module docstring, steps 2 to 4), on every rank;
+    `kernel_model`: a cpkit.dynamic.cost.CostModel of the kernels (step 1's)."""
+    from cpkit.dynamic.runtime import forward_backward_local
+    from cpkit.dynamic.step_fit import MicrobatchPoint, fit_costs, fit_linear
+    from cpkit.dynamic.step_model import OpCounts, StepCosts
+    from cpkit.loss import all_reduce_gradients
+
+    t_start = time.perf_counter()
+    run = _Runner(model, registry, pgc, group, vocab, device)
+    world = dist.get_world_size(group)
+    sizes = [c for c in registry.sizes if c <= world]
+    warmup, iters = (1, 2) if quick else (1, 3)
+    counted, failed = {}, None
+    for cp in sizes:  # ops and syncs, n = 1 and 3 samples of a few tokens
+        rows = []
+        for n in (1, 3):
+            local = run.prepare(_point_plan(cp, [32 * cp] * n, world, 1 << 20))
+            try:  # every rank runs the same code: a failure under the mode is on all of them
+                rows.append((n, *count_ops(lambda: run.fwd_bwd(local, 1.0))))
+            except Exception as err:  # noqa: BLE001 - the run goes on with the fallback below
+                failed = f"{type(err).__name__}: {err}"
+                run.fwd_bwd(run.prepare(_point_plan(cp, [32 * cp] * n, world, 1 << 20)), 1.0)
+        if len(rows) == 2:
+            ob, op = fit_linear([r[0] for r in rows], [r[1] for r in rows])
+            sb, sp = fit_linear([r[0] for r in rows], [r[2] for r in rows])
+            counted[cp] = (ob, op, sb, sp)
+    from cpkit.bench.common import machine_info
+
+    info = machine_info()
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    where = (f"counted on {dev_name} (torch {info['torch']}, megatron-core {info.get('megatron_core')}): "
+             "aten ops of one micro-batch forward + backward of the bench's model")
+    if failed or not counted:  # 4 layers on CPU, MCore 0.19.2 (the 0f7f3d4 reading), per layer
+        scale = kernel_model.dims.num_layers / 4
+        counted = {c: (v * scale, 300 * scale, 17.0, 0.0) for c, v in ((1, 589), (2, 989), (4, 1373))
+                   if c in sizes}
+        where = f"NOT COUNTED ({failed}): 0f7f3d4's CPU reading, scaled by layers"
+    ops = OpCounts(counted, where)
+    points, prep = [], []
+    for cp, lens in _grid(sizes, longest, quick):
+        plan = _point_plan(cp, lens, world, 1 << 20)
+        holder, samples = {}, run.samples(plan)
+
+        def prepare():
+            holder["local"] = run.prepare(plan, samples)
+
+        prep.append((len(lens), run.timed(prepare, warmup, iters)))
+        seconds = run.timed(lambda: run.fwd_bwd(holder["local"], float(sum(lens))), warmup, iters)
+        fixed = ops.ops(cp, 0)
+        points.append(MicrobatchPoint(cp, tuple(lens), fixed, ops.ops(cp, len(lens)) - fixed,
+                                      ops.syncs(cp, len(lens)), seconds))
+    x = torch.zeros(1, device=device)
+
+    def syncs():
+        for _ in range(20):
+            x.add_(1)
+            x.item()
+
+    sync_s = run.timed(syncs, warmup, iters) / 20
+    idle_s = run.timed(lambda: forward_backward_local(model, [None], total_tokens=1.0,
+                                                      pg_collection=pgc), warmup, iters)
+
+    def reduce_opt():
+        all_reduce_gradients(model, group)
+        opt.step()
+
+    reduce_opt_s = run.timed(reduce_opt, warmup, iters)
+    model.zero_grad(set_to_none=False)
+    prep_mb, prep_sample = fit_linear([n for n, _ in prep], [t for _, t in prep])
+    layers = kernel_model.dims.num_layers
+    fitted = fit_costs(points, lambda p: kernel_model.group_time(p.seq_lens, p.cp), layers, sync_s)
+    costs = StepCosts(ops=ops, host_op_s=fitted["host_op_s"], sync_s=sync_s,
+                      mem_s_per_token=fitted["mem_s_per_token"], overlap_loss=fitted["overlap_loss"],
+                      sample_op_s=fitted["sample_op_s"],
+                      residual_s=fitted["residual_s"], idle_s=idle_s, prep_mb_s=max(0.0, prep_mb),
+                      prep_sample_s=max(0.0, prep_sample), reduce_opt_s=reduce_opt_s,
+                      source={"points": [[p.cp, list(p.seq_lens), p.ops, p.sample_ops, p.syncs, p.seconds]
+                                         for p in points],
+                              "fit_errors": {str(c): v for c, v in fitted["errors"].items()},
+                              "seconds": time.perf_counter() - t_start,
+                              "what": "micro-benchmarks on these ranks (cpkit.bench.dynamic.dynamic_step_calibrate)"})
+    return costs.to_dict()
+
+
+def share_kernel_timing(timer, dims, link, group, *, device_name: str, origin: str, quick: bool,
+                        max_tokens: int | None = None) -> dict:
+    """cpkit.bench.dynamic.replay_calibration.calibration_from_timer with the kernel shapes spread over
+    the ranks of `group`: each rank times its share, all share the results (module docstring,
+    step 1). Every rank returns the same calibration dict."""
+    from cpkit.bench.dynamic.replay_calibration import calibration_from_timer
+    from cpkit.bench.dynamic.replay_kernels import KernelTimer
+    from cpkit.bench.dynamic.replay_work import AttnCall
+
+    class _Recorder(KernelTimer):  # asks for the shapes without running them
+        def __init__(self):
+            super().__init__(dims, torch.device("cpu"))
+            self.keys = []
+
+        def _gemm_at(self, tokens):
+            self.keys.append(("gemm", tokens))
+            return 1.0
+
+        def call(self, call):
+            self.keys.append(("call", (call.kind, tuple(sorted(call.chunks)))))
+            return 1.0, 1.0
+
+    rec = _Recorder()
+    calibration_from_timer(rec, dims, link, device=device_name, origin=origin, quick=quick,
+                           max_tokens=max_tokens)
+    keys = sorted(set(rec.keys), key=lambda k: (-(k[1] if k[0] == "gemm" else sum(k[1][1]) * 4), str(k)))
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    mine = {"gemm": {}, "call": {}}
+    for kind, key in keys[rank::world]:
+        if kind == "gemm":
+            mine["gemm"][key] = timer._gemm_at(key)
+        else:
+            mine["call"][key] = timer.call(AttnCall(key[0], key[1]))
+    shared = [None] * world
+    dist.all_gather_object(shared, mine, group=group)
+    for part in shared:
+        timer._gemm.update(part["gemm"])
+        timer._calls.update(part["call"])
+    return calibration_from_timer(timer, dims, link, device=device_name, origin=origin, quick=quick,
+                                  max_tokens=max_tokens)
