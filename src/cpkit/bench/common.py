@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import os
 import platform
 import re
@@ -28,6 +29,7 @@ __all__ = [
     "median",
     "format_table",
     "write_json",
+    "loaded_code",
     "source_commit",
     "pyplot",
     "PLOT_SKIPPED",
@@ -198,11 +200,25 @@ def format_table(
 
 
 def write_json(name: str, payload: dict, out: Optional[str] = None) -> Path:
-    """Write `payload` to `out`, or to bench-results/<name>.json; return the path."""
+    """Write `payload` to `out`, or to bench-results/<name>.json; return the path. The payload
+    gains `code`: the cpkit source files this process loaded, so a claim made from the JSON is
+    held to the code that ran (src/cpkit/cards/claim_scope.py)."""
+    payload = {**payload, "code": payload.get("code") or loaded_code()}
     path = Path(out) if out else Path(DEFAULT_RESULTS_DIR) / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, sort_keys=False, default=str) + "\n")
     return path
+
+
+def loaded_code() -> list[str]:
+    """The source paths (src/cpkit/...) of the cpkit modules this process has loaded, sorted."""
+    root = Path(__file__).resolve().parents[3]
+    out = []
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if name.split(".")[0] == "cpkit" and path and Path(path).resolve().is_relative_to(root):
+            out.append(Path(path).resolve().relative_to(root).as_posix())
+    return sorted(out)
 
 
 #: Environment variables recorded by `machine_info` (by prefix).

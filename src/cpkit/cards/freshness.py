@@ -3,8 +3,9 @@ measured at; it is stale when a file its covering tests cover changed since that
 "cover" is what `cpkit validate --changed` runs for a changed path: the change map's rows and the
 import graph (src/cpkit/validation/change_map.py::select_tests).
 
-A measured claim (a card's `claims:`) is judged the same way from its commit and its `about`
-entries: a test's selection as above, a source path by itself (ChangeIndex.claim_freshness).
+A measured claim (a card's `claims:`) is judged the same way from its commit: stale when any file
+of the code its command ran changed (derived, src/cpkit/cards/claim_scope.py), or an `about` entry
+(a test's selection as above, a source path by itself; ChangeIndex.claim_freshness).
 
 "Changed since the commit" comes from the commit's content snapshot (src/cpkit/cards/snapshot.py,
 written by `cpkit cards record`) compared with the files on disk, so a copy without git history
@@ -18,6 +19,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from cpkit.cards.claim_scope import claim_scope, recorded_code
 from cpkit.cards.nodes import CLUSTER_PREFIX, node_file
 from cpkit.cards.snapshot import changed_on_disk, find_snapshot
 from cpkit.validation.change_map import select_tests
@@ -115,13 +117,17 @@ class ChangeIndex:
                              under)
         return Freshness(FRESH, f"nothing under {what} changed since {commit}")
 
-    def claim_freshness(self, commit: str, about: tuple[str, ...] | list[str]) -> Freshness:
-        """Whether a claim measured at `commit` still holds: stale when a file its `about` entries
-        name changed (a source file or folder itself; a test node id or file through what a
-        change of the path selects, as for a follow-up's covering tests)."""
+    def claim_freshness(self, commit: str, about: tuple[str, ...] | list[str], command: str = "",
+                        evidence: str = "") -> Freshness:
+        """Whether a claim measured at `commit` still holds: stale when a file of the code its
+        command ran changed (src/cpkit/cards/claim_scope.py::claim_scope, with what its evidence
+        recorded), or one its `about` entries name (a source file or folder itself; a test node
+        id or file through what a change of the path selects, as for a follow-up's tests)."""
         tests = tuple(a for a in about if a.startswith(TEST_ROOTS) or a.startswith(CLUSTER_PREFIX))
-        paths = tuple(a.split("::", 1)[0] for a in about if a not in tests)
-        return self.freshness(commit, tests, paths)
+        paths = {a.split("::", 1)[0] for a in about if a not in tests}
+        if command:
+            paths.update(claim_scope(command, self.root, recorded_code(self.root, evidence) if evidence else ()))
+        return self.freshness(commit, tests, tuple(sorted(paths)))
 
 
 #: Where test files live: an `about` entry under these is a test, any other a path of code.

@@ -79,8 +79,8 @@ OUTCOMES = ("passed", "failed", "partial")
 TEST_OUTCOMES = ("passed", "failed", "skipped", "not run")
 _COMMIT = re.compile(r"^[0-9a-f]{7,40}$")
 #: Keys of one measured claim (all required): what was measured and how, where the raw output is,
-#: at which commit, on what, when, and the code it is about (test node ids or files, source paths
-#: or `path::symbol` anchors, `cluster:<check>`), which `cpkit cards status` holds it to.
+#: at which commit, on what, when, and what it is about beyond the code its command ran (that is
+#: derived: src/cpkit/cards/claim_scope.py), which `cpkit cards status` holds it to.
 CLAIM_KEYS = {"id": "str", "value": "str", "command": "str", "evidence": "str", "commit": "str",
               "machine": "str", "date": "date", "about": "list[str]"}
 

@@ -65,12 +65,13 @@ def verdict(row: dict) -> str:
 
 def claim_rows(root: Path, cards, changes: ChangeIndex | None) -> list[dict]:
     """One row per measured claim of `cards`: the claim as written, whether its evidence folder
-    exists, and its freshness (stale when code under its `about` entries changed since its
+    exists, and its freshness (stale when the code its command ran, or its `about` entries, changed since its
     commit; see ChangeIndex.claim_freshness)."""
     rows = []
     for card in cards:
         for claim in card.claims:
-            fresh = changes.claim_freshness(claim.commit, claim.about).to_dict() if changes is not None else None
+            fresh = (changes.claim_freshness(claim.commit, claim.about, claim.command, claim.evidence).to_dict()
+                     if changes is not None else None)
             rows.append({"feature": card.feature, **claim.to_dict(),
                          "evidence_exists": (Path(root) / claim.evidence).exists(), "freshness": fresh})
     return rows

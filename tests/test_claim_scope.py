@@ -1,0 +1,69 @@
+"""A measured claim is held to the code its command ran, derived, not hand-written
+(src/cpkit/cards/claim_scope.py): a body change in a function on a claim's path marks it stale,
+a change off the path does not."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cpkit.cards.claim_scope import WHOLE_SUITE, claim_scope, entry_modules, recorded_code
+from cpkit.cards.freshness import FRESH, STALE, ChangeIndex
+from cpkit.cards.schema import load_cards
+
+ROOT = Path(__file__).resolve().parents[1]
+WINDOWS = "python -m cpkit.bench attention --cp 2 --seq 32K,128K --kv-heads 8 --backends cpkit,te --features window,window2"
+
+
+def test_the_attention_bench_runs_the_a2a_forward_and_not_the_scheduler():
+    scope = claim_scope(WINDOWS, ROOT)
+    assert {"src/cpkit/attention/a2a.py", "src/cpkit/attention/cudnn_fe.py", "src/cpkit/attention/p2p.py",
+            "src/cpkit/bench/attention/attention_features.py", "src/cpkit/parallel/layout.py"} <= set(scope)
+    assert "src/cpkit/dynamic/scheduler.py" not in scope and "src/cpkit/eval_cp/rebind.py" not in scope
+
+
+def test_lazy_exports_named_by_string_are_on_the_path():
+    # cpkit.attention's __getattr__ loads the MCore module by name (importlib.import_module)
+    assert "src/cpkit/attention/module.py" in claim_scope("python -m cpkit.bench eval_cp", ROOT)
+
+
+def test_a_script_preset_is_its_branch_and_the_scripts_it_sources():
+    modules, paths = entry_modules("DYNAMIC_STEP_BUDGET_S=200 bash scripts/gpu-bench.sh dynamic_step", ROOT)
+    assert "cpkit.bench.dynamic.dynamic_step" in modules and "cpkit.bench.attention.attention" not in modules
+    assert {"scripts/gpu-bench.sh", "scripts/gpu-env.sh", "scripts/upstream-unpack.sh"} <= paths
+
+
+def test_a_mutation_claim_is_its_file_and_tests_and_validate_is_everything():
+    scope = claim_scope("python -m cpkit.testing.mutation src/cpkit/parallel/layout.py tests/test_layout.py --sample 30", ROOT)
+    assert {"src/cpkit/parallel/layout.py", "tests/test_layout.py", "src/cpkit/testing/mutation.py"} <= set(scope)
+    assert "src/cpkit/attention/a2a.py" not in scope
+    assert claim_scope("cpkit validate --record-map", ROOT) == WHOLE_SUITE
+
+
+def test_a_recorded_code_list_joins_the_scope(tmp_path):
+    (tmp_path / "ev").mkdir()
+    (tmp_path / "ev" / "bench.json").write_text(json.dumps({"code": ["src/cpkit/dynamic/scheduler.py"]}))
+    assert recorded_code(tmp_path, "ev") == ("src/cpkit/dynamic/scheduler.py",)
+    assert "src/cpkit/dynamic/scheduler.py" in claim_scope(WINDOWS, ROOT, recorded_code(tmp_path, "ev"))
+
+
+@pytest.mark.parametrize("changed, state", [
+    ("src/cpkit/attention/a2a.py", STALE),          # _UlyssesAttention.forward: on the benchmark's path
+    ("src/cpkit/dynamic/scheduler.py", FRESH),      # off it
+])
+def test_a_change_on_the_measured_path_marks_the_claim_stale(monkeypatch, changed, state):
+    index = ChangeIndex(ROOT)
+    monkeypatch.setattr(index, "changed_since", lambda commit: ((changed,), ""))
+    # the hand-written about of the claim that read "fresh" while its a2a path had changed
+    about = ("src/cpkit/attention/cudnn_fe.py", "src/cpkit/bench/attention/attention_features.py")
+    assert index.claim_freshness("8e4de0e", about, WINDOWS).state == state
+    assert index.claim_freshness("8e4de0e", about).state == FRESH  # the hand-written scope alone missed it
+
+
+def test_every_claim_has_a_derived_scope():
+    """Every claim's command names code the scope can find (or is the whole suite, or not a run)."""
+    empty = [c.id for card in load_cards(ROOT)[0] for c in card.claims
+             if not c.command.startswith("not recorded") and not claim_scope(c.command, ROOT)]
+    assert empty == []
