@@ -117,3 +117,15 @@ def test_bench_refuses_an_unknown_feature(capsys):
 
     assert main(["--device", "cpu", "--features", "dense,windw"]) == 2
     assert "--features ['windw']: each must be one of" in capsys.readouterr().err
+
+
+def test_a_requested_cell_without_a_row_is_named_with_its_reason():
+    from cpkit.bench.attention.attention import build_cases, dropped_cells
+
+    cases = build_cases(["cpkit"], ["p2p", "a2a+p2p"], [8], [2, 4], [1024], 2, te_ok=False)
+    assert {(c.comm, c.cp) for c in cases} == {("p2p", 2), ("p2p", 4), ("a2a+p2p", 4)}
+    notes = dropped_cells(["p2p", "a2a+p2p"], [2, 4], 2)
+    assert notes == ["no a2a+p2p row at cp 2: a2a+p2p needs two levels > 1 and --hcp-a2a 2 at cp 2 leaves a p2p "
+                     "level of 1, which is plain a2a (its own row); at cp 4, --hcp-a2a 2 is [2, 2]"]
+    assert "does not divide" in dropped_cells(["a2a+p2p"], [6], 4)[0]
+    assert dropped_cells(["p2p"], [2], 2) == []

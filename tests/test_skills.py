@@ -95,6 +95,16 @@ def test_missing_skill_files_are_reported(repo):
     assert "skills/empty-skill: missing SKILL.md" in problems
 
 
+
+def test_a_skills_sibling_page_is_held_to_the_same_checks(repo):
+    """Details moved out of SKILL.md (read on demand) keep their anchors and commands checked."""
+    sibling = repo / "skills" / "demo-feature" / "details.md"
+    sibling.write_text("# Details\n\nSee `src/cpkit/nowhere.py::gone`.\n\n```bash\ncpkit no-such-command\n```\n")
+    problems = [p for p in check_skills(repo, PARSER) if p.startswith("skills/demo-feature/details.md")]
+    assert problems[0].startswith("skills/demo-feature/details.md:3: `src/cpkit/nowhere.py::gone`")
+    assert any(p.startswith("skills/demo-feature/details.md:6:") for p in problems)
+
+
 # ----------------------------------------------------------------------------- what counts
 
 

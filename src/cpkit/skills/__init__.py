@@ -72,6 +72,8 @@ def check_skills(root: str | Path, parser: argparse.ArgumentParser) -> list[str]
                 problems.append(f"{at(n)}: `{anchor}` {reason}")
         for n, argv in body_commands(skill.body):
             problems += [f"{at(n)}: {p}" for p in check_command(argv, root, parser)]
+        for sibling in sorted(p for p in folder.glob("*.md") if p.name != "SKILL.md"):
+            problems += _sibling_problems(sibling, root, parser)  # read on demand: held to the same checks
         problems += _generated_table_problems(skill)
         evals = folder / "evals.json"
         if evals.is_file():
@@ -96,3 +98,21 @@ def _generated_table_problems(skill: Skill) -> list[str]:
                 "replace it with the output of `python -m cpkit.validation.change_map`"]
     return []
 
+
+
+def _sibling_problems(path: Path, root: Path, parser: argparse.ArgumentParser) -> list[str]:
+    """Anchors and commands of a skill's sibling page (details SKILL.md links to), `file:<line>`."""
+    at = lambda n: f"{rel_path(path, root)}:{n + 1}"  # noqa: E731
+    text = path.read_text(encoding="utf-8")
+    problems = []
+    for n, anchor in body_anchors(text):
+        if anchor.startswith("link:"):
+            if not (path.parent / anchor[5:]).resolve().exists():
+                problems.append(f"{at(n)}: link target {anchor[5:]!r} does not exist")
+            continue
+        reason = resolve_anchor(root, anchor)
+        if reason:
+            problems.append(f"{at(n)}: `{anchor}` {reason}")
+    for n, argv in body_commands(text):
+        problems += [f"{at(n)}: {p}" for p in check_command(argv, root, parser)]
+    return problems

@@ -120,6 +120,21 @@ def build_cases(backends, comms, kv_heads, cps, seqs, hcp_a2a: int, te_ok: bool,
     return cases
 
 
+def dropped_cells(comms, cps, hcp_a2a: int) -> list[str]:
+    """Why a requested comm type has no row at a cp (build_cases leaves it out): one line each."""
+    out = []
+    for cp in cps:
+        if A2A_P2P not in comms or (1 < hcp_a2a < cp and cp % hcp_a2a == 0):
+            continue
+        if cp % hcp_a2a:
+            why = f"--hcp-a2a {hcp_a2a} does not divide cp {cp}"
+        else:  # one level of size 1: the hierarchy is plain a2a (p2p level 1) or plain p2p (a2a level 1)
+            level, plain = ("p2p", "a2a") if hcp_a2a >= cp else ("a2a", "p2p")
+            why = f"--hcp-a2a {hcp_a2a} at cp {cp} leaves a {level} level of 1, which is plain {plain} (its own row)"
+        out.append(f"no {A2A_P2P} row at cp {cp}: {A2A_P2P} needs two levels > 1 and {why}; at cp 4, --hcp-a2a 2 is [2, 2]")
+    return out
+
+
 # ------------------------------------------------------------------------------------ workers
 
 
@@ -324,6 +339,8 @@ def main(argv=None) -> int:
         print("note: te backend skipped (Transformer Engine not importable, or --device cpu)")
     cases = build_cases(args.backends, args.comm, args.kv_heads, args.cp, args.seq, args.hcp_a2a, te_ok,
                         args.features)
+    for line in dropped_cells(args.comm, args.cp, args.hcp_a2a):
+        print(f"note: {line}")
     world = max([c.cp for c in cases] + [1])
     out_path = Path(args.out) if args.out else Path(DEFAULT_RESULTS_DIR) / f"{NAME}.json"
     partial = out_path.with_suffix(".partial.jsonl")
