@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The benchmarks of the cards and README on a GPU machine without network (see README "GPU
 # machines"), with tables, JSON, profiles, traces and their timelines under ${OUT:-gpu-results}/:
-# - attention: cpkit against Transformer Engine at cp=4 (every comm type, 32K and 128K, 8 KV
+# - attention: cpkit against Transformer Engine at cp = the host's GPUs (2, or 4 from 4 up; every comm type, 32K and 128K, 8 KV
 #   heads, with torch's CP and single-GPU SDPA), the table with its cpkit/TE and /sdpa ratios, in
 #   at most ${ATTENTION_BUDGET_S:-300} s (the launch's timeout). TE comes from .te/te-bundle.tar.xz
 #   through scripts/te-install.sh (quick when installed already); without TE it stops, since the
@@ -38,16 +38,25 @@ rc=0
 case "${1:-}" in
   attention)
     if [ -f .te/te-bundle.tar.xz ]; then bash scripts/te-install.sh .te/te-bundle.tar.xz || exit 1; fi
-    if ! python3 -c "import transformer_engine.pytorch" 2>"$out/te_import.txt"; then
+    if ! python3 -c "import torch, transformer_engine.pytorch" 2>"$out/te_import.txt"; then
       tail -3 "$out/te_import.txt" >&2
       echo "Transformer Engine does not import: carry .te/te-bundle.tar.xz (scripts/te-bundle.sh) and rerun" >&2; exit 1
     fi
-    python3 -m cpkit.bench attention --cp 4 --seq 32K,128K --kv-heads 8 --backends cpkit,te,torch,sdpa \
-      --timeout "${ATTENTION_BUDGET_S:-300}" --out "$out/attention_cp4.json" 2>&1 | quiet | tee "$out/attention_cp4.txt" || rc=1
-    # The model features at cp=4 against TE (a cell TE refuses shows TE's error).
-    python3 -m cpkit.bench attention --cp 4 --seq 32K,128K --kv-heads 8 --backends cpkit,te \
-      --features window,window2,sink,mla --timeout "${ATTENTION_BUDGET_S:-300}" \
-      --out "$out/attention_features_cp4.json" 2>&1 | quiet | tee "$out/attention_features_cp4.txt" || rc=1
+    # cp = the host's GPUs (2 on a 2-GPU host, 4 from 4 up; ATTENTION_CP overrides); ATTENTION_REPEATS
+    # runs of both tables in this one call, then each cell's median cpkit/TE and its spread.
+    gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+    cp=${ATTENTION_CP:-$([ "$gpus" -ge 4 ] && echo 4 || echo 2)}
+    for run in $(seq 1 "${ATTENTION_REPEATS:-1}"); do
+      python3 -m cpkit.bench attention --cp "$cp" --seq 32K,128K --kv-heads 8 --backends cpkit,te,torch,sdpa \
+        --timeout "${ATTENTION_BUDGET_S:-300}" --out "$out/attention_cp${cp}_run$run.json" 2>&1 | quiet \
+        | tee "$out/attention_cp${cp}_run$run.txt" || rc=1
+      # The model features against TE (a cell TE refuses shows TE's error).
+      python3 -m cpkit.bench attention --cp "$cp" --seq 32K,128K --kv-heads 8 --backends cpkit,te \
+        --features window,window2,sink,mla --timeout "${ATTENTION_BUDGET_S:-300}" \
+        --out "$out/attention_features_cp${cp}_run$run.json" 2>&1 | quiet | tee "$out/attention_features_cp${cp}_run$run.txt" || rc=1
+    done
+    python3 -m cpkit.bench.attention.repeats "$out"/attention_cp"${cp}"_run*.json "$out"/attention_features_cp"${cp}"_run*.json \
+      --out "$out/attention_cp${cp}_medians.json" 2>&1 | tee "$out/attention_cp${cp}_medians.txt" || rc=1
     ;;
   attention-full)
     python3 -m cpkit.bench attention --cp 4 --seq 32K,64K,128K --kv-heads 8,32 --backends cpkit,te,torch,sdpa \

@@ -129,3 +129,26 @@ def test_a_requested_cell_without_a_row_is_named_with_its_reason():
                      "level of 1, which is plain a2a (its own row); at cp 4, --hcp-a2a 2 is [2, 2]"]
     assert "does not divide" in dropped_cells(["a2a+p2p"], [6], 4)[0]
     assert dropped_cells(["p2p"], [2], 2) == []
+
+
+def test_repeated_runs_give_each_cells_median_and_spread(tmp_path):
+    import json
+
+    from cpkit.bench.attention.repeats import cell_ratios, main, render
+
+    def run(cpkit_tflops):
+        return [{"backend": b, "comm": "p2p", "kv_heads": 8, "cp": 2, "seq": 32768, "tflops_per_gpu": t}
+                for b, t in (("cpkit", cpkit_tflops), ("te", 100.0))]
+
+    runs = [run(99.0), run(103.0), run(101.0)]
+    ratios = cell_ratios(runs)
+    assert ratios == {("cpkit p2p kv8 cp2", 32768): [0.99, 1.03, 1.01]}
+    text = render(ratios)
+    assert "1.010 (0.040, n=3)" in text and "at or ahead of TE (median >= 1.00) in all 1 cells" in text
+    assert "behind TE (median < 1.00) in 1 of 1 cells: cpkit p2p kv8 cp2 32K 0.990" in render(
+        cell_ratios([run(99.0), run(98.0), run(103.0)]))
+    paths = []
+    for i, results in enumerate(runs):
+        paths.append(tmp_path / f"r{i}.json")
+        paths[-1].write_text(json.dumps({"results": results}))
+    assert main([str(p) for p in paths]) == 0

@@ -67,3 +67,23 @@ def test_every_claim_has_a_derived_scope():
     empty = [c.id for card in load_cards(ROOT)[0] for c in card.claims
              if not c.command.startswith("not recorded") and not claim_scope(c.command, ROOT)]
     assert empty == []
+
+
+def test_the_readme_benchmark_table_is_rendered_from_the_newest_claims(tmp_path):
+    import dataclasses
+    import datetime as dt
+
+    from cpkit.cards.bench_pointers import BEGIN, END, QUESTIONS, newest_claim, pointer_problems, render_pointers
+
+    cards = load_cards(ROOT)[0]
+    cp2_features = next(q for q in QUESTIONS if "--cp 2 --features" in q.command)
+    old = newest_claim(cp2_features, cards, ROOT)
+    assert old is not None and "--cp 2" in old.command and "--features" in old.command
+    newer = dataclasses.replace(old, id="a-newer-run", date=old.date + dt.timedelta(days=1))
+    card = dataclasses.replace(cards[0], claims=(*cards[0].claims, newer))
+    assert newest_claim(cp2_features, [card, *cards[1:]], ROOT).id == "a-newer-run"
+    dense_cp4 = next(q for q in QUESTIONS if q.command == "`python -m cpkit.bench attention --cp 4`")
+    assert "--features" not in newest_claim(dense_cp4, cards, ROOT).command
+    (tmp_path / "README.md").write_text(f"{BEGIN}\n| stale |\n{END}\n")
+    assert pointer_problems(tmp_path, cards) and "a-newer-run" in render_pointers([card, *cards[1:]], ROOT)
+    assert pointer_problems(ROOT, cards) == []

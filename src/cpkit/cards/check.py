@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 from typing import Callable, NamedTuple
 
+from cpkit.cards.bench_pointers import pointer_problems
 from cpkit.cards.claims import rendered_block_problems, unbacked_numbers
 from cpkit.cards.nodes import CLUSTER_PREFIX, node_matches
 from cpkit.cards.schema import card_dirs, load_cards
@@ -121,6 +122,7 @@ def claim_problems(root: Path, cards) -> list[str]:
     markdown = [p.relative_to(root).as_posix() for p in sorted((root / "skills").rglob("*.md"))]
     markdown += ["README.md"] if (root / "README.md").is_file() else []
     problems += rendered_block_problems(root, cards, markdown)
+    problems += pointer_problems(root, cards)
     problems += [u.problem() for u in unbacked_numbers(root, cards)]
     return problems
 

@@ -1,5 +1,6 @@
 """`python -m cpkit.cards.render`: rewrite every generated block of claims in the skills
-(skills/**/*.md) and the README from the cards' `claims:`, and print the files it changed.
+(skills/**/*.md) and the README from the cards' `claims:` (and the README's benchmark table:
+src/cpkit/cards/bench_pointers.py), and print the files it changed.
 
 A block starts with the line src/cpkit/cards/claims.py::RENDER_BEGIN (naming the card) and ends
 with RENDER_END; `cpkit cards check` reports a block that differs from its card."""
@@ -9,6 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from cpkit.cards.bench_pointers import replace_pointers
 from cpkit.cards.claims import replace_rendered_blocks
 from cpkit.cards.schema import CardError, load_cards
 from cpkit.validation.repo import find_repo_root
@@ -27,7 +29,7 @@ def render_files(root: str | Path) -> list[str]:
     changed = []
     for path in files:
         text = path.read_text(encoding="utf-8")
-        new = replace_rendered_blocks(text, cards)
+        new = replace_pointers(replace_rendered_blocks(text, cards), cards, root)
         if new != text:
             path.write_text(new, encoding="utf-8")
             changed.append(path.relative_to(root).as_posix())

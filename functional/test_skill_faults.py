@@ -1,0 +1,112 @@
+"""A skill's Verify commands, run as written, fail on a fault in the feature they verify.
+
+A skill's Verify list is a test selection: an agent runs it and trusts a pass. It once named
+only tests that never ran sinks or windows, so a fault in a feature's path passed every command
+the skill gave. Here one fault at a time is planted in a copy of the repository (a one-line
+source change in a feature's main code path, as a mutation test plants it) and the Verify
+commands of that feature's skill (`## ... Verify` section, the pytest commands that run on this
+machine: GPU-only markers are left to GPU hosts) run in the copy as written, with `-x` so the
+first failure ends them. At least one must fail with pytest's "tests failed" (exit 1): a usage
+error or a collection error would not show that the tests catch the fault.
+
+    python -m pytest functional/test_skill_faults.py -m dist -rA
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 900  # per command: a dist file on 2 busy cores, stopped at its first failure
+_IGNORED = shutil.ignore_patterns(".git", ".venv*", "evidence", "bench-results", "__pycache__", "*.egg-info",
+                                  ".pytest_cache", ".hypothesis", "gpu-results")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault in a feature's main code path: `old` becomes `new` in `path` (each exactly once)."""
+
+    skill: str
+    path: str
+    what: str
+    old: str
+    new: str
+
+
+FAULTS = [
+    Fault("context-parallel-attention", "src/cpkit/attention/a2a.py",
+          "a2a's sink gradient halved (each rank's heads' share)",
+          "dsink[heads] = sink_grad(dc, oc, lse, sink[heads])",
+          "dsink[heads] = 0.5 * sink_grad(dc, oc, lse, sink[heads])"),
+    Fault("context-parallel-attention", "src/cpkit/attention/band.py",
+          "a two-sided window sees one key fewer on its right",
+          "return (0 if causal else (None if right is None else -right)), window.left",
+          "return (0 if causal else (None if right is None else 1 - right)), window.left"),
+    Fault("hierarchical-context-parallel", "src/cpkit/parallel/groups.py",
+          "the hierarchical levels handed out in the wrong order",
+          'groups["hcp"] = [a2a, p2p]', 'groups["hcp"] = [p2p, a2a]'),
+    Fault("eval-context-parallel", "src/cpkit/eval_cp/loop.py",
+          "the eval loss summed over the eval dp group only (the cp ranks' shares dropped)",
+          "    group = reduce_group(pg_collection)\n    device = group_device(group)",
+          '    group = get_pg(pg_collection, "dp")\n    device = group_device(group)'),
+    Fault("dynamic-context-parallel", "src/cpkit/dynamic/runtime.py",
+          "a micro-batch's attention left on the static CP group",
+          "    psp.cp_group = group\n", "    psp.cp_group = None\n"),
+]
+
+_SECTION = re.compile(r"^## [^\n]*\bVerify\b[^\n]*\n(.*?)(?=^## |\Z)", re.M | re.S)
+_FENCE = re.compile(r"^```bash\n(.*?)^```", re.M | re.S)
+
+
+def verify_commands(skill: str, root: Path = ROOT) -> list[list[str]]:
+    """The pytest commands of a skill's Verify section that run without GPUs, as argv."""
+    text = (root / "skills" / skill / "SKILL.md").read_text()
+    section = _SECTION.search(text)
+    if section is None:
+        raise AssertionError(f"skills/{skill}/SKILL.md has no '## ... Verify' section")
+    out = []
+    for fence in _FENCE.findall(section.group(1)):
+        for line in fence.splitlines():
+            argv = shlex.split(line.split(" #")[0]) if line.strip() else []
+            if argv[:1] == ["pytest"] or argv[:3] in (["python", "-m", "pytest"], ["python3", "-m", "pytest"]):
+                marker = argv[argv.index("-m") + 1] if "-m" in argv[1:] and argv[1] != "-m" else ""
+                if "gpu" not in marker:
+                    out.append(argv[argv.index("pytest") + 1:])
+    return out
+
+
+def test_every_skill_has_a_verify_section_that_runs_here():
+    for skill in sorted({f.skill for f in FAULTS}):
+        assert verify_commands(skill), f"skills/{skill}/SKILL.md: no pytest command in its Verify section"
+
+
+def test_every_fault_applies_to_the_code_as_it_is():
+    for fault in FAULTS:
+        assert (ROOT / fault.path).read_text().count(fault.old) == 1, (fault.path, fault.old)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("fault", FAULTS, ids=[f"{f.skill}:{f.path.rsplit('/', 1)[1]}" for f in FAULTS])
+def test_the_skills_verify_commands_fail_on_a_fault_in_its_feature(fault, tmp_path):
+    copy = Path(shutil.copytree(ROOT, tmp_path / "repo", ignore=_IGNORED))
+    source = copy / fault.path
+    source.write_text(source.read_text().replace(fault.old, fault.new))
+    env = {**os.environ, "PYTHONPATH": f"{copy / 'src'}{os.pathsep}{copy}"}
+    runs = []
+    for args in verify_commands(fault.skill):
+        proc = subprocess.run([sys.executable, "-m", "pytest", *args, "-x", "-q", "-p", "no:cacheprovider"],
+                              cwd=copy, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        runs.append((args, proc.returncode, proc.stdout[-1500:]))
+        if proc.returncode == 1:
+            return
+    report = "\n".join(f"pytest {' '.join(a)} -> exit {rc}\n{tail}" for a, rc, tail in runs)
+    pytest.fail(f"{fault.what} ({fault.path}) passed every Verify command of skills/{fault.skill}/SKILL.md:\n{report}")
