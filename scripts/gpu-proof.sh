@@ -1,39 +1,75 @@
 #!/usr/bin/env bash
-# The GPU proof of a commit, in one command, on a GPU host without network:
-#   CPKIT_COMMIT=<commit> bash scripts/gpu-proof.sh [extra pytest args]
-# 1. set-up, skipping what is there: the MCore and cuDNN-frontend wheels from .whl/
-#    (scripts/gpu-env.sh), Transformer Engine from .te/te-bundle.tar.xz (scripts/te-install.sh),
-#    the upstream checkouts from .upstream/ (scripts/upstream-pack.sh: Megatron-LM dev and
-#    Megatron-Bridge as archives with their commits) as CPKIT_MLM_SRC / CPKIT_BRIDGE_SRC;
+# The GPU proof of a commit, and the GPU CI's one command, on a GPU host without network:
+#   CPKIT_COMMIT=<commit> bash scripts/gpu-proof.sh [--optional PARTS] [--record] [--fail-over-budget] [pytest args]
+# 1. set-up from the prepared files (scripts/gpu-ci-prepare.sh, scripts/GPU_CI.md), torch loaded
+#    first: .whl/ through scripts/setup.sh's offline path (pip --no-index: cpkit[test], MCore) and
+#    scripts/gpu-env.sh (MCore, the cuDNN frontend), Transformer Engine from .te/te-bundle.tar.xz
+#    (scripts/te-install.sh), the upstream code from .upstream/ (scripts/upstream-unpack.sh) as
+#    CPKIT_MLM_SRC / CPKIT_BRIDGE_SRC;
 # 2. every gpu2 and gpu4 test of functional/ in one pytest process (`-m "gpu2 or gpu4"` on 4 or
-#    more GPUs, `-m gpu2` on 2 or 3): the rank-pool grids of every world size side by side, the
-#    TE suite through the same pools, the examples under torchrun beside them; GPU utilization
-#    sampled every second;
-# 3. the evidence folder evidence/<date>-<n>x<GPU>-<commit>/ (env.txt, junit.xml, case-times.jsonl,
-#    gpu-util.csv, pytest.log, README.md with counts, stage walls and budgets), recorded into the
-#    cards (`cpkit cards record --evidence`), and a copy as $OUT/proof.tar.gz;
-# 4. each budget with its verdict (src/cpkit/validation/proof_report.py::BUDGETS); exit 0 only when the run is
-#    green and within every budget.
+#    more GPUs, `-m gpu2` on 2 or 3), TE and the examples included; GPU utilization sampled every
+#    second. The deadline CPKIT_PROOF_TIMEOUT_S (default 540) sends pytest SIGINT (it still writes
+#    its summary and junit), and SIGKILL CPKIT_PROOF_GRACE_S (default 30) later;
+# 3. the evidence folder $OUT/evidence/<date>-<n>x<GPU>-<commit>/ (env.txt, junit.xml,
+#    case-times.jsonl, gpu-util.csv, pytest.log, README.md with counts, stage walls, budgets and the
+#    exit verdict), packed as $OUT/proof.tar.gz; with --record also copied into the checkout's
+#    evidence/ and recorded into the cards (`cpkit cards record --evidence`); without it the
+#    checkout is not written;
+# 4. the exit (src/cpkit/validation/proof_report.py::verdict): 0 only when the run is green and
+#    every required part ran: TE, the Megatron-LM and Megatron-Bridge code, MCore, the cuDNN
+#    frontend, and no test skipped for a missing dependency. `--optional te,upstream` (or
+#    CPKIT_OPTIONAL) names parts that may be missing. Budgets are reported; an overrun fails the
+#    exit only with --fail-over-budget (a loaded host runs slower without testing less).
 # CPKIT_COMMIT names the commit where the tree is not a git checkout (a copy sent to a GPU host);
 # the README also records the tree's fingerprint (`python -m cpkit.validation.proof_report --fingerprint .`),
-# which names the same tree with or without git. CPKIT_PROOF_TIMEOUT_S (default 540) bounds pytest:
-# on expiry it gets SIGINT and still writes its summary and junit.
+# which names the same tree with or without git.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+usage="usage: bash scripts/gpu-proof.sh [--optional te,upstream,...] [--record] [--fail-over-budget] [pytest args]"
+optional=${CPKIT_OPTIONAL:-} record=0 over_flag=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --optional) [ $# -ge 2 ] || { echo "$usage" >&2; exit 2; }; optional=$2; shift 2 ;;
+    --optional=*) optional=${1#--optional=}; shift ;;
+    --record) record=1; shift ;;
+    --fail-over-budget) over_flag=(--fail-over-budget); shift ;;
+    -h|--help) echo "$usage"; exit 0 ;;
+    *) break ;;
+  esac
+done
+# A misspelt part fails now, not after the run.
+PYTHONPATH=$PWD/src python3 -c "import sys; from cpkit.validation.required_parts import parse_optional, RequiredPartsError
+try: parse_optional(sys.argv[1], field='--optional')
+except RequiredPartsError as e: sys.exit(f'gpu-proof: {e}')" "$optional" || exit 2
 begin=$(date +%s.%N)
 out=${OUT:-gpu-results}; mkdir -p "$out"; out=$(cd "$out" && pwd)
 secs() { python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.1f}')" "$1" "$(date +%s.%N)"; }
 
 # -- 1. set-up ----------------------------------------------------------------------------------
+absent=()  # PART=WHY for each part the set-up lacks: the verdict fails on it unless it is optional
+python3 -c "import torch" || { echo "gpu-proof: torch does not import; install the host's CUDA torch first"; exit 2; }
 source scripts/gpu-env.sh
+if [ -d .whl ]; then
+  PYTHON=python3 bash scripts/setup.sh >"$out/setup.log" 2>&1 || { cat "$out/setup.log"; echo "gpu-proof: set-up from .whl/ failed"; exit 2; }
+  tail -1 "$out/setup.log"
+else
+  echo "gpu-proof: no .whl/ (scripts/host-wheels.sh): the installed packages are used as they are"
+fi
+found megatron.core || absent+=("mcore=megatron-core is not installed (no .whl/ from scripts/host-wheels.sh?)")
+found cudnn || absent+=("kernels=the cuDNN frontend is not installed (no .whl/nvidia_cudnn_frontend-*.whl?)")
 if [ -f .te/te-bundle.tar.xz ]; then
   TE_WHEEL_EXPORT=$out/te-export bash scripts/te-install.sh >"$out/te-install.log" 2>&1 \
-    || { echo "TE install failed (the TE tests will skip):"; tail -20 "$out/te-install.log"; }
+    || { absent+=("te=scripts/te-install.sh failed: $(grep -v '^ ' "$out/te-install.log" | tail -1)")
+         echo "TE install failed:"; tail -20 "$out/te-install.log"; }
   grep "^te-install:" "$out/te-install.log"; tail -1 "$out/te-install.log"
   for wheel in "$out"/te-export/*/*.whl; do [ -f "$wheel" ] && mv "$wheel" "$out/"; done  # comes back: 1 level down
   rm -rf "$out/te-export"
+else
+  absent+=("te=no .te/te-bundle.tar.xz (scripts/te-bundle.sh)")
 fi
 source scripts/upstream-unpack.sh
+[ -n "${CPKIT_MLM_SRC:-}" ] || absent+=("mlm=no .upstream/mlm.tar.xz (scripts/upstream-pack.sh)")
+[ -n "${CPKIT_BRIDGE_SRC:-}" ] || absent+=("bridge=no .upstream/bridge.tar.xz (scripts/upstream-pack.sh)")
 setup_s=$(secs "$begin")
 
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
@@ -68,19 +104,23 @@ export CPKIT_CASE_TIMES="$dir/case-times.jsonl"; rm -f "$CPKIT_CASE_TIMES"
 nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader,nounits -l 1 >"$dir/gpu-util.csv" 2>/dev/null &
 sampler=$!
 tests_begin=$(date +%s.%N)
-timeout -s INT "${CPKIT_PROOF_TIMEOUT_S:-540}" python3 -m pytest -n 0 -p no:cacheprovider -q -rfEsx --durations=25 \
+timeout -s INT -k "${CPKIT_PROOF_GRACE_S:-30}" "${CPKIT_PROOF_TIMEOUT_S:-540}" python3 -m pytest -n 0 -p no:cacheprovider -q -rfEsx --durations=25 \
   -m "$marker" --junitxml="$dir/junit.xml" functional "$@" 2>&1 | tee "$dir/pytest.log" | tail -40
 pytest_s=$(secs "$tests_begin")
 kill "$sampler" 2>/dev/null
 
-# -- 3. evidence, cards, budgets ----------------------------------------------------------------
+# -- 3. evidence, budgets, the verdict; the cards only with --record -----------------------------
 total_s=$(secs "$begin")
+absent_args=(); for item in "${absent[@]}"; do absent_args+=(--absent "$item"); done
 python3 -m cpkit.validation.proof_report "$dir" --gpus "$gpus" --setup-s "$setup_s" --pytest-s "$pytest_s" \
   --total-s "$total_s" --marker "$marker" --machine "${gpus}x $gpu" --commit "$commit" \
-  --command "CPKIT_COMMIT=$commit bash scripts/gpu-proof.sh $*"
+  --optional "$optional" "${absent_args[@]}" "${over_flag[@]}" \
+  --command "CPKIT_COMMIT=$commit bash scripts/gpu-proof.sh${optional:+ --optional $optional} $*"
 verdict=$?
-rm -rf "evidence/$name" && cp -r "$dir" "evidence/$name"
-python3 -c "import sys; from cpkit.cli import main; sys.exit(main())" cards record --evidence "evidence/$name" --machine "${gpus}x $gpu" 2>&1 | tail -5
+if [ "$record" = 1 ]; then
+  rm -rf "evidence/$name" && cp -r "$dir" "evidence/$name"
+  python3 -c "import sys; from cpkit.cli import main; sys.exit(main())" cards record --evidence "evidence/$name" --machine "${gpus}x $gpu" 2>&1 | tail -5
+fi
 gzip -f "$dir/case-times.jsonl" "$dir/pytest.log" "$dir/junit.xml" "$dir/gpu-util.csv" 2>/dev/null
 tar czf "$out/proof.tar.gz" -C "$out/evidence" "$name" && rm -rf "$out/evidence"
 exit "$verdict"

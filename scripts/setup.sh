@@ -32,5 +32,6 @@ else
 fi
 echo "set-up: checking that cpkit, torch and megatron-core import"
 # The check imports megatron-core, which warns that Transformer Engine and Apex are not installed:
-# nothing to act on here, so it is quiet about those notices as every cpkit command is.
-"$PY" -c "from cpkit.notices import quiet_known_notices; quiet_known_notices(); import cpkit, torch, megatron.core; print('cpkit ready: torch', torch.__version__, '| megatron-core', megatron.core.__version__)"
+# nothing to act on here, so it is quiet about those notices as every cpkit command is. torch
+# first, as on a GPU host whose pip torch brings the CUDA libraries the others load.
+"$PY" -c "import torch; from cpkit.notices import quiet_known_notices; quiet_known_notices(); import cpkit, megatron.core; print('cpkit ready: torch', torch.__version__, '| megatron-core', megatron.core.__version__)"

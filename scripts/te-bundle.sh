@@ -15,12 +15,12 @@
 #   works only with exactly that torch, TE and Python, and saves the GPU machine its build (94 s
 #   on 16 cores). Taken from the wheel cache $TE_WHEEL_CACHE (default ~/.cache/cpkit/te-wheels,
 #   one folder per key), where scripts/te-install.sh saves the wheel it builds (copy it back from
-#   a GPU machine with TE_WHEEL_EXPORT, see there) and where --build-torch-ext builds it here:
-#   that needs nvcc 13 ($CUDA_HOME, default /usr/local/cuda), python3.12 ($TE_BUILD_PYTHON) for a
-#   private virtual environment $TE_BUILD_VENV (default /tmp/te-build-venv) with
-#   torch==$TE_TORCH_VERSION (default 2.11.0) and its CUDA wheels (about 3 GB), and about 25
-#   CPU-minutes. Without a cached wheel the bundle holds none and te-install.sh builds it.
-# The manifest names every file with its version, size and sha256, and the pruning's numbers.
+#   a GPU machine with TE_WHEEL_EXPORT, see there). With --build-torch-ext it is built here
+#   (scripts/te-ext-build.sh: nvcc 13, about 25 CPU-minutes) and only that wheel is bundled; a
+#   failed build fails the bundle. Without a cached wheel the bundle holds none and te-install.sh
+#   builds it.
+# The manifest names every file with its version, size and sha256, the pruning's numbers, and
+# each extension's needs (torch_ext_needs: glibc, torch, Python), which te-install.sh checks first.
 #
 # Usage: bash scripts/te-bundle.sh [--arch sm_90[,sm_100...]] [--build-torch-ext]
 # Then carry .te/te-bundle.tar.xz to the GPU machine's checkout and run scripts/te-install.sh there.
@@ -73,59 +73,37 @@ echo "pruning $(basename "$core") to $arch ($(( $(stat -c %s "$core") / 1000000 
 PYTHONPATH=src python3 -m cpkit.tools.fatbin_prune "$core" -o "$stage/wheels/$(basename "$core")" --arch "$arch" \
   --json "$work/prune.json"
 
-# build_torch_ext VENV KEY: build the extension against VENV's torch into the wheel cache's KEY/.
-build_torch_ext() {
-  local venv=$1 key=$2 nv ext_start=$SECONDS
-  nv=$("$venv/bin/python" -c "import nvidia; print(list(nvidia.__path__)[0])")
-  mkdir -p "$work/ext" "$cache_root/$key"
-  tar xzf "$stage"/src/transformer_engine_torch-*.tar.gz -C "$work/ext"
-  echo "building TE's PyTorch extension for $key (about 25 CPU-minutes: 2 minutes on 16 cores)"
-  # The toolkit's headers first (nvcc's crt/), then the CUDA wheels' (cuBLAS, cuDNN, NCCL),
-  # which torch's CUDA headers include and a bare nvcc install lacks.
-  if (cd "$work"/ext/transformer_engine_torch-*/ && CUDA_HOME=$cuda_home PATH=$cuda_home/bin:$PATH \
-        CPATH=$nv/cu13/include:$nv/cudnn/include:$nv/nccl/include NVTE_PYTORCH_FORCE_BUILD=TRUE \
-        MAX_JOBS=${MAX_JOBS:-$(nproc)} "$venv/bin/python" -m pip wheel --no-build-isolation --no-deps --no-index \
-        -w "$cache_root/$key" . >"$work/ext/build.log" 2>&1); then
-    echo "built $key in $((SECONDS - ext_start)) s"
-  else
-    tail -30 "$work/ext/build.log" >&2
-    echo "the extension did not build here; te-install.sh builds it on the GPU machine" >&2
-  fi
-}
-
 cache_root=${TE_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/cpkit/te-wheels}
+keys=("$cache_root"/torch*-te"$te_version"-cp312)
+ext_note="from the wheel cache $cache_root (not built now: --build-torch-ext builds it)"
 if [ "$build_ext" = 1 ]; then
-  cuda_home=${CUDA_HOME:-/usr/local/cuda}
-  venv=${TE_BUILD_VENV:-/tmp/te-build-venv}
-  build_python=${TE_BUILD_PYTHON:-python3.12}
-  [ -x "$cuda_home/bin/nvcc" ] || { echo "--build-torch-ext: no nvcc in $cuda_home/bin; set CUDA_HOME" >&2; exit 2; }
-  [ -x "$venv/bin/python" ] || "$build_python" -m venv "$venv"
-  if ! "$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$torch_version')" 2>/dev/null; then
-    "$venv/bin/python" -m pip install -q "torch==$torch_version" setuptools wheel packaging ninja pybind11 \
-      2>&1 | grep -v "^WARNING: Location" || true
-  fi
-  build_torch_ext "$venv" "$("$venv/bin/python" -c "import sys, torch; v = sys.version_info
-print(f'torch{torch.__version__}-te$te_version-cp{v[0]}{v[1]}'.replace('+', '_'))")"
+  # A failed build ends the bundle here (set -e): no stale cached wheel goes out in its place.
+  key=$(TE_VERSION=$te_version TE_TORCH_VERSION=$torch_version TE_WHEEL_CACHE=$cache_root \
+    bash scripts/te-ext-build.sh "$stage"/src/transformer_engine_torch-*.tar.gz | tail -1)
+  keys=("$cache_root/$key") ext_note="prebuilt now, $key"
 fi
 # Every cached extension wheel for this TE on Python 3.12 (te-install.sh picks the host's key).
-ext_note="none: te-install.sh builds it on the GPU machine (no wheel in $cache_root/*-te$te_version-cp312/)"
-for dir in "$cache_root"/torch*-te"$te_version"-cp312; do
+found=0
+for dir in "${keys[@]}"; do
   ls "$dir"/transformer_engine_torch-*.whl >/dev/null 2>&1 || continue
   mkdir -p "$stage/torch-ext/${dir##*/}" && cp "$dir"/transformer_engine_torch-*.whl "$stage/torch-ext/${dir##*/}/"
-  ext_note="prebuilt, from $cache_root"
+  echo "PyTorch extension ${dir##*/}: $ext_note"; found=1
 done
-echo "PyTorch extension: $ext_note"
+[ "$found" = 1 ] || ext_note="none: te-install.sh builds it on the GPU machine (no wheel in $cache_root/*-te$te_version-cp312/)"
 
-python3 - "$stage" "$work/prune.json" "$arch" "$te_version" "$ext_note" <<'EOF'
+PYTHONPATH=src python3 - "$stage" "$work/prune.json" "$arch" "$te_version" "$ext_note" <<'EOF'
 import hashlib, json, sys, time
 from pathlib import Path
+from cpkit.validation.te_ext_needs import needs_of
 stage, prune, arch, te_version, ext_note = Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:]
+# What each prebuilt extension needs of a host (glibc, torch, Python): te-install.sh checks it first.
+needs = {d.name: needs_of(next(d.glob("*.whl")), d.name) for d in sorted((stage / "torch-ext").glob("*"))}
 files = [{"path": str(p.relative_to(stage)), "size": p.stat().st_size,
           "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
          for p in sorted(stage.rglob("*")) if p.is_file()]
 manifest = {"te_version": te_version, "python": "3.12", "platform": "x86_64 Linux", "arch": arch,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch_ext": ext_note,
-            "torch_ext_keys": sorted(p.name for p in (stage / "torch-ext").glob("*")),
+            "torch_ext_keys": sorted(needs), "torch_ext_needs": needs,
             "pruned": json.loads(prune.read_text()), "files": files}
 (stage / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
 EOF

@@ -5,6 +5,8 @@
 # - the same bundle installed and `import transformer_engine.pytorch` working: nothing to do;
 # - a wheel whose distribution is in the site at the bundle's version is skipped (TE's core and
 #   Python wheels share the transformer_engine/ folder, so they are installed together);
+# - first, the bundle's record of what its prebuilt extension needs (glibc, torch, Python): a host
+#   that lacks it, and has no nvcc to build one, stops here with the reason;
 # - TE's PyTorch extension (C++ only; it fits exactly one torch, TE and Python, named by its key
 #   torch<torch.__version__, + as _>-te<TE version>-cp<python>, e.g. torch2.11.0_cu130-te2.20.2-cp312):
 #   installed from the bundle's prebuilt wheel for this machine's key, else from the wheel cache
@@ -28,12 +30,17 @@ lap() { local now; now=$(date +%s.%N); python3 -c "import sys; print(f'te-instal
 mkdir -p "$site"
 source scripts/gpu-env.sh  # cuDNN and library paths TE needs to import; /tmp/site on PYTHONPATH
 [ "$site" = /tmp/site ] || export PYTHONPATH=$site:$PYTHONPATH
-imports() { python3 -c "import transformer_engine.pytorch" 2>"$1"; }
+# torch first: TE's library finds torch's NCCL (libnccl.so.2 of a pip torch) only once torch loaded it.
+imports() { python3 -m cpkit.validation.te_ext_needs import-check 2>"$1"; }
 stamp=$site/.te-bundle.sha256
 sha=$(sha256sum "$bundle" | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" = "$sha" ] && imports /dev/null; then
   echo "TE from $bundle is installed in $site already (transformer_engine.pytorch imports)"; exit 0
 fi
+# The prebuilt extension's needs (glibc, torch, Python) first, before anything is installed;
+# with nvcc here an unmet need only warns, as the extension is then built from source.
+command -v nvcc >/dev/null 2>&1 || [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ] && can_build=(--can-build) || can_build=()
+python3 -m cpkit.validation.te_ext_needs check "$bundle" "${can_build[@]}"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 tar xJf "$bundle" -C "$work"

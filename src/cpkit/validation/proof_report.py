@@ -8,6 +8,11 @@ A stage's wall is the span from its first grid's first case to its last grid's e
 side by side, so the walls overlap and do not add up): 2-GPU, 3-GPU and 4-GPU are the rank-pool
 grids of that world size without Transformer Engine; TE is every grid of
 functional/test_te_backend.py; examples are the torchrun runs of functional/test_examples.py.
+
+It exits 0 only when the run is green and every required part ran (`verdict`, through
+cpkit.validation.required_parts; `--optional te,upstream` names parts that may be missing,
+`--absent PART=WHY` a part the set-up lacks); a budget overrun is reported and fails the exit
+only with `--fail-over-budget`.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-__all__ = ["BUDGETS", "budgets_for", "counts", "gpu_busy", "stage_walls", "main"]
+__all__ = ["BUDGETS", "budgets_for", "overruns", "counts", "gpu_busy", "stage_walls", "verdict", "main"]
 
 BUDGETS = {
     4: {"pytest": 300.0, "total": 420.0},
@@ -34,6 +39,13 @@ TE_GRID = "functional.test_te_backend."
 def budgets_for(gpus: int) -> dict[str, float]:
     """The budgets of a host with `gpus` GPUs (4 or more: the 4-GPU budgets; 2-3: the gpu2 one)."""
     return BUDGETS[4] if gpus >= 4 else BUDGETS[2] if gpus >= 2 else {}
+
+
+def overruns(gpus: int, pytest_s: float, total_s: float) -> list[str]:
+    """The budgets of `budgets_for(gpus)` that the run overran, as "pytest 181 s > 180 s"."""
+    spent = {"pytest": pytest_s, "total": total_s}
+    return [f"{name} {spent[name]:.0f} s > {limit:.0f} s" for name, limit in budgets_for(gpus).items()
+            if spent[name] > limit]
 
 
 def counts(junit: Path) -> Counter:
@@ -97,7 +109,7 @@ def report(folder: Path, *, gpus: int, setup_s: float, pytest_s: float, total_s:
     busy = gpu_busy(folder / "gpu-util.csv")
     pools = [r for r in rows if r.get("pool")]
     budgets = budgets_for(gpus)
-    green = tally["failed"] == 0 and tally["error"] == 0 and tally["xpassed"] == 0 and tally["passed"] > 0
+    green = _green(tally)
     lines = [f"# GPU proof: {machine}, commit {commit}", "",
              f"Command: `{command}` (pytest `-m \"{marker}\"` over functional/, TE and examples included).",
              f"Tree fingerprint: `{fingerprint}` (`python -m cpkit.validation.proof_report --fingerprint` of the "
@@ -138,6 +150,30 @@ def report(folder: Path, *, gpus: int, setup_s: float, pytest_s: float, total_s:
     return "\n".join(lines) + "\n", met
 
 
+def verdict(folder: Path, *, gpus: int, pytest_s: float, total_s: float, optional=(), absent=None,
+            fail_over_budget: bool = False) -> tuple[str, bool]:
+    """(text, passed) of the proof's exit: it passes when the run is green and every required part
+    ran (cpkit.validation.required_parts); an overrun fails it only with `fail_over_budget`."""
+    from cpkit.validation.required_parts import violations
+
+    tally = counts(folder / "junit.xml")
+    problems = [] if _green(tally) else [f"not green: {tally['failed']} failed, {tally['error']} errors, "
+                                         f"{tally['xpassed']} xpassed, {tally['passed']} passed"]
+    over = overruns(gpus, pytest_s, total_s)
+    problems += violations(folder / "junit.xml", optional, absent=absent, over_budget=over,
+                           fail_over_budget=fail_over_budget)
+    lines = ["", "Exit verdict (required parts: TE, Megatron-LM, Megatron-Bridge, MCore, cuDNN frontend; optional: "
+             f"{', '.join(sorted(optional)) or 'none'}):", ""]
+    lines += [f"- FAIL: {p}" for p in problems] or ["- pass"]
+    if over and not fail_over_budget:
+        lines.append(f"- budget overrun reported, not failed (--fail-over-budget fails it): {'; '.join(over)}")
+    return "\n".join(lines) + "\n", not problems
+
+
+def _green(tally: Counter) -> bool:
+    return tally["failed"] == 0 and tally["error"] == 0 and tally["xpassed"] == 0 and tally["passed"] > 0
+
+
 def fingerprint(root: Path) -> str:
     """sha256 (16 hex) over the paths and bytes of the files that decide what the proof runs:
     src/, functional/, tests/, examples/, scripts/, pyproject.toml; no git needed, so a copy
@@ -166,18 +202,42 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--command", default="bash scripts/gpu-proof.sh")
     parser.add_argument("--machine", default="unknown")
     parser.add_argument("--commit", default="unknown")
+    parser.add_argument("--optional", default="", metavar="PARTS",
+                        help="parts that may be missing, comma-separated (te, mlm, bridge, upstream, mcore, kernels, other, all)")
+    parser.add_argument("--absent", action="append", default=[], metavar="PART=WHY",
+                        help="a part the set-up lacks, and why (repeatable)")
+    parser.add_argument("--fail-over-budget", action="store_true", help="an overrun fails the exit (default: reported only)")
     args = parser.parse_args(argv)
     if args.fingerprint:
         print(fingerprint(args.fingerprint))
         return 0
     if args.folder is None:
         parser.error("the evidence folder is needed (or --fingerprint ROOT)")
-    text, met = report(args.folder, gpus=args.gpus, setup_s=args.setup_s, pytest_s=args.pytest_s,
-                       total_s=args.total_s, marker=args.marker, command=args.command, machine=args.machine,
-                       commit=args.commit, fingerprint=fingerprint(Path.cwd()))
-    (args.folder / "README.md").write_text(text)
-    print(text)
-    return 0 if met else 1
+    from cpkit.validation.required_parts import RequiredPartsError, parse_optional
+
+    try:
+        optional = parse_optional(args.optional, field="--optional")
+        absent = dict(_part_why(item) for item in args.absent)
+    except RequiredPartsError as exc:
+        parser.error(str(exc))
+    text, _ = report(args.folder, gpus=args.gpus, setup_s=args.setup_s, pytest_s=args.pytest_s,
+                     total_s=args.total_s, marker=args.marker, command=args.command, machine=args.machine,
+                     commit=args.commit, fingerprint=fingerprint(Path.cwd()))
+    gate, passed = verdict(args.folder, gpus=args.gpus, pytest_s=args.pytest_s, total_s=args.total_s,
+                           optional=optional, absent=absent, fail_over_budget=args.fail_over_budget)
+    (args.folder / "README.md").write_text(text + gate)
+    print(text + gate)
+    return 0 if passed else 1
+
+
+def _part_why(item: str) -> tuple[str, str]:
+    from cpkit.validation.required_parts import PARTS, RequiredPartsError
+
+    part, sep, why = item.partition("=")
+    if not sep or part not in PARTS:
+        raise RequiredPartsError(f"--absent {item}: must be PART=WHY with PART one of {', '.join(PARTS)}; "
+                                 "fix: e.g. --absent te='no .te/te-bundle.tar.xz'")
+    return part, why
 
 
 if __name__ == "__main__":

@@ -1,0 +1,153 @@
+"""The CPU half of the GPU CI (scripts/GPU_CI.md): scripts/setup.sh's offline path sets a fresh
+virtual environment up from a .whl/ folder alone (pip --no-index; any index it reached would
+fail), scripts/gpu-ci-prepare.sh fails when a step fails, and scripts/gpu-proof.sh refuses a
+misspelt optional part before any set-up. Fake wheels, no GPU, no network."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PATH = f"{Path(sys.executable).parent}:/usr/bin:/bin"
+OFFLINE = {"PIP_CONFIG_FILE": "/dev/null", "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+           "PIP_NO_CACHE_DIR": "1"}
+
+
+def _wheel(folder: Path, name: str, version: str, files: dict[str, str], requires: str = "") -> Path:
+    """A pure-Python wheel of `files` (path -> text), with a valid RECORD."""
+    info = f"{name}-{version}.dist-info"
+    files = {**files, f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n{requires}",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = [f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b'=').decode()},"
+              f"{len(text.encode())}" for path, text in files.items()] + [f"{info}/RECORD,,"]
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        for name_in, text in {**files, f"{info}/RECORD": "\n".join(record) + "\n"}.items():
+            zf.writestr(name_in, text)
+    return path
+
+
+#: An in-tree build backend (PEP 660), so the editable install needs no real setuptools: the
+#: checkout's src/ goes onto sys.path through a .pth file.
+BACKEND = '''
+import base64, hashlib, os, zipfile
+META = ("Metadata-Version: 2.1\\nName: cpkit\\nVersion: 0.0.1\\nRequires-Dist: tinydep\\n"
+        "Provides-Extra: test\\nRequires-Dist: tinytest; extra == 'test'\\n")
+def get_requires_for_build_editable(config_settings=None): return []
+def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
+    files = {"cpkit.pth": os.path.abspath("src") + "\\n", "cpkit-0.0.1.dist-info/METADATA": META,
+             "cpkit-0.0.1.dist-info/WHEEL": "Wheel-Version: 1.0\\nGenerator: t\\nRoot-Is-Purelib: true\\nTag: py3-none-any\\n"}
+    rec = [f"{p},sha256={base64.urlsafe_b64encode(hashlib.sha256(t.encode()).digest()).rstrip(b'=').decode()},{len(t)}"
+           for p, t in files.items()] + ["cpkit-0.0.1.dist-info/RECORD,,"]
+    files["cpkit-0.0.1.dist-info/RECORD"] = "\\n".join(rec) + "\\n"
+    name = "cpkit-0.0.1-py3-none-any.whl"
+    with zipfile.ZipFile(os.path.join(wheel_directory, name), "w") as zf:
+        for p, t in files.items(): zf.writestr(p, t)
+    return name
+'''
+
+
+@pytest.mark.timeout(600)
+def test_setup_sets_a_fresh_venv_up_offline_from_the_wheel_folder_alone(tmp_path):
+    copy = tmp_path / "cpkit"
+    (copy / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "setup.sh", copy / "scripts" / "setup.sh")
+    (copy / "_backend").mkdir()
+    (copy / "_backend" / "fakebackend.py").write_text(BACKEND)
+    (copy / "pyproject.toml").write_text('[build-system]\nrequires = []\nbuild-backend = "fakebackend"\n'
+                                         'backend-path = ["_backend"]\n\n[project]\nname = "cpkit"\nversion = "0.0.1"\n')
+    (copy / "src" / "cpkit").mkdir(parents=True)
+    (copy / "src" / "cpkit" / "__init__.py").write_text("")
+    (copy / "src" / "cpkit" / "notices.py").write_text("def quiet_known_notices():\n    pass\n")
+    wheels = copy / ".whl"
+    wheels.mkdir()
+    _wheel(wheels, "megatron_core", "0.19.2", {"megatron/core/__init__.py": "__version__ = '0.19.2'\n"})
+    _wheel(wheels, "setuptools", "80.9.0", {"setuptools/__init__.py": ""})
+    _wheel(wheels, "tinydep", "1.0", {"tinydep.py": ""})
+    _wheel(wheels, "tinytest", "1.0", {"tinytest.py": ""})
+    host = tmp_path / "host-wheels"  # the host's own torch, which set-up keeps
+    host.mkdir()
+    _wheel(host, "torch", "2.11.0", {"torch/__init__.py": "__version__ = '2.11.0+cu130'\n"})
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    py = str(venv / "bin" / "python")
+    env = {"PATH": f"{venv / 'bin'}:{PATH}", "HOME": str(tmp_path), **OFFLINE}
+    subprocess.run([py, "-m", "pip", "install", "-q", "--no-index", str(next(host.glob("*.whl")))], check=True, env=env,
+                   timeout=300)
+    proc = subprocess.run(["bash", "scripts/setup.sh"], cwd=copy, env={**env, "PYTHON": py}, capture_output=True,
+                          text=True, timeout=500)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "set-up: offline, from .whl/" in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1] == "cpkit ready: torch 2.11.0+cu130 | megatron-core 0.19.2"
+    listed = subprocess.run([py, "-m", "pip", "list", "--format=freeze"], env=env, capture_output=True, text=True).stdout
+    assert {"cpkit==0.0.1", "tinydep==1.0", "tinytest==1.0", "megatron_core==0.19.2"} <= set(listed.split()) or \
+        {"cpkit==0.0.1", "tinydep==1.0", "tinytest==1.0", "megatron-core==0.19.2"} <= set(listed.split()), listed
+
+
+def test_setups_offline_branch_installs_only_with_no_index():
+    text = (ROOT / "scripts" / "setup.sh").read_text()
+    offline = text[text.index("if [ -d .whl ]"):text.index("\nelse\n")]
+    installs = [line for line in offline.splitlines() if "pip install" in line]
+    assert len(installs) == 3 and all("--no-index" in line for line in installs), installs
+
+
+def _prepare_copy(tmp_path: Path, failing: str) -> Path:
+    copy = tmp_path / "cpkit"
+    (copy / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "gpu-ci-prepare.sh", copy / "scripts")
+    for step, folder in (("host-wheels.sh", ".whl"), ("te-bundle.sh", ".te"), ("upstream-pack.sh", ".upstream")):
+        body = "exit 3" if step == failing else f'mkdir -p {folder} && echo "$0 $*" > {folder}/args'
+        (copy / "scripts" / step).write_text(f"cd \"$(dirname \"$0\")/..\"\n{body}\n")
+    return copy
+
+
+@pytest.mark.parametrize("failing", ["host-wheels.sh", "te-bundle.sh", "upstream-pack.sh"])
+def test_prepare_fails_naming_the_step_that_failed(tmp_path, failing):
+    proc = subprocess.run(["bash", "scripts/gpu-ci-prepare.sh"], cwd=_prepare_copy(tmp_path, failing),
+                          env={"PATH": PATH}, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and f"FAILED: bash scripts/{failing}" in proc.stderr and "(exit 3)" in proc.stderr
+
+
+def test_prepare_builds_te_s_extension_and_packs_the_given_checkouts(tmp_path):
+    copy = _prepare_copy(tmp_path, failing="")
+    proc = subprocess.run(["bash", "scripts/gpu-ci-prepare.sh", "/mlm", "/bridge"], cwd=copy, env={"PATH": PATH},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert (copy / ".te/args").read_text().split()[1:] == ["--build-torch-ext"]
+    assert (copy / ".upstream/args").read_text().split()[1:] == ["/mlm", "/bridge"]
+
+
+def test_the_proof_refuses_a_misspelt_optional_part_before_any_set_up(tmp_path):
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu-proof.sh"), "--optional", "te,upstrem"],
+                          env={"PATH": PATH, "OUT": str(tmp_path)}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--optional=te,upstrem: 'upstrem' is not a part" in proc.stderr and "fix:" in proc.stderr
+    assert not (tmp_path / "evidence").exists()
+
+
+def test_the_proof_ends_at_its_deadline_with_a_kill_after_the_grace_and_writes_no_cards_unless_asked():
+    text = (ROOT / "scripts" / "gpu-proof.sh").read_text()
+    assert re.search(r'timeout -s INT -k "\$\{CPKIT_PROOF_GRACE_S:-30\}" "\$\{CPKIT_PROOF_TIMEOUT_S:-540\}"', text)
+    record = text[text.index('if [ "$record" = 1 ]; then'):]
+    assert "cards record" in record and text.count('sys.exit(main())" cards record') == 1
+    assert text.count('cp -r "$dir" "evidence/$name"') == 1 and 'cp -r "$dir" "evidence/$name"' in record
+
+
+def test_every_script_the_gpu_ci_docs_name_exists_and_a_test_runs_it():
+    docs = "".join((ROOT / p).read_text() for p in ("scripts/GPU_CI.md", ".github/workflows/gpu.yml"))
+    named = set(re.findall(r"scripts/([\w.-]+\.sh)", docs))
+    tests = "".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))
+    assert {"gpu-ci-prepare.sh", "gpu-proof.sh", "setup.sh"} <= named
+    missing = sorted(n for n in named if not (ROOT / "scripts" / n).is_file())
+    assert missing == [], f"the docs name scripts that do not exist: {missing}"
+    untested = sorted(n for n in named if f'"{n}"' not in tests and f"scripts/{n}" not in tests)
+    assert untested == [], f"no test runs {untested}"
