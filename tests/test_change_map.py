@@ -48,7 +48,7 @@ CHECKS = ["tests/test_import_graph.py", "tests/test_repo_text.py"]  # with every
                                     "functional/test_attention_module.py", "functional/test_device.py",
                                     "functional/test_gpt.py", "functional/test_gpt_features.py",
                                     "functional/test_hierarchical.py", "functional/test_kernels_gpu.py",
-                                    "functional/test_te_backend.py",
+                                    "functional/test_skill_faults.py", "functional/test_te_backend.py",
                                     "tests/test_attention_features.py", "tests/test_attention_module.py",
                                     "tests/test_attention_unit.py", "tests/test_band.py", "tests/test_cudnn_fe.py",
                                     "tests/test_flex_band.py", "tests/test_ring_threads.py"]),
