@@ -57,7 +57,7 @@ EXAMPLES = {
         *(rf"eval at cp {cp} x dp {n // cp}: samples " + "; ".join(
             rf"replica {d}: {d * 8 * cp // n}-{(d + 1) * 8 * cp // n - 1}" for d in range(n // cp)) + r" \(of 8\)"
           for cp in _eval_cps(n)),
-        r"checked: eval loss over the 8 samples \(cpkit\.eval_loop\.evaluate\) at cp "
+        r"checked: eval loss over the 8 samples \(cpkit\.eval_cp\.loop\.evaluate\) at cp "
         + ", ".join(map(str, _eval_cps(n))) + r" against cp 1, torch\.float32, within 1e-05; each sample once; "
         r"training groups restored after each",
         r"eval loss " + "; ".join(rf"at cp {cp}: {FLOAT}" for cp in _eval_cps(n)) + rf"; at cp 1: {FLOAT}",
