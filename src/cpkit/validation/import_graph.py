@@ -45,8 +45,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 #: feature; a feature imports the base and only the features it builds on (BUILDS_ON).
 FEATURES = ("cpkit.attention", "cpkit.hierarchical", "cpkit.eval_cp", "cpkit.dynamic", "cpkit.hybrid")
 #: feature -> the features it builds on: dynamic CP switches groups per micro-batch with eval-time
-#: CP's rebinding (cpkit.eval_cp.rebind).
-BUILDS_ON = {"cpkit.dynamic": ("cpkit.eval_cp",)}
+#: CP's rebinding (cpkit.eval_cp.rebind); hybrid CP uses the attention's collectives and runs its
+#: attention layers in zigzag.
+BUILDS_ON = {"cpkit.dynamic": ("cpkit.eval_cp",), "cpkit.hybrid": ("cpkit.attention",)}
 
 def module_name(path: Path, root: Path) -> str:
     """Dotted name of the module at `path` below the import root `root` (a package's
