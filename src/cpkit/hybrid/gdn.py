@@ -246,7 +246,7 @@ class GatedDeltaNet(torch.nn.Module):
             q, k, v = self._qkv(mixed.to(x.dtype), x.shape[0], s.heads)
             o = torch.cat([core.rule(q[lo:hi], k[lo:hi], v[lo:hi], beta[lo:hi], g[lo:hi]) for lo, hi in zip(cu, cu[1:])])
             return self._finish(o.to(x.dtype))
-        if mode == "chunkwise":
+        if mode == "chunkwise" or cp == 1:  # at cp 1 both modes are the plain layer (and None is no group)
             mixed = causal_conv1d_cp(mixed, self.conv_weight, cu, group)
             q, k, v = self._qkv(mixed, x.shape[0], s.heads)
             o = gated_delta_rule_cp(q, k, v, beta, g, cu, group, chunk_size=self.chunk_size)
