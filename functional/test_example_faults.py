@@ -83,6 +83,22 @@ FAULTS = {
         plant("cpkit.dynamic.runtime", "agree_on_tokens", own_tokens)
         """,
         rf"AssertionError: loss with dynamic CP {FLOAT} differs from each sequence alone at cp 1 {FLOAT}"),
+    "hybrid_cp_in_your_loop.py": Fault(
+        "src/cpkit/hybrid/gdn.py::gated_delta_rule_cp",
+        "each rank's part of a sequence starts from a zero state: the earlier ranks' state is not passed on",
+        """
+        import cpkit.hybrid.gdn
+        from cpkit.parallel.group_info import group_size
+
+        rule = cpkit.hybrid.gdn.gated_delta_rule_cp
+
+        def from_zero(q, k, v, beta, g, cu_seqlens, group, scale=None, chunk_size=64):
+            cp = group_size(group)
+            return rule(q, k, v, beta, g, [c // cp for c in cu_seqlens], None, scale=scale, chunk_size=chunk_size)
+
+        plant("cpkit.hybrid.gdn", "gated_delta_rule_cp", from_zero)
+        """,
+        rf"AssertionError: loss at cp 2 {FLOAT} differs from cp 1 {FLOAT}"),
     "hierarchical_cp_in_your_gpt.py": Fault(
         "src/cpkit/parallel/groups.py::build_pg_collection",
         "the hierarchical levels built in the wrong order: the strided p2p groups handed out as the a2a level",

@@ -52,6 +52,10 @@ EXAMPLES = {
     "dynamic_cp_in_your_loop.py": ((2, 4), lambda n: [
         r"plan: \d+ micro-batches, CP sizes \[1, 2\]", CHECKED,
         rf"loss with dynamic CP: {FLOAT}; each sequence alone at cp 1: {FLOAT}; largest gradient difference"]),
+    "hybrid_cp_in_your_loop.py": ((2, 4), lambda n: [
+        rf"checked: loss and \d+ gradients at cp {n} against cp 1, torch\.float32, loss within 1e-05 relative, "
+        r"gradients rtol 0\.0001 atol 2e-05", rf"loss at cp {n} \(AGA: attention in zigzag, GDN chunkwise in contiguous\): {FLOAT}; at cp 1: {FLOAT}; "
+        r"largest gradient difference"]),
     "eval_cp_in_your_loop.py": ((2, 4, 8), lambda n: [
         rf"train loss \(cp 1, {n} ranks\): {FLOAT}",
         *(rf"eval at cp {cp} x dp {n // cp}: samples " + "; ".join(
