@@ -61,6 +61,17 @@ FAULTS = [
     Fault("dynamic-context-parallel", "src/cpkit/dynamic/runtime.py",
           "a micro-batch's attention left on the static CP group",
           "    psp.cp_group = group\n", "    psp.cp_group = None\n"),
+    Fault("hybrid-context-parallel", "src/cpkit/hybrid/gdn.py",
+          "chunkwise: the earlier ranks' parts folded in the wrong order",
+          "            for r in range(rank):\n                state = every[r, i, :, :, :dk] @ state",
+          "            for r in reversed(range(rank)):\n                state = every[r, i, :, :, :dk] @ state"),
+    Fault("hybrid-context-parallel", "src/cpkit/hybrid/gdn.py",
+          "headwise: the gathered rows left in rank order instead of sequence order",
+          "    return torch.argsort(held).to(device)", "    return torch.arange(held.numel()).to(device)"),
+    Fault("hybrid-context-parallel", "src/cpkit/hybrid/layout.py",
+          "the relayout's backward sends the gradient along the forward route",
+          "        return _move(grad.contiguous(), ctx.back, ctx.group), None, None, None",
+          "        return grad, None, None, None"),
 ]
 
 _SECTION = re.compile(r"^## [^\n]*\bVerify\b[^\n]*\n(.*?)(?=^## |\Z)", re.M | re.S)
