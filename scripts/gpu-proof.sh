@@ -17,7 +17,8 @@
 #    checkout is not written;
 # 4. the exit (src/cpkit/validation/proof_report.py::verdict): 0 only when the run is green and
 #    every required part ran: TE, the Megatron-LM and Megatron-Bridge code, MCore, the cuDNN
-#    frontend, and no test skipped for a missing dependency. `--optional te,upstream` (or
+#    frontend, and no test skipped for a missing dependency (a part the set-up lacks stops the
+#    proof before the tests, exit 1). `--optional te,upstream` (or
 #    CPKIT_OPTIONAL) names parts that may be missing. Budgets are reported; an overrun fails the
 #    exit only with --fail-over-budget (a loaded host runs slower without testing less).
 # CPKIT_COMMIT names the commit where the tree is not a git checkout (a copy sent to a GPU host);
@@ -71,6 +72,13 @@ source scripts/upstream-unpack.sh
 [ -n "${CPKIT_MLM_SRC:-}" ] || absent+=("mlm=no .upstream/mlm.tar.xz (scripts/upstream-pack.sh)")
 [ -n "${CPKIT_BRIDGE_SRC:-}" ] || absent+=("bridge=no .upstream/bridge.tar.xz (scripts/upstream-pack.sh)")
 setup_s=$(secs "$begin")
+# A required part the set-up lacks fails the proof now, before minutes of GPU time on a tier that
+# cannot pass; --optional PART runs without it.
+absent_args=(); for item in "${absent[@]}"; do absent_args+=(--absent "$item"); done
+if ! missing=$(PYTHONPATH=$PWD/src python3 -m cpkit.validation.required_parts --optional "$optional" "${absent_args[@]}"); then
+  echo "gpu-proof: FAIL before the tests: the set-up lacks required parts (${setup_s} s):"; echo "$missing"
+  exit 1
+fi
 
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 gpu=$(python3 -c "import re, torch; n = torch.cuda.get_device_name(0); m = re.search(r'[A-Z]\d{2,3}', n); print(m[0] if m else n.split()[-1])" 2>/dev/null || echo GPU)
@@ -111,7 +119,6 @@ kill "$sampler" 2>/dev/null
 
 # -- 3. evidence, budgets, the verdict; the cards only with --record -----------------------------
 total_s=$(secs "$begin")
-absent_args=(); for item in "${absent[@]}"; do absent_args+=(--absent "$item"); done
 python3 -m cpkit.validation.proof_report "$dir" --gpus "$gpus" --setup-s "$setup_s" --pytest-s "$pytest_s" \
   --total-s "$total_s" --marker "$marker" --machine "${gpus}x $gpu" --commit "$commit" \
   --optional "$optional" "${absent_args[@]}" "${over_flag[@]}" \

@@ -134,6 +134,36 @@ def test_the_proof_refuses_a_misspelt_optional_part_before_any_set_up(tmp_path):
     assert not (tmp_path / "evidence").exists()
 
 
+
+def test_the_proof_stops_before_the_tests_when_the_set_up_lacks_te(tmp_path):
+    """Without the TE files (and no --optional te) the proof fails at once, naming TE, before it
+    asks for GPUs; named optional, it goes on to the tests (here: the CPU host's GPU check)."""
+    import shutil
+
+    copy = Path(shutil.copytree(ROOT, tmp_path / "repo", ignore=shutil.ignore_patterns(
+        ".git", ".venv*", ".whl", ".te*", ".upstream", ".fla", "evidence", "__pycache__", "*.egg-info")))
+    env = {"PATH": PATH, "OUT": str(tmp_path / "out"), "HOME": str(tmp_path)}
+    proc = subprocess.run(["bash", "scripts/gpu-proof.sh"], cwd=copy, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "FAIL before the tests" in proc.stdout and "Transformer Engine [te] is required and missing" in proc.stdout
+    assert "--optional te" in proc.stdout
+    optional = subprocess.run(["bash", "scripts/gpu-proof.sh", "--optional", "all"], cwd=copy, env=env,
+                              capture_output=True, text=True, timeout=300)
+    assert "FAIL before the tests" not in optional.stdout
+    assert optional.returncode == 2 and "the proof needs 2 or more" in optional.stdout  # no GPU on this host
+
+
+def test_setup_violations_name_each_required_part_the_set_up_lacks():
+    from cpkit.validation.required_parts import main, setup_violations
+
+    lines = setup_violations({"te": "no .te/te-bundle.tar.xz", "mlm": "no .upstream/mlm.tar.xz"}, ["upstream"])
+    assert lines == ["Transformer Engine [te] is required and missing in the set-up: no .te/te-bundle.tar.xz "
+                     "(fix: carry its files (scripts/GPU_CI.md), or name it optional: --optional te)"]
+    assert main(["--absent", "te=missing", "--optional", "te"]) == 0
+    assert main(["--absent", "te=missing"]) == 1
+    assert main(["--optional", "tee"]) == 2
+
+
 def test_the_proof_ends_at_its_deadline_with_a_kill_after_the_grace_and_writes_no_cards_unless_asked():
     text = (ROOT / "scripts" / "gpu-proof.sh").read_text()
     assert re.search(r'timeout -s INT -k "\$\{CPKIT_PROOF_GRACE_S:-30\}" "\$\{CPKIT_PROOF_TIMEOUT_S:-540\}"', text)

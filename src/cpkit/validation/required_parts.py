@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping
 
-__all__ = ["PARTS", "ALIASES", "OPTIONAL_ENV", "parse_optional", "missing_dependency_skips", "violations"]
+__all__ = ["PARTS", "ALIASES", "OPTIONAL_ENV", "parse_optional", "missing_dependency_skips", "violations",
+           "setup_violations", "main"]
 
 OPTIONAL_ENV = "CPKIT_OPTIONAL"
 
@@ -102,6 +103,19 @@ def _title(part: str) -> str:
     return PARTS[part].title if part in PARTS else "another dependency"
 
 
+def setup_violations(absent: Mapping[str, str], optional: Iterable[str] = ()) -> list[str]:
+    """The required parts the set-up lacks, one line each (the proof stops before its tier on them:
+    minutes of GPU time for a run that cannot pass)."""
+    optional = parse_optional(list(optional), field="optional")
+    out = []
+    for part, why in sorted(absent.items()):
+        if part not in PARTS:
+            raise RequiredPartsError(f"absent: {part!r} is not a part; it must be one of {', '.join(PARTS)}")
+        if part not in optional:
+            out.append(f"{_title(part)} [{part}] is required and missing in the set-up: {why} ({_FIX.format(part)})")
+    return out
+
+
 def violations(junit: str | Path, optional: Iterable[str] = (), *, absent: Mapping[str, str] | None = None,
                over_budget: Iterable[str] = (), fail_over_budget: bool = False) -> list[str]:
     """Why the run does not pass, one line each; [] when it passes.
@@ -110,12 +124,7 @@ def violations(junit: str | Path, optional: Iterable[str] = (), *, absent: Mappi
     names); absent: part -> why the set-up lacks it; over_budget: the budgets the run overran,
     a violation only with fail_over_budget."""
     optional = parse_optional(list(optional), field="optional")
-    out = []
-    for part, why in sorted((absent or {}).items()):
-        if part not in PARTS:
-            raise RequiredPartsError(f"absent: {part!r} is not a part; it must be one of {', '.join(PARTS)}")
-        if part not in optional:
-            out.append(f"{_title(part)} [{part}] is required and missing in the set-up: {why} ({_FIX.format(part)})")
+    out = setup_violations(absent or {}, optional)
     by_part: dict[str, list[tuple[str, str]]] = {}
     for part, test, message in missing_dependency_skips(junit):
         by_part.setdefault(part, []).append((test, message))
@@ -127,3 +136,28 @@ def violations(junit: str | Path, optional: Iterable[str] = (), *, absent: Mappi
     if fail_over_budget:
         out += [f"over budget: {name}" for name in over_budget]
     return out
+
+
+def main(argv=None) -> int:
+    """`python -m cpkit.validation.required_parts --optional PARTS --absent PART=WHY ...`: print the
+    required parts the set-up lacks; exit 1 when there is one, 2 on a bad argument."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m cpkit.validation.required_parts", allow_abbrev=False,
+                                     description="the required parts a GPU proof's set-up lacks")
+    parser.add_argument("--optional", default="", help="parts that may be missing (comma list)")
+    parser.add_argument("--absent", action="append", default=[], metavar="PART=WHY", help="a part the set-up lacks")
+    args = parser.parse_args(argv)
+    try:
+        problems = setup_violations(dict(a.split("=", 1) for a in args.absent), parse_optional(args.optional, "--optional"))
+    except (RequiredPartsError, ValueError) as exc:
+        print(f"required_parts: {exc}", file=sys.stderr)
+        return 2
+    for line in problems:
+        print(f"- {line}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
