@@ -126,7 +126,7 @@ def test_kill_all_ends_each_running_child_even_one_that_ignores_sigterm():
 
     plain = popen_tied(["sleep", "600"], death_signal=0)
     # The child says when its trap is set: a SIGTERM before that ends it with SIGTERM. A fixed
-    # sleep here raced the wrapper's Python start-up and bash's on a loaded host (the flake).
+    # sleep here raced the wrapper's Python start-up and bash's on a loaded host.
     stubborn = popen_tied(["bash", "-c", "trap '' TERM; sleep 600 & echo trapped; wait"], death_signal=0,
                           stdout=subprocess.PIPE, text=True)
     assert select.select([stubborn.stdout], [], [], 120)[0], "the stubborn child never set its trap"

@@ -17,13 +17,13 @@ import pytest
 from cpkit.validation.changed_selection import drift_selection, selection_size
 from cpkit.validation.coverage_map import MAP_PATH, MAP_VERSION, drift_since, load_map
 from cpkit.validation.coverage_record import RECORDING_ENV
-from tests.test_coverage_map import MODULE, RUNS, TESTS, _edit, _record, make_repo
+from tests.test_coverage_map import RUNS, TESTS, _edit, make_repo
 
 ROOT = Path(__file__).resolve().parents[1]
 
 #: The largest share of the suite the map's drift may add to every `--changed` selection of a
 #: module change. The README's promise is that a one-function change runs a small share of the
-#: tests (issue 67: at most 10%); a count of drifted functions did not keep it (40 allowed
+#: tests (at most 10%); a count of drifted functions did not keep it (40 allowed
 #: drifted functions let module-level drift widen every selection to the whole suite).
 MAX_SHARE = 0.10
 REFRESH = "cpkit validate --record-map"  # the full validation, which writes the map from its own run
