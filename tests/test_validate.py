@@ -381,3 +381,20 @@ def test_a_depth_1_clone_without_the_maps_commit_selects_by_the_maps_hashes(tmp_
     found, sel = _selected_by_changing_g(origin)
     assert history_gap(origin) is None and found.source == GIT and found.lines[MODULE]
     _assert_only_gs_tests(origin, sel)
+
+
+def test_validate_changed_without_git_runs_the_functions_tests_and_names_the_base(tmp_path, monkeypatch, capsys):
+    """The command end to end in a copy without `.git`: one function changed runs its one test."""
+    root = _fake_repo(tmp_path / "copy")
+    (root / "pyproject.toml").write_text(PYPROJECT)
+    (root / "cards").mkdir()
+    (root / "skills").mkdir()
+    _edit(root, "return x * 2", "return x * 3")
+    monkeypatch.chdir(root)
+    assert validate.run(build_parser().parse_args(["validate", "--changed", "--json"])) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)["changed"]
+    assert report["base_source"] == MAP_HASHES and report["base_why"].startswith("not a git checkout")
+    assert report["paths"] == [MODULE] and not report["everything"]
+    assert report["run_node_ids"] == ["tests/test_beta.py::test_b"] and report["run"] == []
+    assert f"(base: {MAP_HASHES} (not a git checkout" in captured.err
