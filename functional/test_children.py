@@ -125,14 +125,19 @@ def test_kill_all_ends_each_running_child_even_one_that_ignores_sigterm():
     from cpkit.harness.children import kill_all, popen_tied, running
 
     plain = popen_tied(["sleep", "600"], death_signal=0)
-    stubborn = popen_tied(["bash", "-c", "trap '' TERM; sleep 600 & wait"], death_signal=0)
-    time.sleep(0.5)  # bash sets its trap
+    # The child says when its trap is set: a SIGTERM before that ends it with SIGTERM. A fixed
+    # sleep here raced the wrapper's Python start-up and bash's on a loaded host.
+    stubborn = popen_tied(["bash", "-c", "trap '' TERM; sleep 600 & echo trapped; wait"], death_signal=0,
+                          stdout=subprocess.PIPE, text=True)
+    assert select.select([stubborn.stdout], [], [], 120)[0], "the stubborn child never set its trap"
+    assert stubborn.stdout.readline().strip() == "trapped"
     assert {plain, stubborn} <= set(running())
     start = time.monotonic()
     assert kill_all(grace_s=2.0) >= 2
     assert plain.wait(timeout=10) == -signal.SIGTERM
     assert stubborn.wait(timeout=10) == -signal.SIGKILL and time.monotonic() - start >= 2.0
     assert plain not in running() and stubborn not in running()
+    stubborn.stdout.close()
 
 
 _LEFT_RUNNING = """

@@ -143,3 +143,21 @@ def test_a_call_that_does_not_return_is_a_crash_not_a_hang(monkeypatch):
     monkeypatch.setattr(hybrid_cp_schedule.BalancedCPScheduler, "get_groups_and_subsamples", forever)
     with pytest.raises(SchedulerCrash, match=r"did not return within 0.2 s"):
         mcore_schedule([4, 4], dp_cp_size=2, max_seq_len_per_rank=8, timeout_s=0.2)
+
+
+def test_the_limit_is_cpu_time_so_a_call_waiting_for_a_core_is_not_a_hang(monkeypatch):
+    """A loaded host keeps a millisecond call off the CPU for longer than its limit; the sleep
+    stands in for that wait. The limit counts CPU time, so only a loop that computes (above)
+    trips it (a 0.5-s wall-clock alarm once failed such a call on a loaded 2-core machine)."""
+    import time
+
+    from megatron.core.pipeline_parallel import hybrid_cp_schedule
+
+    real = hybrid_cp_schedule.BalancedCPScheduler.get_groups_and_subsamples
+
+    def descheduled(self, sample_id_seqlens, config):
+        time.sleep(0.6)
+        return real(self, sample_id_seqlens, config)
+
+    monkeypatch.setattr(hybrid_cp_schedule.BalancedCPScheduler, "get_groups_and_subsamples", descheduled)
+    assert mcore_schedule([4, 4], dp_cp_size=2, max_seq_len_per_rank=8, timeout_s=0.2).microbatches

@@ -1,13 +1,21 @@
 """`cpkit validate` on a throw-away tree: a failing test is a fail row and exit 1, a test that
-crashes pytest is named (with its level), and pytest-xdist does not count a test twice."""
+crashes pytest is named (with its level), and pytest-xdist does not count a test twice; and
+`--changed` in a copy without `.git` or a shallow clone selects from the coverage map's hashes."""
 
+import json
+import shutil
 import subprocess
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from cpkit.cli import build_parser
 from cpkit.commands import validate
+from cpkit.validation.change_base import GIT, MAP_HASHES, change_base, history_gap
+from cpkit.validation.changed_selection import select_changed, selection_size
+from cpkit.validation.coverage_map import MAP_PATH, load_map
+from tests.test_coverage_map import MODULE, RUNS, TESTS, _edit, make_repo
 
 PYPROJECT = textwrap.dedent("""
     [tool.pytest.ini_options]
@@ -288,3 +296,105 @@ def test_record_map_refuses_a_partial_run(tmp_path, monkeypatch, capsys, flags):
     assert validate.run(build_parser().parse_args(["validate", "--record-map", *flags])) == 2
     assert "--record-map measures the whole suite" in capsys.readouterr().err
     assert not (tmp_path / "evidence").exists()
+
+
+# ------------------------------------------------ --changed where git's history cannot give the base
+# Any clone works: a copy without `.git` and a `git clone --depth 1` whose history lacks the
+# coverage map's commit select by function from the map's hashes (cpkit.validation.change_base),
+# and say so.
+
+needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+
+#: 20 recorded tests: the fake suite's own and 16 more that ran f or h, none g, so that a change
+#: of g alone selects 1 of 20 (5%), as a one-function change should (at most 10%).
+FILLERS = {f"tests/test_fill{i}.py": "def test_x():\n    assert True\n" for i in range(16)}
+FILLER_RUNS = {f"tests/test_fill{i}.py::test_x": ["f" if i % 2 else "h"] for i in range(16)}
+
+
+def _fake_repo(root: Path) -> Path:
+    return make_repo(root, {**TESTS, **FILLERS}, {**RUNS, **FILLER_RUNS})
+
+
+def _git_out(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+def _selected_by_changing_g(root: Path, base: str | None = None):
+    _edit(root, "return x * 2", "return x * 3")
+    found = change_base(root, base)
+    sel = select_changed(root, found.base, found.paths, found.lines)
+    return found, sel
+
+
+def _assert_only_gs_tests(root: Path, sel) -> None:
+    assert not sel.everything and not [f for f in sel.files if f.startswith("tests/test_")]
+    assert sel.node_ids == ["tests/test_beta.py::test_b"]
+    chosen, total = selection_size(sel, load_map(root))
+    assert (chosen, total) == (1, 20) and chosen / total <= 0.10
+
+
+def test_without_git_a_one_function_change_selects_that_functions_tests_from_the_maps_hashes(tmp_path):
+    root = _fake_repo(tmp_path)
+    assert not (root / ".git").exists()
+    assert history_gap(root) == "not a git checkout"
+    found, sel = _selected_by_changing_g(root)
+    assert found.source == MAP_HASHES and found.paths == [MODULE] and found.base.startswith("c0ffee")
+    assert "not a git checkout" in found.describe() and "per-function hashes" in found.describe()
+    _assert_only_gs_tests(root, sel)
+
+
+def test_without_git_or_a_map_the_error_says_what_to_do(tmp_path):
+    (tmp_path / "src" / "cpkit").mkdir(parents=True)
+    with pytest.raises(ValueError, match="no readable coverage map.*pass BASE"):
+        change_base(tmp_path, None)
+
+
+@needs_git
+def test_a_depth_1_clone_without_the_maps_commit_selects_by_the_maps_hashes(tmp_path):
+    origin = _fake_repo(tmp_path / "origin")
+    _git_out(origin, "init", "-q", "-b", "main")
+    _git_out(origin, "add", "-A")
+    _git_out(origin, "commit", "-qm", "the code the map measures")
+    measured = _git_out(origin, "rev-parse", "HEAD")
+    raw = json.loads((origin / MAP_PATH).read_text())
+    (origin / MAP_PATH).write_text(json.dumps(dict(raw, commit=measured)))
+    _git_out(origin, "commit", "-qam", "the map, recorded at the commit before")
+    (origin / "README.md").write_text("notes\n")
+    _git_out(origin, "add", "README.md")
+    _git_out(origin, "commit", "-qm", "a later commit")
+
+    clone = tmp_path / "clone"
+    _git_out(tmp_path, "clone", "-q", "--depth", "1", f"file://{origin}", str(clone))
+    assert _git_out(clone, "rev-parse", "--is-shallow-repository") == "true"
+    gap = history_gap(clone)
+    assert gap == f"the history lacks the coverage map's commit {measured[:12]} (a shallow clone)"
+    assert change_base(clone, None).paths == []  # the code is as the map measured it
+    found, sel = _selected_by_changing_g(clone)
+    assert found.source == MAP_HASHES and found.paths == [MODULE] and found.base == measured
+    assert gap in found.why
+    _assert_only_gs_tests(clone, sel)
+    with pytest.raises(ValueError, match="shallow.*--unshallow"):
+        change_base(clone, measured)  # a BASE the clone lacks: the error names the ways out
+
+    # The full history has the map's commit: git's diff, with the same selection.
+    found, sel = _selected_by_changing_g(origin)
+    assert history_gap(origin) is None and found.source == GIT and found.lines[MODULE]
+    _assert_only_gs_tests(origin, sel)
+
+
+def test_validate_changed_without_git_runs_the_functions_tests_and_names_the_base(tmp_path, monkeypatch, capsys):
+    """The command end to end in a copy without `.git`: one function changed runs its one test."""
+    root = _fake_repo(tmp_path / "copy")
+    (root / "pyproject.toml").write_text(PYPROJECT)
+    (root / "cards").mkdir()
+    (root / "skills").mkdir()
+    _edit(root, "return x * 2", "return x * 3")
+    monkeypatch.chdir(root)
+    assert validate.run(build_parser().parse_args(["validate", "--changed", "--json"])) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)["changed"]
+    assert report["base_source"] == MAP_HASHES and report["base_why"].startswith("not a git checkout")
+    assert report["paths"] == [MODULE] and not report["everything"]
+    assert report["run_node_ids"] == ["tests/test_beta.py::test_b"] and report["run"] == []
+    assert f"(base: {MAP_HASHES} (not a git checkout" in captured.err

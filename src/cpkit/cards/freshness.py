@@ -24,22 +24,28 @@ from cpkit.cards.nodes import CLUSTER_PREFIX, node_file
 from cpkit.cards.snapshot import changed_on_disk, find_snapshot
 from cpkit.validation.change_map import select_tests
 
-__all__ = ["FRESH", "STALE", "UNKNOWN", "TEST_ROOTS", "Freshness", "ChangeIndex", "head_commit"]
+__all__ = ["FRESH", "STALE", "UNKNOWN", "SNAPSHOT", "GIT_DIFF", "TEST_ROOTS", "Freshness", "ChangeIndex", "head_commit"]
 
 FRESH, STALE, UNKNOWN = "fresh", "stale", "unknown"
 
 
 @dataclass(frozen=True)
 class Freshness:
-    """`state` (fresh, stale or unknown), why, and the changed paths under the tests (stale)."""
+    """`state` (fresh, stale or unknown), why, the changed paths under the tests (stale), and
+    `basis`: what "changed since" was read from (SNAPSHOT, GIT_DIFF or both; empty: unknown)."""
 
     state: str
     why: str
     changed: tuple[str, ...] = ()
+    basis: str = ""
 
     def to_dict(self) -> dict:
         """JSON-able form, as status reports carry it."""
-        return {"state": self.state, "why": self.why, "changed": list(self.changed)}
+        return {"state": self.state, "why": self.why, "changed": list(self.changed), "basis": self.basis}
+
+
+#: Freshness.basis: the commit's snapshot (a copy without the history has only it), git's diff.
+SNAPSHOT, GIT_DIFF = "its snapshot", "git diff"
 
 
 def _git(root: Path, *args: str) -> subprocess.CompletedProcess | None:
@@ -65,6 +71,7 @@ class ChangeIndex:
         self.git_error = None if probe is not None and probe.returncode == 0 else (
             "git is not installed" if probe is None else "no git checkout here")
         self._since: dict[str, tuple[tuple[str, ...] | None, str]] = {}
+        self._basis: dict[str, str] = {}
         self._selects: dict[str, tuple[frozenset[str], bool]] = {}
 
     def changed_since(self, commit: str) -> tuple[tuple[str, ...] | None, str]:
@@ -76,6 +83,8 @@ class ChangeIndex:
     def _diff(self, commit: str) -> tuple[tuple[str, ...] | None, str]:
         snapshot = find_snapshot(self.root, commit)
         by_git, git_why = self._git_diff(commit)
+        self._basis[commit] = " and ".join(b for b, used in ((SNAPSHOT, snapshot is not None),
+                                                             (GIT_DIFF, by_git is not None)) if used)
         if snapshot is None:
             return by_git, git_why
         return tuple(sorted(set(changed_on_disk(self.root, snapshot)) | set(by_git or ()))), ""
@@ -112,10 +121,11 @@ class ChangeIndex:
         files = sorted({node_file(n) for n in nodes})
         under = tuple(p for p in changed if any(self.covers(p, f) for f in files) or any(_within(p, s) for s in paths))
         what = "its code" if paths else "its tests"
+        basis = self._basis.get(commit, "")
         if under:
             return Freshness(STALE, f"{len(under)} file{'s' * (len(under) != 1)} under {what} changed since {commit}",
-                             under)
-        return Freshness(FRESH, f"nothing under {what} changed since {commit}")
+                             under, basis)
+        return Freshness(FRESH, f"nothing under {what} changed since {commit}", basis=basis)
 
     def claim_freshness(self, commit: str, about: tuple[str, ...] | list[str], command: str = "",
                         evidence: str = "") -> Freshness:

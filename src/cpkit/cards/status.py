@@ -239,7 +239,8 @@ def _staleness_lines(fresh: dict) -> list[str]:
     if state == STALE:
         changed = fresh["changed"]
         shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
-        return [f"stale: {fresh['why']}: {shown}"]
+        by = f" (by {fresh['basis']})" if fresh.get("basis") else ""  # a copy without history: the snapshot
+        return [f"stale: {fresh['why']}{by}: {shown}"]
     if state != FRESH:
         return [f"staleness unknown: {fresh.get('why') or 'no staleness check'}"]
     return []

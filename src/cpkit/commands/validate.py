@@ -11,8 +11,10 @@ signature, a new, deleted or unmeasured function) adds src/cpkit/validation/chan
 rows and the tests that use a changed function or class through its own package (with --wide:
 every test that imports the module). What changed since
 the map was measured (from the hashes it stores) widens the selection, so an older map selects
-more; only a missing or unreadable map runs everything. Outside a git checkout, --changed with
-no BASE takes the change since the map. The report names the map's commit and its drift, the
+more; only a missing or unreadable map runs everything. Where git's history cannot give the
+base (no .git, a shallow clone without the map's commit or a parent), --changed with no BASE
+takes the change since the map from its per-function hashes (src/cpkit/validation/change_base.py);
+the report names the base it used. The report names the map's commit and its drift, the
 `dist` (gloo) tests run and the GPU tests the change makes stale. --record-map measures the
 full run itself (one pytest process, ranks included) and writes the coverage map from it: the
 table and a fresh map from one run. Then
@@ -25,14 +27,13 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import json
-import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from cpkit.commands import repo_root
-from cpkit.validation.changed_selection import changed_since_map, select_changed
+from cpkit.validation.change_base import change_base, changed_lines, changed_paths  # noqa: F401 - re-exported
+from cpkit.validation.changed_selection import select_changed
 from cpkit.validation.coverage_record import map_recording
 from cpkit.validation.pytest_runner import run_pytest
 
@@ -66,52 +67,6 @@ def feature_of(nodeid: str) -> str:
         if fnmatch.fnmatch(path, pattern):
             return feature
     return "foundation"
-
-
-def _git(root: Path, *args: str) -> str | None:
-    proc = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
-    return proc.stdout if proc.returncode == 0 else None
-
-
-def _uncommitted(root: Path) -> bool:
-    """True when the checkout has staged, unstaged or untracked (not ignored) changes."""
-    return bool((_git(root, "status", "--porcelain") or "").strip())
-
-
-def changed_paths(root: Path, base: str | None) -> tuple[str, list[str]]:
-    """(base commit, repository paths changed since it: committed, staged, unstaged, untracked).
-    Raises ValueError when `root` is not a git checkout or the base does not resolve."""
-    if _git(root, "rev-parse", "--git-dir") is None:
-        raise ValueError(f"--changed needs a git checkout; {root} is not one")
-    if base is None:
-        on_main = (_git(root, "rev-parse", "--abbrev-ref", "HEAD") or "").strip() == "main"
-        found = None if on_main else _git(root, "merge-base", "HEAD", "main")
-        if not found:
-            # On main itself (or without main): the change being made is the uncommitted one when
-            # there is any (HEAD~1 would re-run the last commit's tests too), else the last commit.
-            found = _git(root, "rev-parse", "HEAD" if _uncommitted(root) else "HEAD~1")
-        if found is None:
-            raise ValueError("--changed: no branch main to diff against and no parent commit; pass BASE")
-        base = found.strip()
-    elif _git(root, "rev-parse", "--verify", "--quiet", f"{base}^{{commit}}") is None:
-        raise ValueError(f"--changed {base}: not a commit in this repository")
-    diff = _git(root, "diff", "--name-only", "--no-renames", base, "--") or ""
-    untracked = _git(root, "ls-files", "--others", "--exclude-standard") or ""
-    return base, sorted({p for p in (diff + untracked).splitlines() if p.strip()})
-
-
-_HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+(\d+)(?:,(\d+))? @@", re.M)
-
-
-def changed_lines(root: Path, base: str, path: str) -> set[int] | None:
-    """Line numbers of repository `path` (as it is now) that differ from `base`; a deletion
-    marks the lines either side of it. None when git shows no hunk (an untracked file)."""
-    diff = _git(root, "diff", "-U0", "--no-renames", base, "--", path) or ""
-    out: set[int] = set()
-    for start, count in _HUNK.findall(diff):
-        start, count = int(start), 1 if count == "" else int(count)
-        out.update(range(start, start + count) if count else (start, start + 1))
-    return out if _HUNK.search(diff) else None
 
 
 def _summarise(records: list[dict], levels: dict) -> list[dict]:
@@ -266,16 +221,16 @@ def _run(args, root: Path, out, to_stdout: bool, recording) -> int:
     paths = ["tests", "functional"]
     node_ids: list[str] = []
     if args.changed is not None:
-        since_map = None if args.changed or _git(root, "rev-parse", "--git-dir") is not None else changed_since_map(root)
         try:
-            base, changed = since_map or changed_paths(root, args.changed or None)
+            found = change_base(root, args.changed or None)
         except ValueError as exc:
             print(f"cpkit validate: {exc}", file=sys.stderr)
             return 2
-        modules = [p for p in changed if p.startswith("src/cpkit/") and p.endswith(".py")]
-        lines = {p: set() if since_map else changed_lines(root, base, p) for p in modules}
+        base, changed, lines = found.base, found.paths, found.lines
+        modules = list(lines)
         selection = select_changed(root, base, changed, lines, wide=args.wide)
-        report["changed"] = {"base": base, "paths": changed, **selection.to_dict()}
+        report["changed"] = {"base": base, "base_source": found.source, "base_why": found.why, "paths": changed,
+                             **selection.to_dict()}
         paths = [p for p in selection.files if (root / p).exists()]
         node_ids = selection.node_ids
         report["changed"]["run"] = paths
@@ -286,7 +241,8 @@ def _run(args, root: Path, out, to_stdout: bool, recording) -> int:
         files_of_nodes = sorted({n.split("::", 1)[0] for n in node_ids})
         running = ", ".join(paths) + ("; " if paths and node_ids else "") + (
             f"{len(node_ids)} tests of {', '.join(files_of_nodes)}" if node_ids else "")
-        print(f"changed since {base[:12]}: {len(changed)} paths; running {running or 'no tests'}", file=out)
+        print(f"changed since {base[:12]} (base: {found.describe()}): {len(changed)} paths; running "
+              f"{running or 'no tests'}", file=out)
     rows: list[dict] = []
     owed: dict = {}
     dist_run: list[str] = []

@@ -10,7 +10,7 @@ packed=False: memory holds one sample at a time and the cost model times them in
 (cpkit.dynamic.invariants); nothing here repairs it.
 
 A crash inside MCore becomes `SchedulerCrash` carrying the exception's last line; a call that
-does not return within `timeout_s` (hangs were reported at non-power-of-two DPxCP sizes; its
+does not return within `timeout_s` seconds of CPU time (hangs were reported at non-power-of-two DPxCP sizes; its
 outer loop never ends when no sample fits N) becomes `SchedulerCrash` too, on the main thread
 of a POSIX process (elsewhere the call is not timed).
 """
@@ -64,8 +64,10 @@ class _Timeout(BaseException):
 
 @contextmanager
 def _time_limit(seconds: float | None):
-    """Raise _Timeout in the main thread after `seconds`; an alarm already set (pytest-timeout's,
-    say) is restored afterwards with the time it had left."""
+    """Raise _Timeout in the main thread after `seconds` of this process's CPU time (SIGPROF).
+    CPU time, not wall time: a hang is a loop that keeps computing, while on a loaded host a
+    millisecond call can wait longer than the limit for a core (a 0.5-s wall-clock alarm failed
+    calls that never hung). A timer already set is restored afterwards with the time it had left."""
     if seconds is None or threading.current_thread() is not threading.main_thread() \
             or not hasattr(signal, "setitimer"):
         yield
@@ -74,19 +76,19 @@ def _time_limit(seconds: float | None):
     def _raise(signum, frame):
         raise _Timeout
 
-    previous = signal.signal(signal.SIGALRM, _raise)
-    start = time.monotonic()
-    outer_delay, outer_interval = signal.setitimer(signal.ITIMER_REAL, seconds)
-    if 0 < outer_delay < seconds:  # the outer alarm is due first: keep its deadline
-        signal.setitimer(signal.ITIMER_REAL, outer_delay)
+    previous = signal.signal(signal.SIGPROF, _raise)
+    start = time.process_time()
+    outer_delay, outer_interval = signal.setitimer(signal.ITIMER_PROF, seconds)
+    if 0 < outer_delay < seconds:  # the outer timer is due first: keep its deadline
+        signal.setitimer(signal.ITIMER_PROF, outer_delay)
     try:
         yield
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, previous)
         if outer_delay > 0:
-            left = max(outer_delay - (time.monotonic() - start), 1e-3)
-            signal.setitimer(signal.ITIMER_REAL, left, outer_interval)
+            left = max(outer_delay - (time.process_time() - start), 1e-3)
+            signal.setitimer(signal.ITIMER_PROF, left, outer_interval)
 
 
 def _last_line(err: BaseException) -> str:

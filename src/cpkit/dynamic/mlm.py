@@ -12,7 +12,8 @@ packed=True. Nothing here repairs the plan; cpkit.dynamic.invariants checks it.
 
 The worker stays up between calls (loading the checkout takes seconds; a call takes
 milliseconds, so property tests call it thousands of times). A call that does not return
-within `timeout_s` raises SchedulerCrash(hang=True) with the input: the worker's own alarm ends
+within `timeout_s` seconds of the worker's CPU time raises SchedulerCrash(hang=True) with the
+input: the worker's own alarm ends
 upstream's loop (pure Python) and the worker stays up; if no reply comes `_GRACE_S` later, the
 worker is killed and the next call starts a fresh one. An exception upstream raises
 SchedulerCrash with its type, message and the input.

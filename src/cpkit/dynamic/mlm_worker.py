@@ -21,7 +21,9 @@ Requests: {"op": "schedule", "seq_lens", "dp_cp_size", "max_seq_len_per_rank",
 {"op": "call", "target": "module:function", "args": [...]} runs a cpkit function given the
 loaded upstream modules as its first argument (probes of upstream internals in tests). An
 exception upstream -> {"ok": false, "error": last line of its traceback, "type": its class}.
-A request's "timeout_s" arms SIGALRM in the worker (upstream's endless loops are pure Python,
+A request's "timeout_s" arms a CPU-time alarm (ITIMER_PROF, SIGPROF) in the worker: a hang keeps
+computing, while a call waiting for a core on a loaded host does not, so wall time would call a
+slow host a hang. Upstream's endless loops are pure Python,
 so the alarm ends them and the worker keeps its loaded modules: no restart per hang) ->
 {"ok": false, "hang": true}; the parent kills the worker only if even that reply is late.
 """
@@ -94,6 +96,10 @@ def install_checkout(root: str | os.PathLike) -> dict[str, types.ModuleType]:
     return modules
 
 
+#: The worker's alarm: SIGPROF, sent after the request's timeout_s of the worker's CPU time.
+ALARM = signal.SIGPROF
+
+
 class _Timeout(BaseException):
     """Raised by the alarm; a BaseException so that upstream's `except Exception` cannot catch it."""
 
@@ -154,17 +160,17 @@ def main(argv: list[str] | None = None) -> int:
         send({"ready": False, "error": _last_line(err), "type": type(err).__name__})
         return 1
     send({"ready": True})
-    signal.signal(signal.SIGALRM, _raise_timeout)
+    signal.signal(ALARM, _raise_timeout)
     for line in sys.stdin:
         request = json.loads(line)
         handler = {"schedule": _schedule, "call": _call}[request["op"]]
         try:
             if request.get("timeout_s"):
-                signal.setitimer(signal.ITIMER_REAL, request["timeout_s"])
+                signal.setitimer(signal.ITIMER_PROF, request["timeout_s"])
             try:
                 reply = {"ok": True, **handler(modules, request)}
             finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.setitimer(signal.ITIMER_PROF, 0)
         except _Timeout as err:
             reply = {"ok": False, "hang": True, "where": _where(err, root)}
         except Exception as err:  # noqa: BLE001 - any upstream exception is a finding

@@ -129,7 +129,9 @@ def sleep_with_the_alarm_blocked(modules, seconds):
     import signal
     import time
 
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+    from cpkit.dynamic.mlm_worker import ALARM
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, {ALARM})
     time.sleep(seconds)
     return seconds
 

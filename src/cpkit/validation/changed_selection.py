@@ -49,7 +49,7 @@ from cpkit.validation.change_map import ALWAYS, ANY_MODULE, EVERYTHING, select_t
 from cpkit.validation.coverage_map import (MAP_PATH, CoverageMap, Drift, drift_since, file_of, functions_at_lines,
                                            load_map)
 
-__all__ = ["ChangedSelection", "select_changed", "changed_since_map", "GPU_LEVELS"]
+__all__ = ["ChangedSelection", "select_changed", "changed_since_map", "drift_selection", "selection_size", "GPU_LEVELS"]
 
 GPU_LEVELS = ("gpu1", "gpu2", "gpu4")
 
@@ -252,7 +252,13 @@ def select_changed(root: Path, base: str | None, changed: list[str], lines: dict
         static = select_tests(changed, root, narrow=not wide, lines=lines)
         reasons = dict(static.reasons, **{"(coverage map)": problem + ": running everything"})
         return ChangedSelection(list(EVERYTHING), reasons, True, problem, _gpu_stale(root, modules, [], True, None))
-    drift = drift_since(cmap, root)
+    return _select_with_map(root, changed, modules, lines, wide, cmap, drift_since(cmap, root))
+
+
+def _select_with_map(root: Path, changed: list[str], modules: list[str], lines: dict[str, set[int] | None],
+                     wide: bool, cmap: CoverageMap, drift: Drift) -> ChangedSelection:
+    """select_changed once the map is loaded: the diff (`changed`, `modules`, `lines`) united
+    with `drift`, what changed since the map."""
     change = _change(root, modules, lines, drift)
     precise = _precise(change, cmap)  # a body change of covered functions: its tests, no static rows
     static = select_tests([p for p in changed if p not in precise], root, narrow=not wide, lines=lines)
@@ -278,3 +284,35 @@ def select_changed(root: Path, base: str | None, changed: list[str], lines: dict
     return ChangedSelection(chosen, reasons, everything, _map_state(cmap, drift),
                             _gpu_stale(root, modules, chosen + sorted({file_of(n) for n in node_ids}), everything, cmap),
                             node_ids)
+
+
+def drift_selection(root: Path, cmap: CoverageMap, drift: Drift | None = None) -> ChangedSelection:
+    """What every `--changed` run of a module change selects on top of the change's own tests:
+    the tests `drift` (default: the drift of the working tree at `root` since `cmap`) widens
+    the selection by, with the source checks (ALWAYS, ANY_MODULE) a module change always runs."""
+    root = Path(root).resolve()
+    drift = drift if drift is not None else drift_since(cmap, root)
+    sel = _select_with_map(root, [], [], {}, False, cmap, drift)
+    if not sel.everything:
+        sel.files = sorted({*sel.files, *(f for f in ALWAYS if (root / f).is_file())})
+        checks = source_check_nodes(root, [p for p in drift.paths() if p.startswith("src/cpkit/")
+                                           and (root / p).is_file()])
+        sel.node_ids = sorted({*sel.node_ids, *(n for n in checks if file_of(n) not in sel.files)})
+    return sel
+
+
+def selection_size(sel: ChangedSelection, cmap: CoverageMap) -> tuple[int, int]:
+    """(tests `sel` runs, tests there are): the map's node table, plus the tests of files it has
+    no node of (ran no cpkit function, or new), counted by their recorded levels, else as 1."""
+    table = cmap.all_nodes or sorted({n for ids in cmap.nodes.values() for n in ids})
+    known = {file_of(n) for n in table}
+    whole = set(sel.files)
+
+    def unrecorded(files) -> int:
+        return sum(max(1, sum(cmap.levels.get(f, {}).values())) for f in files - known)
+
+    total = len(table) + unrecorded(set(cmap.levels) | whole)
+    if sel.everything:
+        return total, total
+    chosen = {n for n in table if file_of(n) in whole} | set(sel.node_ids)
+    return len(chosen) + unrecorded(whole), total

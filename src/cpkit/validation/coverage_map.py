@@ -147,6 +147,7 @@ class CoverageMap:
     levels: dict[str, dict[str, int]] = field(default_factory=dict)
     recorded: dict = field(default_factory=dict)
     nodes: dict[str, list[str]] = field(default_factory=dict)
+    all_nodes: list[str] = field(default_factory=list)  # format 3: every test node id it recorded
 
     @property
     def has_nodes(self) -> bool:
@@ -184,7 +185,7 @@ def load_map(root: Path) -> CoverageMap | None:
         nodes = {key: [table[i] for i in decode_indices(idx)] for key, idx in raw["functions"].items()}
         files = {key: sorted({file_of(n) for n in ids}) for key, ids in nodes.items()}
         return CoverageMap(raw["commit"], version, raw["blobs"], files, raw["modules"], raw["hashes"],
-                           raw.get("levels", {}), raw.get("recorded", {}), nodes)
+                           raw.get("levels", {}), raw.get("recorded", {}), nodes, list(table))
     tests = raw["tests"]
     functions = {key: [tests[i] for i in idx] for key, idx in raw["functions"].items()}
     if version == 1:  # blob ids only: a module whose blob differs counts as wholly changed
