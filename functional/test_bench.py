@@ -42,3 +42,16 @@ def test_eval_cp_bench_runs_and_profiles(tmp_path):
     assert "seq 64: train layout" in text and "seq 64: eval layout" in text
     for layout in ("train", "eval"):  # the last stage's trace is there too
         assert len(list(tmp_path.glob(f"profile.txt.*seq_64_{layout}_layout.rank1.trace.json"))) == 1
+
+
+def test_hybrid_bench_runs_every_cell_and_the_ratios(tmp_path):
+    from cpkit.bench.hybrid.gdn_layer import main
+
+    out = tmp_path / "hybrid.json"
+    assert main(["--quick", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    cells = {c["mode"]: c for c in data["cells"]}
+    assert set(cells) == {"one GPU", "chunkwise", "headwise", "transition"}
+    assert all(c["error"] is None and c["ms"] > 0 for c in cells.values())
+    assert cells["chunkwise"]["tokens"] == 128 and cells["one GPU"]["tokens"] == 256  # cp 2 halves the tokens
+    assert "src/cpkit/bench/hybrid/gdn_layer.py" in data["code"]  # the code the run loaded, for its claims

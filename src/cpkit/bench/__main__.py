@@ -22,6 +22,7 @@ BENCHMARKS = {
     "replay": "cpkit.bench.dynamic.replay",
     "dynamic_step": "cpkit.bench.dynamic.dynamic_step",
     "link": "cpkit.bench.dynamic.link",
+    "hybrid": "cpkit.bench.hybrid.gdn_layer",
     "changed_recall": "cpkit.bench.validation.changed_recall",
     "changed_samples": "cpkit.bench.validation.changed_samples",
 }

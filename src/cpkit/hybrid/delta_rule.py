@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["chunk_gated_delta_rule"]
+__all__ = ["chunk_gated_delta_rule", "gated_delta_rule_varlen", "kernel_for"]
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
@@ -66,3 +66,60 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, be
                  + (k[:, i] * (last.unsqueeze(-1) - gcum[:, i]).exp().unsqueeze(-1)).transpose(-1, -2) @ v_new)
     o = torch.stack(outs, 1).reshape(h, n * c, dv)[:, :t].movedim(0, 1)
     return o.to(out_dtype), state
+
+
+def _fla():
+    """flash-linear-attention's chunked kernel, or None where it is not installed (CPU CI)."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as kernel
+    except Exception:  # not installed, or its Triton does not load here: the PyTorch form runs
+        return None
+    return kernel
+
+
+def kernel_for(x: torch.Tensor, kernel: str = "auto") -> str:
+    """Which implementation runs the rule for `x`: "fla" (flash-linear-attention's Triton kernels:
+    CUDA, bf16/fp16/fp32) where installed, else "torch" (chunk_gated_delta_rule: everywhere,
+    float64 too). `kernel` forces one ("torch" or "fla"; "auto" chooses)."""
+    if kernel not in ("auto", "torch", "fla"):
+        from cpkit.errors import CPConfigError
+
+        raise CPConfigError.single("kernel", kernel, "must be 'auto', 'torch' or 'fla'", "use 'auto'")
+    usable = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and _fla() is not None
+    if kernel == "fla" and not usable:
+        from cpkit.errors import CPConfigError
+
+        raise CPConfigError.single("kernel", kernel, f"needs flash-linear-attention, CUDA and bf16/fp16/fp32 "
+                                   f"(got {x.device.type}, {x.dtype}, fla {'found' if _fla() else 'not installed'})",
+                                   "use kernel='auto'")
+    return "fla" if kernel == "fla" or (kernel == "auto" and usable) else "torch"
+
+
+def gated_delta_rule_varlen(q, k, v, beta, g, offsets, initial_state=None, scale=None, chunk_size: int = 64,
+                            kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule over packed sequences (rows [offsets[i], offsets[i+1]) each a sequence): (o [T, H, V],
+    final states [N, H, K, V]); `initial_state` [N, H, K, V] or None (zeros). One fla call for
+    all sequences on GPU (its varlen form), a loop of chunk_gated_delta_rule elsewhere. An empty
+    sequence passes its initial state through."""
+    n, h, dk, dv = len(offsets) - 1, k.shape[1], k.shape[2], v.shape[2]
+    spans = list(zip(offsets, offsets[1:]))
+    if kernel_for(v, kernel) == "torch":
+        outs, finals = [], []
+        for i, (a, b) in enumerate(spans):
+            o, s = chunk_gated_delta_rule(q[a:b], k[a:b], v[a:b], beta[a:b], g[a:b],
+                                          None if initial_state is None else initial_state[i], scale, chunk_size)
+            outs.append(o)
+            finals.append(s)
+        state_dtype = torch.promote_types(v.dtype, torch.float32)
+        return (torch.cat(outs) if outs else v[:0],
+                torch.stack(finals) if finals else v.new_zeros((0, h, dk, dv), dtype=state_dtype))
+    full = [i for i, (a, b) in enumerate(spans) if b > a]
+    start = (torch.zeros(n, h, dk, dv, dtype=torch.float32, device=v.device) if initial_state is None
+             else initial_state.float())
+    if not full:
+        return v[:0], start
+    cu = torch.tensor([0] + [b - a for a, b in spans if b > a], device=v.device).cumsum(0)
+    o, finals = _fla()(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0).float(), beta.unsqueeze(0),
+                       scale=scale, initial_state=start[full], output_final_state=True, cu_seqlens=cu)
+    index = torch.tensor(full, device=v.device)
+    return o.squeeze(0), start.index_copy(0, index, finals.to(start.dtype))

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from cpkit.attention.comm import all_gather_seq
 from cpkit.errors import CPConfigError, Violation
-from cpkit.hybrid.delta_rule import chunk_gated_delta_rule
+from cpkit.hybrid.delta_rule import gated_delta_rule_varlen
 from cpkit.hybrid.layout import CpPartitionMode, check_partition_lengths, partition_indices
 from cpkit.parallel.group_info import group_device, group_rank, group_size
 
@@ -123,37 +123,35 @@ def causal_conv1d_cp(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Sequence
 
 
 def gated_delta_rule_cp(q, k, v, beta, g, cu_seqlens: Sequence[int], group: Any, scale: Optional[float] = None,
-                        chunk_size: int = 64) -> torch.Tensor:
+                        chunk_size: int = 64, kernel: str = "auto") -> torch.Tensor:
     """Chunkwise CP: o [T_local, H, V] of this rank's contiguous rows (q, k [T_local, H, K], v
-    [T_local, H, V], beta, g [T_local, H]), every sequence starting from a zero state on rank 0."""
+    [T_local, H, V], beta, g [T_local, H]), every sequence starting from a zero state on rank 0.
+    `kernel`: src/cpkit/hybrid/delta_rule.py::kernel_for (fla's kernels on GPUs where installed)."""
     cp, rank = group_size(group), group_rank(group)
     local = _local_offsets(check_partition_lengths(cu_seqlens, cp), cp)
-    h, dk, dv = k.shape[1], k.shape[2], v.shape[2]
-    spans = list(zip(local, local[1:]))
+    n, h, dk, dv = len(local) - 1, k.shape[1], k.shape[2], v.shape[2]
+    rule = lambda values, start: gated_delta_rule_varlen(q, k, values, beta, g, local, start, scale,  # noqa: E731
+                                                         chunk_size, kernel)
     if cp == 1:
-        return torch.cat([chunk_gated_delta_rule(q[a:b], k[a:b], v[a:b], beta[a:b], g[a:b], scale=scale,
-                                                 chunk_size=chunk_size)[0] for a, b in spans]) if spans else v[:0]
-    eye = torch.eye(dk, dtype=torch.promote_types(v.dtype, torch.float32), device=v.device)
-    start = torch.cat([eye.expand(h, dk, dk), eye.new_zeros(h, dk, dv)], -1)  # [I | 0]: P and B in one pass
-    summaries = []
-    for a, b in spans:
-        values = torch.cat([v.new_zeros(b - a, h, dk), v[a:b]], -1)
-        summaries.append(chunk_gated_delta_rule(q[a:b], k[a:b], values, beta[a:b], g[a:b], initial_state=start,
-                                                scale=scale, chunk_size=chunk_size)[1])
+        return rule(v, None)[0]
+    eye = torch.eye(dk, dtype=torch.float32, device=v.device)
+    start = torch.cat([eye.expand(n, h, dk, dk), eye.new_zeros(n, h, dk, dv)], -1)  # [I | 0]: P and B in one pass
+    if v.dtype == torch.float64:
+        start = start.double()
+    summaries = rule(torch.cat([v.new_zeros(v.shape[0], h, dk), v], -1), start)[1]  # [n, H, K, K + V]
+
     def incoming(every: torch.Tensor) -> torch.Tensor:
         """[n_seq, H, K, V]: each sequence's state entering this rank, folding ranks 0..r-1 in order."""
         states = []
-        for i in range(len(spans)):
+        for i in range(n):
             state = every.new_zeros(h, dk, dv)
             for r in range(rank):
                 state = every[r, i, :, :, :dk] @ state + every[r, i, :, :, dk:]
             states.append(state)
-        return torch.stack(states)
+        return torch.stack(states) if states else every.new_zeros((0, h, dk, dv))
 
-    entering = _GatherThen.apply(torch.stack(summaries), group, incoming)  # one all-gather of (P, B)
-    outs = [chunk_gated_delta_rule(q[a:b], k[a:b], v[a:b], beta[a:b], g[a:b], initial_state=entering[i], scale=scale,
-                                   chunk_size=chunk_size)[0] for i, (a, b) in enumerate(spans)]
-    return torch.cat(outs) if outs else v[:0]
+    entering = _GatherThen.apply(summaries, group, incoming)  # one all-gather of (P, B)
+    return rule(v, entering)[0]
 
 
 def _heads_in(x: torch.Tensor, cp: int, group: Any, order: torch.Tensor) -> torch.Tensor:
@@ -191,10 +189,10 @@ class GatedDeltaNet(torch.nn.Module):
     (chunkwise needs contiguous), `cu_seqlens` the batch's global padded offsets. `core`
     replaces the delta rule and conv (the tests' float64 references at cp 1)."""
 
-    def __init__(self, shape: GDNShape, dtype=torch.float32, device=None, chunk_size: int = 64):
+    def __init__(self, shape: GDNShape, dtype=torch.float32, device=None, chunk_size: int = 64, kernel: str = "auto"):
         super().__init__()
         s = self.shape = shape
-        self.chunk_size = chunk_size
+        self.chunk_size, self.kernel = chunk_size, kernel
         kw = dict(dtype=dtype, device=device)
         self.in_proj = torch.nn.Linear(s.hidden, s.heads * (2 * s.head_k + s.head_v + 2), bias=False, **kw)
         self.conv_weight = torch.nn.Parameter(torch.randn(s.heads * (2 * s.head_k + s.head_v), s.conv_width, **kw) * 0.5)
@@ -249,7 +247,7 @@ class GatedDeltaNet(torch.nn.Module):
         if mode == "chunkwise" or cp == 1:  # at cp 1 both modes are the plain layer (and None is no group)
             mixed = causal_conv1d_cp(mixed, self.conv_weight, cu, group)
             q, k, v = self._qkv(mixed, x.shape[0], s.heads)
-            o = gated_delta_rule_cp(q, k, v, beta, g, cu, group, chunk_size=self.chunk_size)
+            o = gated_delta_rule_cp(q, k, v, beta, g, cu, group, chunk_size=self.chunk_size, kernel=self.kernel)
             return self._finish(o)
         order = _gathered_order(cu, cp, layout, x.device)
         h = s.heads // cp
@@ -262,7 +260,7 @@ class GatedDeltaNet(torch.nn.Module):
         convolved = [causal_conv1d_cp(t.reshape(t.shape[0], -1), w, cu, None) for t, w in zip(gathered[:3], weights)]
         q, k, v = self._qkv(torch.cat(convolved, -1), convolved[0].shape[0], h)
         o = gated_delta_rule_cp(q, k, v, gathered[3].squeeze(-1), gathered[4].squeeze(-1), cu, None,
-                                chunk_size=self.chunk_size)
+                                chunk_size=self.chunk_size, kernel=self.kernel)
         return self._finish(_heads_out(o, cp, group, order))
 
 
