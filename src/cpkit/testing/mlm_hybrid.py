@@ -56,11 +56,12 @@ def layout_skip_reason() -> str | None:
     return _missing(LAYOUT_FILE)
 
 
-def gdn_skip_reason(need_cuda: bool = True) -> str | None:
-    """Why dev's GatedDeltaNet cannot run here, or None: the checkout, flash-linear-attention
-    (`fla`, from the fla-core wheel) and, with `need_cuda`, CUDA (fla's kernels are Triton)."""
+def gdn_skip_reason(need_fla: bool = True, need_cuda: bool = True) -> str | None:
+    """Why dev's GatedDeltaNet cannot run here, or None: the checkout, with `need_fla`
+    flash-linear-attention (`fla`, from the fla-core wheel) and with `need_cuda` CUDA (fla's
+    kernels are Triton). Its torch-native rule needs the checkout only."""
     reason = _missing(GDN_FILE)
-    if reason:
+    if reason or not need_fla:
         return reason
     if importlib.util.find_spec("fla") is None:
         return ("flash-linear-attention is not installed (import fla failed): install the fla-core "
