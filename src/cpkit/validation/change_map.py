@@ -97,6 +97,11 @@ CHANGE_MAP: tuple[Row, ...] = (
         ("tests/test_hybrid_layout.py", "tests/test_hybrid_delta_rule.py"),
         ("functional/test_hybrid_layout.py", "functional/test_hybrid_gdn.py", "functional/test_hybrid_model.py"),
         "unit, dist, gpu2, gpu4"),
+    Row(("src/cpkit/hybrid/", "src/cpkit/testing/mlm_hybrid.py", "src/cpkit/testing/recurrent_reference.py"),
+        ("tests/test_mcore_gdn_reference.py",),
+        ("functional/test_mlm_hybrid_layout.py", "functional/test_mlm_gdn_cp.py"),
+        "unit, dist, gpu2, gpu4 (Megatron-LM dev's hybrid CP: need CPKIT_MLM_SRC; "
+        "`functional/test_mlm_gdn_cp.py` is gpu2 only and needs fla)"),
     Row(("src/cpkit/dynamic/", "src/cpkit/commands/schedule.py"),
         ("tests/test_dynamic_scheduler.py", "tests/test_dynamic_cost.py", "tests/test_dynamic_mcore.py",
          "tests/test_dynamic_registry.py", "tests/test_schedule_cli.py", "tests/test_dynamic_runtime.py",
