@@ -5,8 +5,9 @@
 #   .te/      the Transformer Engine bundle with its PyTorch extension built now and its needs
 #             (scripts/te-bundle.sh --build-torch-ext; a failed build fails this command);
 #   .upstream/ Megatron-LM and Megatron-Bridge at the commits of scripts/upstream-pins.txt
-#             (scripts/upstream-pack.sh).
-# Any step that fails fails the command, naming the step. Carry the three folders to the GPU
+#             (scripts/upstream-pack.sh);
+#   .fla/     flash-linear-attention's wheels, the hybrid GDN's GPU kernels (scripts/fla-wheels.sh).
+# Any step that fails fails the command, naming the step. Carry the four folders to the GPU
 # host's checkout (git ignores them).
 # Usage: bash scripts/gpu-ci-prepare.sh [MEGATRON_LM_CHECKOUT MEGATRON_BRIDGE_CHECKOUT]
 #        (TE_BUNDLE_ARGS="--arch sm_90,sm_100" passes options to te-bundle.sh)
@@ -20,5 +21,6 @@ step bash scripts/host-wheels.sh
 # shellcheck disable=SC2086  # TE_BUNDLE_ARGS is a list of options
 step bash scripts/te-bundle.sh --build-torch-ext ${TE_BUNDLE_ARGS:-}
 step bash scripts/upstream-pack.sh "$@"
+step bash scripts/fla-wheels.sh
 echo "gpu-ci-prepare: done; carry these to the GPU host's checkout:"
-ls -l .whl .te .upstream
+ls -l .whl .te .upstream .fla

@@ -4,7 +4,8 @@
 # 1. set-up from the prepared files (scripts/gpu-ci-prepare.sh, scripts/GPU_CI.md), torch loaded
 #    first: .whl/ through scripts/setup.sh's offline path (pip --no-index: cpkit[test], MCore) and
 #    scripts/gpu-env.sh (MCore, the cuDNN frontend), Transformer Engine from .te/te-bundle.tar.xz
-#    (scripts/te-install.sh), the upstream code from .upstream/ (scripts/upstream-unpack.sh) as
+#    (scripts/te-install.sh), flash-linear-attention from .fla/, the upstream code from .upstream/
+#    (scripts/upstream-unpack.sh) as
 #    CPKIT_MLM_SRC / CPKIT_BRIDGE_SRC;
 # 2. every gpu2 and gpu4 test of functional/ in one pytest process (`-m "gpu2 or gpu4"` on 4 or
 #    more GPUs, `-m gpu2` on 2 or 3), TE and the examples included; GPU utilization sampled every
@@ -68,6 +69,11 @@ if [ -f .te/te-bundle.tar.xz ]; then
 else
   absent+=("te=no .te/te-bundle.tar.xz (scripts/te-bundle.sh)")
 fi
+# flash-linear-attention (the hybrid GDN's GPU kernels; pure Python over Triton) from .fla/
+if ls .fla/*.whl >/dev/null 2>&1 && ! found fla; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .fla/*.whl
+fi
+found fla || absent+=("fla=no .fla/ wheels (fla-core, flash-linear-attention: scripts/GPU_CI.md)")
 source scripts/upstream-unpack.sh
 [ -n "${CPKIT_MLM_SRC:-}" ] || absent+=("mlm=no .upstream/mlm.tar.xz (scripts/upstream-pack.sh)")
 [ -n "${CPKIT_BRIDGE_SRC:-}" ] || absent+=("bridge=no .upstream/bridge.tar.xz (scripts/upstream-pack.sh)")

@@ -104,13 +104,14 @@ def _prepare_copy(tmp_path: Path, failing: str) -> Path:
     copy = tmp_path / "cpkit"
     (copy / "scripts").mkdir(parents=True)
     shutil.copy(ROOT / "scripts" / "gpu-ci-prepare.sh", copy / "scripts")
-    for step, folder in (("host-wheels.sh", ".whl"), ("te-bundle.sh", ".te"), ("upstream-pack.sh", ".upstream")):
+    for step, folder in (("host-wheels.sh", ".whl"), ("te-bundle.sh", ".te"), ("upstream-pack.sh", ".upstream"),
+                         ("fla-wheels.sh", ".fla")):
         body = "exit 3" if step == failing else f'mkdir -p {folder} && echo "$0 $*" > {folder}/args'
         (copy / "scripts" / step).write_text(f"cd \"$(dirname \"$0\")/..\"\n{body}\n")
     return copy
 
 
-@pytest.mark.parametrize("failing", ["host-wheels.sh", "te-bundle.sh", "upstream-pack.sh"])
+@pytest.mark.parametrize("failing", ["host-wheels.sh", "te-bundle.sh", "upstream-pack.sh", "fla-wheels.sh"])
 def test_prepare_fails_naming_the_step_that_failed(tmp_path, failing):
     proc = subprocess.run(["bash", "scripts/gpu-ci-prepare.sh"], cwd=_prepare_copy(tmp_path, failing),
                           env={"PATH": PATH}, capture_output=True, text=True, timeout=60)
@@ -124,6 +125,7 @@ def test_prepare_builds_te_s_extension_and_packs_the_given_checkouts(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert (copy / ".te/args").read_text().split()[1:] == ["--build-torch-ext"]
     assert (copy / ".upstream/args").read_text().split()[1:] == ["/mlm", "/bridge"]
+    assert (copy / ".fla/args").exists()
 
 
 def test_the_proof_refuses_a_misspelt_optional_part_before_any_set_up(tmp_path):

@@ -40,6 +40,8 @@ PARTS = {
     "bridge": Part("Megatron-Bridge checkout (CPKIT_BRIDGE_SRC)", (r"CPKIT_BRIDGE_SRC", r"Megatron-Bridge not found")),
     "mcore": Part("megatron-core", (r"could not import 'megatron",)),
     "kernels": Part("cuDNN frontend (cpkit[kernels])", (r"nvidia-cudnn-frontend is not importable",)),
+    "fla": Part("flash-linear-attention (fla)", (r"flash-linear-attention \(fla\) is not importable",
+                                                  r"flash-linear-attention is not installed")),
 }
 #: Names that stand for several parts.
 ALIASES = {"upstream": ("mlm", "bridge")}
