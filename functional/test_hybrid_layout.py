@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cpkit.testing import device, dist_params, launch
+from cpkit.testing import device, launch
 from tests.test_hybrid_layout import reference_indices
 
 # (name, per-cp lengths): sbhd is one sequence; THD packs an empty sequence and one of exactly 2*cp
@@ -45,9 +45,25 @@ def _relayout_case(fmt: str) -> dict:
             "grad": torch.equal(zig.grad, weight[zig_idx]), "tokens": tokens.squeeze(0).tolist() == con_idx.tolist()}
 
 
+EXACT = {"contiguous": True, "round_trip": True, "grad": True, "tokens": True}
+
+
 @pytest.mark.parametrize("fmt", sorted(LENGTHS))
-@pytest.mark.parametrize("backend,world_size", dist_params((2, 3, 4)))
+@pytest.mark.parametrize("backend,world_size", [pytest.param("gloo", n, marks=pytest.mark.dist, id=f"gloo{n}")
+                                                for n in (2, 3, 4)])
 def test_relayout_is_exact_both_ways_and_in_the_gradient(backend, world_size, fmt):
     results = launch(_relayout_case, world_size, backend=backend, timeout=300, args=(fmt,))
     for rank, result in enumerate(results):
-        assert result == {"contiguous": True, "round_trip": True, "grad": True, "tokens": True}, (rank, result)
+        assert result == EXACT, (rank, result)
+
+
+def _every_format() -> dict:
+    return {fmt: _relayout_case(fmt) for fmt in sorted(LENGTHS)}
+
+
+@pytest.mark.parametrize("world_size", [pytest.param(n, marks=getattr(pytest.mark, f"gpu{n}"), id=f"nccl{n}")
+                                        for n in (2, 4)])
+def test_relayout_is_exact_on_nccl(world_size):
+    """Both formats on NCCL in one launch."""
+    for rank, result in enumerate(launch(_every_format, world_size, backend="nccl", timeout=300)):
+        assert all(r == EXACT for r in result.values()), (rank, result)

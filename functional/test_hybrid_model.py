@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cpkit.testing import device, dist_params, launch
+from cpkit.testing import device, launch
 
 LENS = [13, 5, 0, 21]
 PATTERNS = [("AGA", "chunkwise"), ("GAG", "headwise")]
@@ -67,8 +67,21 @@ def _train(pattern: str, mode: str, steps: int = 3) -> dict:
 
 
 @pytest.mark.parametrize("pattern,mode", PATTERNS, ids=[f"{p}-{m}" for p, m in PATTERNS])
-@pytest.mark.parametrize("backend,world_size", dist_params((2, 4)))
+@pytest.mark.parametrize("backend,world_size", [pytest.param("gloo", n, marks=pytest.mark.dist, id=f"gloo{n}")
+                                                for n in (2, 4)])
 def test_hybrid_model_trains_at_cp_like_cp1(backend, world_size, pattern, mode):
     results = launch(_train, world_size, backend=backend, timeout=300, args=(pattern, mode))
     for rank, result in enumerate(results):
         assert result["loss_ok"] and result["grad_mismatch"] == [], (rank, result)
+
+
+def _every_pattern() -> dict:
+    return {f"{p}-{m}": _train(p, m) for p, m in PATTERNS}
+
+
+@pytest.mark.parametrize("world_size", [pytest.param(n, marks=getattr(pytest.mark, f"gpu{n}"), id=f"nccl{n}")
+                                        for n in (2, 4)])
+def test_hybrid_model_trains_at_cp_like_cp1_on_nccl(world_size):
+    """Both patterns on NCCL in one launch."""
+    for rank, result in enumerate(launch(_every_pattern, world_size, backend="nccl", timeout=300)):
+        assert all(r["loss_ok"] and r["grad_mismatch"] == [] for r in result.values()), (rank, result)

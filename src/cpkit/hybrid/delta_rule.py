@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["chunk_gated_delta_rule", "gated_delta_rule_varlen", "kernel_for"]
+__all__ = ["chunk_gated_delta_rule", "gated_delta_rule_varlen", "kernel_for", "fla_refusal"]
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
@@ -77,22 +77,41 @@ def _fla():
     return kernel
 
 
+def fla_refusal(device: torch.device) -> str | None:
+    """Why fla's gated delta rule cannot train on `device` here, or None. fla 0.6.0 refuses its
+    gated backward (chunk_bwd_dqkwg) on Hopper with Triton >= 3.4.0 and < 3.7.1, which compute it
+    wrong (fla issue 640), unless tilelang is installed; seen on H200 with torch 2.11's Triton."""
+    if _fla() is None:
+        return "flash-linear-attention (fla) is not importable"
+    if device.type != "cuda":
+        return f"fla's kernels are Triton: CUDA only, not {device.type}"
+    import importlib.util
+
+    import triton
+
+    version = tuple(int(p) for p in triton.__version__.split("+")[0].split(".")[:3] if p.isdigit())
+    hopper = torch.cuda.get_device_capability(device)[0] == 9
+    if hopper and (3, 4, 0) <= version < (3, 7, 1) and importlib.util.find_spec("tilelang") is None:
+        return (f"fla refuses its gated backward on Hopper with Triton {triton.__version__} (>= 3.4.0, < 3.7.1 "
+                "computes it wrong, fla issue 640) unless tilelang is installed")
+    return None
+
+
 def kernel_for(x: torch.Tensor, kernel: str = "auto") -> str:
     """Which implementation runs the rule for `x`: "fla" (flash-linear-attention's Triton kernels:
-    CUDA, bf16/fp16/fp32) where installed, else "torch" (chunk_gated_delta_rule: everywhere,
-    float64 too). `kernel` forces one ("torch" or "fla"; "auto" chooses)."""
+    CUDA, bf16/fp16/fp32, where fla_refusal finds nothing against it), else "torch"
+    (chunk_gated_delta_rule: everywhere, float64 too). `kernel` forces one ("torch" or "fla")."""
+    from cpkit.errors import CPConfigError
+
     if kernel not in ("auto", "torch", "fla"):
-        from cpkit.errors import CPConfigError
-
         raise CPConfigError.single("kernel", kernel, "must be 'auto', 'torch' or 'fla'", "use 'auto'")
-    usable = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and _fla() is not None
-    if kernel == "fla" and not usable:
-        from cpkit.errors import CPConfigError
-
-        raise CPConfigError.single("kernel", kernel, f"needs flash-linear-attention, CUDA and bf16/fp16/fp32 "
-                                   f"(got {x.device.type}, {x.dtype}, fla {'found' if _fla() else 'not installed'})",
-                                   "use kernel='auto'")
-    return "fla" if kernel == "fla" or (kernel == "auto" and usable) else "torch"
+    if kernel == "torch":
+        return "torch"
+    why = fla_refusal(x.device) or (None if x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+                                    else f"fla takes bf16, fp16 or fp32, not {x.dtype}")
+    if kernel == "fla" and why:
+        raise CPConfigError.single("kernel", kernel, f"fla cannot run here: {why}", "use kernel='auto'")
+    return "torch" if why else "fla"
 
 
 def gated_delta_rule_varlen(q, k, v, beta, g, offsets, initial_state=None, scale=None, chunk_size: int = 64,

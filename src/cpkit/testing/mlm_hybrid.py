@@ -68,6 +68,12 @@ def gdn_skip_reason(need_fla: bool = True, need_cuda: bool = True) -> str | None
                 "wheel (pip install fla-core==0.6.0 einops) to run Megatron-LM dev's GatedDeltaNet")
     if need_cuda and not torch.cuda.is_available():
         return "no CUDA device: fla's gated delta rule kernels are Triton, GPU only"
+    if need_cuda:
+        from cpkit.hybrid.delta_rule import fla_refusal
+
+        why = fla_refusal(torch.device("cuda"))
+        if why:
+            return f"{why}: Megatron-LM dev's GatedDeltaNet trains on fla only"
     return None
 
 

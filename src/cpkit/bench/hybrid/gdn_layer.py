@@ -167,10 +167,13 @@ def main(argv=None) -> int:
         failure, results = str(exc), []
     summary = summarize(results, args.cp)
     print(render(summary, seqs, args.cp))
-    from cpkit.hybrid.delta_rule import _fla
+    from cpkit.hybrid.delta_rule import fla_refusal
 
+    fla_why = fla_refusal(torch.device(args.device)) if args.kernel != "torch" else "--kernel torch"
+    print(f"the rule ran on: {'fla' if fla_why is None else 'cpkit PyTorch chunked form (' + fla_why + ')'}")
     payload = {"bench": NAME, "machine": machine_info(), "args": {k: v for k, v in vars(args).items() if k != "out"},
-               "fla": _fla() is not None, "results": results, "failure": failure,
+               "rule_kernel": "fla" if fla_why is None else "torch", "fla_refusal": fla_why, "results": results,
+               "failure": failure,
                "cells": [{"seq": s, "mode": m, **c} for (s, m), c in summary.items()]}
     path = write_json(NAME, payload, args.out)
     print(f"wrote {path}")
