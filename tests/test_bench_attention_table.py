@@ -152,3 +152,13 @@ def test_repeated_runs_give_each_cells_median_and_spread(tmp_path):
         paths.append(tmp_path / f"r{i}.json")
         paths[-1].write_text(json.dumps({"results": results}))
     assert main([str(p) for p in paths]) == 0
+
+
+def test_machine_info_records_no_te_where_mcore_is_missing(monkeypatch):
+    """The hybrid bench runs without megatron-core: its machine record says TE None, not a crash."""
+    import sys
+
+    from cpkit.bench.common import machine_info
+
+    monkeypatch.setitem(sys.modules, "cpkit.attention.te", None)  # as if its MCore import failed
+    assert machine_info()["transformer_engine"] is None

@@ -239,9 +239,12 @@ def machine_info() -> dict:
         info["megatron_core"] = package_info.__version__
     except Exception:  # noqa: BLE001 - informational only
         info["megatron_core"] = None
-    from cpkit.attention.te import te_version
+    try:  # cpkit.attention.te reads MCore; a benchmark without it (hybrid) records no TE
+        from cpkit.attention.te import te_version
 
-    info["transformer_engine"] = te_version()
+        info["transformer_engine"] = te_version()
+    except ImportError:
+        info["transformer_engine"] = None
     if torch.cuda.is_available():
         info["cuda"] = torch.version.cuda
         info["gpu_count"] = torch.cuda.device_count()
