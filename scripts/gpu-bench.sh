@@ -18,7 +18,8 @@
 #   (4 layers, hidden 4096, an 8B-class width: GPU-bound) and 8 layers at hidden 2048 (more
 #   host-bound), each within ${DYNAMIC_STEP_BUDGET_S:-300} s; tables, JSON and per-micro-batch
 #   timelines under $OUT.
-# Usage: bash scripts/gpu-bench.sh attention|attention-full|attention-profile|eval_cp|window|dynamic_step
+# - hybrid: a gated delta net layer at cp 2 against one GPU (fla's kernels where fla trains), the transition.
+# Usage: bash scripts/gpu-bench.sh attention|attention-full|attention-profile|eval_cp|window|dynamic_step|hybrid
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-results}; mkdir -p "$out"
@@ -84,6 +85,10 @@ case "${1:-}" in
       --out "$out/eval_cp_h4096.json" 2>&1 | quiet | tee "$out/eval_cp_h4096.txt" || rc=1
     profiled eval_cp --layouts tp1pp2 --seq 16384 --warmup 2 --iters 3
     ;;
+  hybrid)  # a gated delta net layer at cp 2 against one GPU, and the layout transition (2 GPUs)
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .fla/*.whl 2>/dev/null || true
+    python3 -m cpkit.bench hybrid --cp 2 --seq 32K,128K --out "$out/hybrid_cp2.json" 2>&1 | quiet | tee "$out/hybrid_cp2.txt" || rc=1
+    ;;
   window)  # one GPU is enough: one rank's sliding-window compute (no communication)
     python3 -m cpkit.bench window --out "$out/window.json" 2>&1 | quiet | tee "$out/window.txt" || rc=1
     ;;
@@ -95,6 +100,6 @@ case "${1:-}" in
     python3 -m cpkit.bench dynamic_step --budget-s "$budget" --hidden 2048 --ffn 7168 --heads 16 --kv-heads 4 \
       --layers 8 --out "$out/dynamic_step_h2048.json" 2>&1 | quiet | tee "$out/dynamic_step_h2048.txt" || rc=1
     ;;
-  *) echo "usage: bash scripts/gpu-bench.sh attention|attention-full|attention-profile|eval_cp|window|dynamic_step" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu-bench.sh attention|attention-full|attention-profile|eval_cp|window|dynamic_step|hybrid" >&2; exit 2 ;;
 esac
 exit $rc

@@ -56,6 +56,7 @@ QUESTIONS = (
     Question("`python -m cpkit.bench replay`", "plans replayed on one GPU", "replay"),
     Question("`python -m cpkit.bench dynamic_step`", "real steps vs the model", "dynamic_step"),
     Question("`python -m cpkit.bench link`", "the ring exchange vs bytes", "link"),
+    Question("`python -m cpkit.bench hybrid`", "a GDN layer at cp 2 vs one GPU", "hybrid"),
     Question("`python -m cpkit.bench changed_recall`", "`--changed` recall", "changed_recall"),
     Question("`python -m cpkit.bench changed_samples`", "`--changed` cost",
              "changed_samples"),

@@ -80,7 +80,7 @@ def _fla():
 def fla_refusal(device: torch.device) -> str | None:
     """Why fla's gated delta rule cannot train on `device` here, or None. fla 0.6.0 refuses its
     gated backward (chunk_bwd_dqkwg) on Hopper with Triton >= 3.4.0 and < 3.7.1, which compute it
-    wrong (fla issue 640), unless tilelang is installed; seen on H200 with torch 2.11's Triton."""
+    wrong (fla's own check: Triton >= 3.4.0, < 3.7.1 compiles it wrong), unless tilelang is installed; seen on H200 with torch 2.11's Triton."""
     if _fla() is None:
         return "flash-linear-attention (fla) is not importable"
     if device.type != "cuda":
@@ -93,7 +93,7 @@ def fla_refusal(device: torch.device) -> str | None:
     hopper = torch.cuda.get_device_capability(device)[0] == 9
     if hopper and (3, 4, 0) <= version < (3, 7, 1) and importlib.util.find_spec("tilelang") is None:
         return (f"fla refuses its gated backward on Hopper with Triton {triton.__version__} (>= 3.4.0, < 3.7.1 "
-                "computes it wrong, fla issue 640) unless tilelang is installed")
+                "computes it wrong, fla's own check) unless tilelang is installed")
     return None
 
 
