@@ -71,7 +71,8 @@ def _gdn_case(fmt: str, mode: str, layout: str) -> dict:
     return {"problems": problems}
 
 
-GLOO = [pytest.param("gloo", n, marks=pytest.mark.dist, id=f"gloo{n}") for n in (2, 3, 4)]
+# The largest ring first: a fault in the state fold shows from 3 ranks on, and -x stops at the first.
+GLOO = [pytest.param("gloo", n, marks=pytest.mark.dist, id=f"gloo{n}") for n in (4, 3, 2)]
 NCCL = [pytest.param(n, marks=getattr(pytest.mark, f"gpu{n}"), id=f"nccl{n}") for n in (2, 4)]
 
 
