@@ -121,3 +121,28 @@ def test_the_skills_verify_commands_fail_on_a_fault_in_its_feature(fault, tmp_pa
             return
     report = "\n".join(f"pytest {' '.join(a)} -> exit {rc}\n{tail}" for a, rc, tail in runs)
     pytest.fail(f"{fault.what} ({fault.path}) passed every Verify command of skills/{fault.skill}/SKILL.md:\n{report}")
+
+
+def _collected(args: list[str]) -> set[str]:
+    """The node ids a Verify command selects on this machine (pytest --collect-only, as written)."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", *args, "--collect-only", "-q", "-p", "no:cacheprovider"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return {line for line in proc.stdout.splitlines() if "::" in line}
+
+
+def test_the_attention_verify_commands_run_every_variant_of_its_feature_table():
+    """Every (feature, layout, comm type) the skill's feature table marks "tested here" has a test
+    among the Verify commands' selection that compares its output and gradients (or, for the
+    refused odd THD lengths, checks the error), and a card item's covered_by names that test."""
+    from cpkit.cards.schema import load_cards
+    from functional.test_attention_features import COMMS, FEATURE_MATRIX
+
+    selected = set().union(*(_collected(args) for args in verify_commands("context-parallel-attention")))
+    test = "functional/test_attention_features.py::test_cp_attention_feature_matches_reference"
+    missing = [(feature, fmt, comm) for feature, fmts in FEATURE_MATRIX.items() for fmt in fmts for comm in COMMS
+               if not any(node.startswith(test + "[gloo") and f"-{comm}" in node and node.endswith(f"-{feature}-{fmt}]")
+                          for node in selected)]
+    assert missing == []
+    covered = {entry for card in load_cards(ROOT, "context-parallel-attention")[0] for item in card.follow_up_validation
+               for entry in item.covered_by}
+    assert test in covered
