@@ -92,9 +92,9 @@ FAULTS = {
 
         rule = cpkit.hybrid.gdn.gated_delta_rule_cp
 
-        def from_zero(q, k, v, beta, g, cu_seqlens, group, scale=None, chunk_size=64):
+        def from_zero(q, k, v, beta, g, cu_seqlens, group, **options):
             cp = group_size(group)
-            return rule(q, k, v, beta, g, [c // cp for c in cu_seqlens], None, scale=scale, chunk_size=chunk_size)
+            return rule(q, k, v, beta, g, [c // cp for c in cu_seqlens], None, **options)
 
         plant("cpkit.hybrid.gdn", "gated_delta_rule_cp", from_zero)
         """,
