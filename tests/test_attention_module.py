@@ -494,7 +494,10 @@ def test_bench_write_json(tmp_path):
     from cpkit.bench.common import write_json
 
     path = write_json("attention", {"results": [1]}, str(tmp_path / "sub" / "a.json"))
-    assert json.loads(path.read_text()) == {"results": [1]}
+    data = json.loads(path.read_text())
+    # the payload, and the cpkit files this process loaded, which a claim made from it is held to
+    assert data.pop("code") and "src/cpkit/bench/common.py" in write_json("x", {}, str(tmp_path / "b.json")).read_text()
+    assert data == {"results": [1]}
 
 
 def test_profile_table_lists_ops_by_host_time():
