@@ -32,6 +32,11 @@ def test_dynamic_step_smoke_run(tmp_path, capsys):
     costs = StepModel(ModelDims(**data["dims"]), Calibration.from_dict(saved)).costs
     assert set(costs.ops.per_cp) == {1, 2, 4} and costs.ops.ops(4, 2) > costs.ops.ops(1, 2) > 0
     assert costs.host_op_s > 0 and costs.reduce_opt_s > 0
+    # points timed back to back; the cp-1 points on a shallower model too (the residual's own term)
+    source = saved["step"]["source"]
+    assert source["back_to_back"] >= 2 and len(source["call_gaps_s"]) > 0
+    assert {p[6] for p in source["points"] if p[0] == 1} == {data["dims"]["num_layers"], source["shallow_layers"]}
+    assert source["residual_identified"]
     (batch,) = data["results"]
     ran = {k: v for k, v in batch["impl"].items() if "step_median_s" in v}
     assert set(ran) >= {"cpkit", "static", "mcore"}, batch["impl"]
@@ -60,7 +65,7 @@ def test_dynamic_step_smoke_run(tmp_path, capsys):
     assert set(data["link_table"]["measurements"]) == {"cp2_batched", "cp2_unbatched", "cp4_batched",
                                                        "cp4_unbatched"}
     text = capsys.readouterr().out
-    assert "pred step" in text and "counted per micro-batch" in text and "predicted within 10%" in text
+    assert "pred step" in text and "counted per micro-batch" in text and "call gap" in text and "predicted within 10%" in text
     assert "where the step's time goes" in text and "largest miss" in text
 
 

@@ -13,7 +13,7 @@
 #   profiled: kernel tables, traces and their timelines (compute / exposed comm / idle per cell).
 # - eval_cp: the default model, a 4096-wide one at TP1 PP2, a profile of TP1 PP2 16K.
 # - window: one rank's sliding-window compute (one GPU).
-# - dynamic_step: real dynamic-CP training steps of every plan family (cpkit, static CP, MCore's,
+# - dynamic_step: on the host's GPUs (up to 4), real dynamic-CP training steps of every plan family (cpkit, static CP, MCore's,
 #   Megatron-LM dev's from .upstream/) against the step model, on two model sizes: the default
 #   (4 layers, hidden 4096, an 8B-class width: GPU-bound) and 8 layers at hidden 2048 (more
 #   host-bound), each within ${DYNAMIC_STEP_BUDGET_S:-300} s; tables, JSON and per-micro-batch
@@ -95,9 +95,11 @@ case "${1:-}" in
   dynamic_step)
     source scripts/upstream-unpack.sh
     budget=${DYNAMIC_STEP_BUDGET_S:-300}
-    python3 -m cpkit.bench dynamic_step --budget-s "$budget" --out "$out/dynamic_step.json" 2>&1 | quiet \
+    # ranks: the host's GPUs up to 4 (DYNAMIC_STEP_RANKS overrides)
+    ranks=${DYNAMIC_STEP_RANKS:-$(python3 -c "import torch; print(min(4, torch.cuda.device_count()))")}
+    python3 -m cpkit.bench dynamic_step --ranks "$ranks" --budget-s "$budget" --out "$out/dynamic_step.json" 2>&1 | quiet \
       | tee "$out/dynamic_step.txt" || rc=1
-    python3 -m cpkit.bench dynamic_step --budget-s "$budget" --hidden 2048 --ffn 7168 --heads 16 --kv-heads 4 \
+    python3 -m cpkit.bench dynamic_step --ranks "$ranks" --budget-s "$budget" --hidden 2048 --ffn 7168 --heads 16 --kv-heads 4 \
       --layers 8 --out "$out/dynamic_step_h2048.json" 2>&1 | quiet | tee "$out/dynamic_step_h2048.txt" || rc=1
     ;;
   *) echo "usage: bash scripts/gpu-bench.sh attention|attention-full|attention-profile|eval_cp|window|dynamic_step|hybrid" >&2; exit 2 ;;

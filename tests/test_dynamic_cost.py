@@ -354,7 +354,7 @@ def test_costs_round_trip_through_the_calibration_file_form():
     from cpkit.dynamic.cost import Calibration
     from cpkit.dynamic.step_model import StepCosts, StepModel, with_costs
 
-    costs = _step_costs(sample_op_s=3e-6)
+    costs = _step_costs(sample_op_s=3e-6, call_gap_s=5e-3)
     assert StepCosts.from_dict(costs.to_dict()) == costs
     cal = with_costs(load_calibration(), costs)
     assert StepModel(STEP_DIMS, cal).costs == costs
@@ -387,6 +387,72 @@ def test_the_fit_recovers_the_constants_of_synthetic_measurements():
     assert got["residual_s"][4] == pytest.approx(resid[4], rel=0.5, abs=3e-4)
     with pytest.raises(CPConfigError, match="cp 1"):
         fit_costs(pts[7:], lambda p: 0.0, 4, 0.0)
+
+
+def _synthetic_points(layer_counts, resid1=3e-3, host_op_s=15e-6):
+    """cp-1 micro-batch points of models with `layer_counts` layers, timed exactly by the
+    step model's formula with a per-micro-batch residual `resid1`; ops per layer 150."""
+    from cpkit.dynamic.step_fit import MicrobatchPoint
+
+    kernels = CostModel(STEP_DIMS, load_calibration())
+    pts = []
+    for layers in layer_counts:
+        base, per = 150.0 * layers, 75.0 * layers
+        for lens in ([64], [1024], [4096], [8192], [2048] * 4, [32] * 4, [16] * 8):
+            gpu = (kernels.group_time(lens, 1) * layers / 4
+                   + layers * 3e-9 * sum(-(-L // 2) * 2 for L in lens))
+            host = host_op_s * base + 5e-6 * per * len(lens)
+            t = max(gpu, host) + 0.2 * min(gpu, host) + 20e-6 * 16 + resid1
+            pts.append(MicrobatchPoint(1, tuple(lens), base, per * len(lens), 16.0, t, layers))
+    return pts, kernels
+
+
+def test_a_second_model_size_tells_the_per_op_host_cost_from_the_residual():
+    from cpkit.dynamic.step_fit import fit_costs
+
+    def fit(layer_counts):
+        pts, kernels = _synthetic_points(layer_counts)
+        return fit_costs(pts, lambda p: kernels.group_time(p.seq_lens, p.cp) * p.layers / 4, 4, 20e-6)
+
+    both = fit([4, 1])  # the bench's model and the calibration's shallow one
+    assert both["residual_identified"]
+    assert both["host_op_s"] == pytest.approx(15e-6, rel=0.1)
+    assert both["residual_s"][1] == pytest.approx(3e-3, rel=0.25)
+    one = fit([4])  # one size: the residual cannot be told apart, so it is held at 0, and said so
+    assert not one["residual_identified"] and one["residual_s"][1] == 0.0
+
+
+def test_calibration_points_are_timed_back_to_back_and_the_call_gap_kept_apart():
+    # a call costs its gap once plus each micro-batch: timing one micro-batch alone between
+    # syncs (the old calibration) took the gap for a per-micro-batch cost
+    from cpkit.bench.dynamic.dynamic_step_calibrate import BACK_TO_BACK, _Runner
+
+    class Timed(_Runner):
+        def __init__(self, gap, per):
+            self.gap, self.per, self.calls = gap, per, []
+
+        def fwd_bwd(self, local, total, times=1):
+            self.calls.append(times)
+
+        def timed(self, fn, warmup, iters):
+            fn()
+            return self.gap + self.per * self.calls[-1]
+
+    run = Timed(gap=12e-3, per=30e-3)
+    assert run.per_microbatch("mb", 1.0, 1, 3) == pytest.approx((30e-3, 12e-3))
+    assert sorted(run.calls) == [1, BACK_TO_BACK]
+    assert Timed(gap=0.0, per=1e-6).per_microbatch(None, 1.0, 1, 3)[1] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_the_call_gap_is_paid_once_per_forward_backward_call():
+    gap = 7e-3
+    packed = _step_plan([[((0, 1), (0,)), ((2,), (1,))], [((0, 1, 2, 3), (2,))]])
+    assert (_step_model(call_gap_s=gap).predict(packed)["fwd_bwd_s"]
+            - _step_model().predict(packed)["fwd_bwd_s"]) == pytest.approx(gap)  # one call
+    unpacked = _step_plan([[((0, 1), (0, 1)), ((2,), (2,)), ((3,), (3,))],
+                           [((0, 1, 2, 3), (4,))]], packed=False)
+    assert (_step_model(call_gap_s=gap).predict(unpacked)["fwd_bwd_s"]
+            - _step_model().predict(unpacked)["fwd_bwd_s"]) == pytest.approx(2 * gap)  # a call per segment
 
 
 # ----------------------------------------------------------------------- reference plans

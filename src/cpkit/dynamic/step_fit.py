@@ -2,17 +2,19 @@
 
 Pure Python. A point is one micro-batch forward + backward of the real model on every rank at
 once (cpkit.bench.dynamic.dynamic_step_calibrate runs them): CP size c, packed sample lengths, the
-counted ops and syncs, and the measured seconds (median over repeats, slowest rank). Never a
-plan's step: the bench validates the model against those.
+model's layers, the counted ops and syncs, and the seconds one more micro-batch adds when it runs
+back to back with others, as a step runs them (never a plan's step: the bench validates the
+model against those).
 
 `fit_costs`:
 1. At c = 1 (no ring): host_op_s (per op of the micro-batch's fixed part), sample_op_s (per op
    that comes with a packed sample: many are cheap views), mem_s_per_token, overlap_loss and
-   residual_s[1] minimize the
-   squared relative error of cpkit.dynamic.step_model's micro-batch formula over the points
-   (the downhill simplex from several starts; the tiny
-   micro-batches pin the host costs, the large ones the memory-bound rate, the middle ones the
-   overlap).
+   residual_s[1] minimize the squared relative error of cpkit.dynamic.step_model's micro-batch
+   formula over the points (the downhill simplex from several starts; the tiny micro-batches pin
+   the host costs, the large ones the memory-bound rate, the middle ones the overlap).
+   host_op_s * ops and residual_s[1] are both a constant per micro-batch of one model: only
+   points of models with different op counts (different layer counts) tell them apart. Without
+   such points residual_s[1] is held at 0 and `residual_identified` is False.
 2. At every c > 1: residual_s[c] = the median of what the model leaves (ring posting, exposed
    latency, the group switch), measured on real groups of c ranks.
 """
@@ -41,6 +43,8 @@ class MicrobatchPoint:
     """Counted ops that come with its samples (per-sample count x samples)."""
     syncs: float
     seconds: float
+    layers: int = 0
+    """The model's layers (0: the fit's `layers`)."""
 
     @property
     def local_tokens(self) -> int:
@@ -63,7 +67,7 @@ def fit_linear(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
 
 def _predict(p: MicrobatchPoint, kernels: float, layers: int, sync_s: float, q: dict,
              resid: float) -> float:
-    gpu = kernels + layers * q["mem_s_per_token"] * p.local_tokens
+    gpu = kernels + (p.layers or layers) * q["mem_s_per_token"] * p.local_tokens
     cpu = q["host_op_s"] * p.ops + q["sample_op_s"] * p.sample_ops
     return max(gpu, cpu) + q["overlap_loss"] * min(gpu, cpu) + sync_s * p.syncs + resid
 
@@ -110,7 +114,7 @@ def _nelder_mead(f, x0: list[float], steps: list[float], iters: int = 600) -> li
 def fit_costs(points: Sequence[MicrobatchPoint], kernel_time: Callable[[MicrobatchPoint], float],
               layers: int, sync_s: float) -> dict:
     """{"host_op_s", "sample_op_s", "mem_s_per_token", "overlap_loss", "residual_s": {c: s},
-    "errors": {c: [..]}}
+    "residual_identified", "errors": {c: [..]}}
     fitted from `points` (module docstring). `kernel_time(point)`: the kernels-only model of
     that micro-batch (CostModel.group_time). Raises CPConfigError without a c = 1 point."""
     base = [p for p in points if p.cp == 1 and p.seconds > 0]
@@ -130,12 +134,14 @@ def fit_costs(points: Sequence[MicrobatchPoint], kernel_time: Callable[[Microbat
                    for p in base)
 
     shortest = min(p.seconds for p in base)
+    # residual_s[1] and host_op_s * ops are told apart only by points whose fixed ops differ
+    identified = len({round(p.ops) for p in base}) > 1
     logs = ("host_op_s", "sample_op_s", "mem_s_per_token")
 
     def unpack(x):  # log rates; the overlap and the residual clamped to their ranges
         q = {k: math.exp(min(0.0, v)) for k, v in zip(logs, x)}
         q["overlap_loss"] = min(1.0, max(0.0, x[3]))
-        q["resid"] = min(shortest, max(0.0, x[4] * shortest))
+        q["resid"] = min(shortest, max(0.0, x[4] * shortest)) if identified else 0.0
         return q
 
     # the surface has a kink where host and GPU time cross: start from several overlaps and
@@ -151,6 +157,7 @@ def fit_costs(points: Sequence[MicrobatchPoint], kernel_time: Callable[[Microbat
     params.update(unpack(best))
     out = {k: params[k] for k in ("host_op_s", "sample_op_s", "mem_s_per_token", "overlap_loss")}
     out["residual_s"] = {1: params["resid"]}
+    out["residual_identified"] = identified
     for c in sorted({p.cp for p in points} - {1}):
         left = [p.seconds - _predict(p, kern[id(p)], layers, sync_s, out, 0.0)
                 for p in points if p.cp == c]

@@ -17,13 +17,17 @@ cpkit.dynamic.candidates.VALIDATED_ERROR):
       host                   = host_op_s * ops(c, 0) + sample_op_s * (ops(c, n) - ops(c, 0))
       join(a, b)             = max(a, b) + overlap_loss * min(a, b)
     step                     = max over ranks of prep + fwd+bwd makespan + reduce_opt_s
+      fwd+bwd makespan         = the micro-batches, back to back, + call_gap_s per forward-backward
+                                 call (one for a packed plan, one per segment in lockstep)
 
 c is the group's CP size and n its packed samples. ops() and syncs() are counted, not guessed
 (`OpCounts`, from cpkit.bench.dynamic.dynamic_step_calibrate counting dispatched aten ops of a
 micro-batch forward + backward of the bench's model), linear in n per c. join() is the host
 launching work while the GPU runs it: max() where one hides the other, plus the part that does
 not hide (overlap_loss = 1: no overlap). Every constant is fitted from micro-benchmarks
-(cpkit.dynamic.step_fit), never from a plan's step. The rank schedule follows the runtime:
+(cpkit.dynamic.step_fit), never from a plan's step, timed as a step runs micro-batches: back to
+back between two syncs, so what a call pays once (the first launch before the GPU is busy, the
+final wait: call_gap_s) is not taken for a per-micro-batch cost. The rank schedule follows the runtime:
 `runtime_segments` (MCore's unpacked plans: one sample at a time, every rank waits after each
 micro-batch), free otherwise; an idle rank in a micro-batch pays `idle_s`.
 """
@@ -121,6 +125,9 @@ class StepCosts:
     prep_mb_s: float = 0.0
     prep_sample_s: float = 0.0
     reduce_opt_s: float = 0.0
+    call_gap_s: float = 0.0
+    """Per forward-backward call, once, whatever its micro-batches (measured: a call of one
+    micro-batch minus what one more adds back to back)."""
     source: dict = field(default_factory=dict, compare=False)
 
     def residual(self, cp: int) -> float:
@@ -135,7 +142,7 @@ class StepCosts:
         """JSON form (the calibration file's "step" section)."""
         out = {k: getattr(self, k) for k in ("host_op_s", "sync_s", "mem_s_per_token", "overlap_loss",
                                              "idle_s", "prep_mb_s", "prep_sample_s", "reduce_opt_s",
-                                             "sample_op_s")}
+                                             "sample_op_s", "call_gap_s")}
         out["residual_s"] = {str(c): v for c, v in sorted(self.residual_s.items())}
         out["ops"] = self.ops.to_dict()
         out["source"] = dict(self.source)
@@ -145,7 +152,7 @@ class StepCosts:
     def from_dict(cls, data: dict) -> "StepCosts":
         """From to_dict's form; CPConfigError names a missing or negative number."""
         names = ("host_op_s", "sync_s", "mem_s_per_token", "overlap_loss", "idle_s", "prep_mb_s",
-                 "prep_sample_s", "reduce_opt_s")
+                 "prep_sample_s", "reduce_opt_s", "call_gap_s")
         bad = [n for n in names[:3] if not isinstance(data.get(n), (int, float))]
         bad += [n for n in names if isinstance(data.get(n), (int, float)) and data[n] < 0]
         sample_op_s = float(data.get("sample_op_s", -1.0))
@@ -235,6 +242,7 @@ class StepModel(CostModel):
                     if not busy[r]:
                         ready[r] += k.idle_s
                         per_mb[r].append(k.idle_s)
+            ready = [t + k.call_gap_s for t in ready]  # one forward-backward call per segment
             if lockstep:  # every rank waits for the DPxCP group after each micro-batch
                 ready = [max(ready) + k.sync_s] * n
         prep_s = max(prep) + k.sync_s  # agree_on_tokens: every rank waits for the slowest

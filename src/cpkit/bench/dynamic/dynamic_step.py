@@ -231,8 +231,9 @@ def _print_calibration(res: dict) -> None:
     print(f"  host {step['host_op_s'] * 1e6:.1f} us/op (per-sample ops {step['sample_op_s'] * 1e6:.1f} us), "
           f"sync {step['sync_s'] * 1e6:.1f} us, memory-bound "
           f"{step['mem_s_per_token'] * 1e9:.2f} ns/token/layer, overlap loss {step['overlap_loss']:.2f}, "
-          f"residual " + ", ".join(f"cp {c} {v * 1e3:.2f} ms" for c, v in step["residual_s"].items())
-          + f", idle slot {step['idle_s'] * 1e3:.2f} ms, prep {step['prep_mb_s'] * 1e3:.2f} ms/mb + "
+          f"residual per micro-batch " + ", ".join(f"cp {c} {v * 1e3:.2f} ms" for c, v in step["residual_s"].items())
+          + ("" if step["source"].get("residual_identified") else " (cp 1 held at 0: no second model size)")
+          + f", call gap {step.get('call_gap_s', 0.0) * 1e3:.2f} ms once per forward-backward call, idle slot {step['idle_s'] * 1e3:.2f} ms, prep {step['prep_mb_s'] * 1e3:.2f} ms/mb + "
           f"{step['prep_sample_s'] * 1e3:.2f} ms/sample, reduce+opt {step['reduce_opt_s'] * 1e3:.1f} ms")
     fit = step["source"].get("fit_errors", {})
     print("  fit on the micro-benchmarks (predicted/measured - 1): " + "; ".join(

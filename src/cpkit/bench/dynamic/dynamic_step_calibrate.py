@@ -9,9 +9,15 @@ no cached calibration exists; never from a plan's step (the bench validates the 
    n = 1 and 3 packed samples (all ranks at once, real groups), fitted linear in n.
 3. Micro-batches (cpkit.dynamic.step_fit.MicrobatchPoint): the same forward + backward at
    several local token counts and sample counts, at c = 1 (every rank alone) and on the real
-   c = 2 and c = 4 groups; seconds of the slowest rank, median of `iters`. Also timed: a host
-   sync, an idle slot's zero-loss backward, the batch preparation and the gradient all-reduce
-   with the optimizer step.
+   c = 2 and c = 4 groups, timed as a step runs them (`per_microbatch`): one call of
+   BACK_TO_BACK micro-batches between two syncs, as cpkit.dynamic.runtime.forward_backward_local
+   runs a step's, against a call of one; a point's seconds are what one more micro-batch adds,
+   and the rest of the one-micro-batch call is the call's once-only gap (StepCosts.call_gap_s).
+   Seconds of the slowest rank, median of `iters`. The c = 1 points run on a second, shallower
+   model too (`shallow`: fewer layers, so fewer ops per micro-batch): the only points that tell
+   the per-op host cost from a per-micro-batch residual. Also timed: a host sync, an idle slot's
+   zero-loss backward (back to back too), the batch preparation and the gradient all-reduce with
+   the optimizer step.
 4. cpkit.dynamic.step_fit.fit_costs turns them into cpkit.dynamic.step_model.StepCosts.
 The result is one JSON (CostModel's calibration plus a "step" section), cached by GPU, ranks,
 torch, MCore and model shape (`cache_path`).
@@ -31,7 +37,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from cpkit.dynamic.plan import CPGroupAssignment, Microbatch, Plan
 
-__all__ = ["cache_path", "count_ops", "measure_step_costs", "share_kernel_timing", "warm_groups"]
+__all__ = ["BACK_TO_BACK", "cache_path", "count_ops", "measure_step_costs", "share_kernel_timing",
+           "warm_groups"]
+
+BACK_TO_BACK = 4
+"""Micro-batches per timed call (`per_microbatch`): a real step runs its micro-batches back to back
+with no sync between them; timing each alone between a barrier and a sync charged every one the
+call's start and final wait (over-predicting 4-rank steps by up to 16%, 2026-11-27)."""
 
 _ATEN = torch.ops.aten
 _SYNC_OPS = {_ATEN._local_scalar_dense.default, _ATEN.nonzero.default, _ATEN.is_nonzero.default}
@@ -119,10 +131,22 @@ class _Runner:
         return prepare_microbatch(plan, 0, self.registry, dp_cp_position(self.registry), samples.__getitem__,
                                   device=self.device)
 
-    def fwd_bwd(self, local, total: float) -> None:
+    def fwd_bwd(self, local, total: float, times: int = 1) -> None:
+        """One forward_backward_local call of `local` (None: an idle slot) `times` times back to back."""
         from cpkit.dynamic.runtime import forward_backward_local
 
-        forward_backward_local(self.model, [local], total_tokens=total, pg_collection=self.pgc)
+        forward_backward_local(self.model, [local] * times, total_tokens=total, pg_collection=self.pgc)
+
+    def per_microbatch(self, local, total: float, warmup: int, iters: int) -> tuple[float, float]:
+        """(seconds one more micro-batch adds in a call, the call's once-only gap): a call of
+        BACK_TO_BACK micro-batches against a call of one, both timed like a step's forward and
+        backward (module docstring, step 3)."""
+        one = self.timed(lambda: self.fwd_bwd(local, total), warmup, iters)
+        many = self.timed(lambda: self.fwd_bwd(local, total, BACK_TO_BACK), warmup, iters)
+        per = (many - one) / (BACK_TO_BACK - 1)
+        if per <= 0:  # timing noise on a tiny micro-batch: the long call's mean, no gap
+            return many / BACK_TO_BACK, 0.0
+        return per, max(0.0, one - per)
 
     def timed(self, fn, warmup: int, iters: int) -> float:
         """Median over `iters` of the slowest rank's seconds of `fn()` (every rank runs it)."""
@@ -171,11 +195,30 @@ def _grid(sizes, longest: int, quick: bool) -> list[tuple[int, list[int]]]:
     return out
 
 
+def _count(run, cp: int, world: int):
+    """(ops base, ops per sample, syncs base, syncs per sample) of one micro-batch at `cp` on
+    `run`'s model (n = 1 and 3 samples of a few tokens, fitted linear in n), or the error."""
+    from cpkit.dynamic.step_fit import fit_linear
+
+    rows = []
+    for n in (1, 3):
+        local = run.prepare(_point_plan(cp, [32 * cp] * n, world, 1 << 20))
+        try:  # every rank runs the same code: a failure under the mode is on all of them
+            rows.append((n, *count_ops(lambda: run.fwd_bwd(local, 1.0))))
+        except Exception as err:  # noqa: BLE001 - the caller falls back and says why
+            run.fwd_bwd(run.prepare(_point_plan(cp, [32 * cp] * n, world, 1 << 20)), 1.0)
+            return f"{type(err).__name__}: {err}"
+    ob, op = fit_linear([r[0] for r in rows], [r[1] for r in rows])
+    sb, sp = fit_linear([r[0] for r in rows], [r[2] for r in rows])
+    return ob, op, sb, sp
+
+
 def measure_step_costs(model, opt, registry, pgc, group, vocab, device, *, longest: int,
-                       quick: bool, kernel_model) -> dict:
+                       quick: bool, kernel_model, shallow=None) -> dict:
     """The "step" section of the calibration (module docstring, steps 2 to 4), on every rank;
-    `kernel_model`: a cpkit.dynamic.cost.CostModel of the kernels (step 1's)."""
-    from cpkit.dynamic.runtime import forward_backward_local
+    `kernel_model`: a cpkit.dynamic.cost.CostModel of the kernels (step 1's); `shallow`:
+    (model, its layers), the bench's model with fewer layers (None: the residual at cp 1 is
+    held at 0, cpkit.dynamic.step_fit)."""
     from cpkit.dynamic.step_fit import MicrobatchPoint, fit_costs, fit_linear
     from cpkit.dynamic.step_model import OpCounts, StepCosts
     from cpkit.loss import all_reduce_gradients
@@ -187,18 +230,16 @@ def measure_step_costs(model, opt, registry, pgc, group, vocab, device, *, longe
     warmup, iters = (1, 2) if quick else (1, 3)
     counted, failed = {}, None
     for cp in sizes:  # ops and syncs, n = 1 and 3 samples of a few tokens
-        rows = []
-        for n in (1, 3):
-            local = run.prepare(_point_plan(cp, [32 * cp] * n, world, 1 << 20))
-            try:  # every rank runs the same code: a failure under the mode is on all of them
-                rows.append((n, *count_ops(lambda: run.fwd_bwd(local, 1.0))))
-            except Exception as err:  # noqa: BLE001 - the run goes on with the fallback below
-                failed = f"{type(err).__name__}: {err}"
-                run.fwd_bwd(run.prepare(_point_plan(cp, [32 * cp] * n, world, 1 << 20)), 1.0)
-        if len(rows) == 2:
-            ob, op = fit_linear([r[0] for r in rows], [r[1] for r in rows])
-            sb, sp = fit_linear([r[0] for r in rows], [r[2] for r in rows])
-            counted[cp] = (ob, op, sb, sp)
+        row = _count(run, cp, world)
+        if isinstance(row, str):
+            failed = row
+        else:
+            counted[cp] = row
+    low = None  # the shallow model: its runner and its counts at cp 1
+    if shallow is not None and not failed:
+        low_run = _Runner(shallow[0], registry, pgc, group, vocab, device)
+        row = _count(low_run, 1, world)
+        low = None if isinstance(row, str) else (low_run, shallow[1], OpCounts({1: row}))
     from cpkit.bench.common import machine_info
 
     info = machine_info()
@@ -211,7 +252,8 @@ def measure_step_costs(model, opt, registry, pgc, group, vocab, device, *, longe
                    if c in sizes}
         where = f"NOT COUNTED ({failed}): 0f7f3d4's CPU reading, scaled by layers"
     ops = OpCounts(counted, where)
-    points, prep = [], []
+    layers = kernel_model.dims.num_layers
+    points, prep, gaps = [], [], []
     for cp, lens in _grid(sizes, longest, quick):
         plan = _point_plan(cp, lens, world, 1 << 20)
         holder, samples = {}, run.samples(plan)
@@ -220,10 +262,18 @@ def measure_step_costs(model, opt, registry, pgc, group, vocab, device, *, longe
             holder["local"] = run.prepare(plan, samples)
 
         prep.append((len(lens), run.timed(prepare, warmup, iters)))
-        seconds = run.timed(lambda: run.fwd_bwd(holder["local"], float(sum(lens))), warmup, iters)
+        seconds, gap = run.per_microbatch(holder["local"], float(sum(lens)), warmup, iters)
+        gaps.append(gap)
         fixed = ops.ops(cp, 0)
         points.append(MicrobatchPoint(cp, tuple(lens), fixed, ops.ops(cp, len(lens)) - fixed,
-                                      ops.syncs(cp, len(lens)), seconds))
+                                      ops.syncs(cp, len(lens)), seconds, layers))
+        if cp == 1 and low is not None:  # the same micro-batch on the shallow model
+            low_run, low_layers, low_ops = low
+            seconds, _ = low_run.per_microbatch(low_run.prepare(plan, samples), float(sum(lens)),
+                                                warmup, iters)
+            fixed = low_ops.ops(1, 0)
+            points.append(MicrobatchPoint(1, tuple(lens), fixed, low_ops.ops(1, len(lens)) - fixed,
+                                          low_ops.syncs(1, len(lens)), seconds, low_layers))
     x = torch.zeros(1, device=device)
 
     def syncs():
@@ -232,8 +282,7 @@ def measure_step_costs(model, opt, registry, pgc, group, vocab, device, *, longe
             x.item()
 
     sync_s = run.timed(syncs, warmup, iters) / 20
-    idle_s = run.timed(lambda: forward_backward_local(model, [None], total_tokens=1.0,
-                                                      pg_collection=pgc), warmup, iters)
+    idle_s, _ = run.per_microbatch(None, 1.0, warmup, iters)
 
     def reduce_opt():
         all_reduce_gradients(model, group)
@@ -241,16 +290,23 @@ def measure_step_costs(model, opt, registry, pgc, group, vocab, device, *, longe
 
     reduce_opt_s = run.timed(reduce_opt, warmup, iters)
     model.zero_grad(set_to_none=False)
+    if low is not None:
+        low[0].model.zero_grad(set_to_none=False)
     prep_mb, prep_sample = fit_linear([n for n, _ in prep], [t for _, t in prep])
-    layers = kernel_model.dims.num_layers
-    fitted = fit_costs(points, lambda p: kernel_model.group_time(p.seq_lens, p.cp), layers, sync_s)
+    # CostModel's kernel time is layers x one layer's: a shallow point's is scaled down
+    fitted = fit_costs(points, lambda p: kernel_model.group_time(p.seq_lens, p.cp) * p.layers / layers,
+                       layers, sync_s)
     costs = StepCosts(ops=ops, host_op_s=fitted["host_op_s"], sync_s=sync_s,
                       mem_s_per_token=fitted["mem_s_per_token"], overlap_loss=fitted["overlap_loss"],
                       sample_op_s=fitted["sample_op_s"],
                       residual_s=fitted["residual_s"], idle_s=idle_s, prep_mb_s=max(0.0, prep_mb),
                       prep_sample_s=max(0.0, prep_sample), reduce_opt_s=reduce_opt_s,
-                      source={"points": [[p.cp, list(p.seq_lens), p.ops, p.sample_ops, p.syncs, p.seconds]
-                                         for p in points],
+                      call_gap_s=statistics.median(gaps),
+                      source={"points": [[p.cp, list(p.seq_lens), p.ops, p.sample_ops, p.syncs, p.seconds,
+                                          p.layers] for p in points],
+                              "call_gaps_s": gaps, "back_to_back": BACK_TO_BACK,
+                              "residual_identified": fitted["residual_identified"],
+                              "shallow_layers": low[1] if low is not None else None,
                               "fit_errors": {str(c): v for c, v in fitted["errors"].items()},
                               "seconds": time.perf_counter() - t_start,
                               "what": "micro-benchmarks on these ranks (cpkit.bench.dynamic.dynamic_step_calibrate)"})

@@ -230,15 +230,19 @@ def _link(spec: StepSpec, device):
                      table["source"]), table
 
 
-def _build(spec: StepSpec, device):
-    from cpkit.dynamic.registry import build_group_registry
-    from cpkit.parallel.groups import build_pg_collection
-    from cpkit.parallel.layout import CPLayout
+def shallow_layers(layers: int) -> int:
+    """Layers of the calibration's second model: a quarter, so its ops per micro-batch differ
+    enough from the bench model's to tell the per-op host cost from a per-micro-batch residual."""
+    return max(1, layers // 4)
+
+
+def _model(spec: StepSpec, device, pgc, layers: Optional[int] = None):
+    """The bench's MCore GPTModel on `pgc` (`layers`: its layer count, default the spec's)."""
     from cpkit.attention.gpt import GPTConfig, build_gpt
 
     d, world = spec.dims, dist.get_world_size()
     longest = max(max(b.seq_lens) for b in spec.batches)
-    cfg = GPTConfig(num_layers=d.num_layers, hidden_size=d.hidden_size,
+    cfg = GPTConfig(num_layers=layers or d.num_layers, hidden_size=d.hidden_size,
                     num_attention_heads=d.num_heads, num_query_groups=d.num_kv_heads,
                     ffn_hidden_size=d.ffn_hidden_size, vocab_size=spec.vocab_size,
                     seq_length=longest + 2 * world,
@@ -246,11 +250,20 @@ def _build(spec: StepSpec, device):
                     extra=dict(kv_channels=d.head_dim, gated_linear_unit=d.gated_linear_unit,
                                activation_func=torch.nn.functional.silu if d.gated_linear_unit
                                else torch.nn.functional.gelu))
+    return build_gpt(cfg, pgc, attention="cpkit", device=device)
+
+
+def _build(spec: StepSpec, device):
+    from cpkit.dynamic.registry import build_group_registry
+    from cpkit.parallel.groups import build_pg_collection
+    from cpkit.parallel.layout import CPLayout
+
+    d, world = spec.dims, dist.get_world_size()
     layout = CPLayout(world_size=world, tp=1, cp=1, cp_comm_type="p2p",
                       num_attention_heads=d.num_heads, num_query_groups=d.num_kv_heads)
     pgc = build_pg_collection(layout)
     registry = build_group_registry([list(range(world))], dist.get_rank())
-    model = build_gpt(cfg, pgc, attention="cpkit", device=device)
+    model = _model(spec, device, pgc)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.0)
     return model, opt, pgc, registry
 
@@ -272,8 +285,12 @@ def _calibrate(spec: StepSpec, device, dev_name, link, link_data, model, opt, pg
                               max_tokens=2 * per_rank)
     kernels_s = time.perf_counter() - t0
     kernel_model = CostModel(spec.dims, Calibration.from_dict(cal))
+    few = shallow_layers(spec.dims.num_layers)
+    shallow = (_model(spec, device, pgc, few), few) if few < spec.dims.num_layers else None
     cal["step"] = measure_step_costs(model, opt, registry, pgc, group, spec.vocab_size, device,
-                                     longest=longest, quick=spec.quick, kernel_model=kernel_model)
+                                     longest=longest, quick=spec.quick, kernel_model=kernel_model,
+                                     shallow=shallow)
+    del shallow
     cal["machine"] = machine_info()
     cal["software"] = (f"torch {cal['machine']['torch']}, megatron-core {cal['machine'].get('megatron_core')}, "
                        f"{dist.get_world_size()} ranks")

@@ -31,6 +31,7 @@ __all__ = ["CALIBRATION_BUDGET_S", "ORDER_MARGIN", "STATIC_TARGET", "TOLERANCE",
 TOLERANCE = 0.10  # |predicted / real - 1| per family and batch, step and forward + backward
 ORDER_MARGIN = 0.05  # real steps this far apart must be predicted in the same order
 STATIC_TARGET = 1.2  # static / cpkit real step, lognormal batches
+TIE = 0.005  # cpkit within this of the best other plan's real step counts as a tie (not slower)
 
 
 def _package_dir() -> Path:
@@ -165,8 +166,8 @@ def targets(results: list[dict], summary: dict, run: dict | None = None) -> dict
     for r in results:
         others = [r["real_ratios"][k] for k in ("mcore/cpkit", "mlm/cpkit") if k in r["real_ratios"]]
         if others:
-            checks[f"{r['label']}: real step cpkit <= best of MCore / Megatron-LM "
-                   f"(best other / cpkit {min(others):.3f})"] = min(others) >= 1.0
+            checks[f"{r['label']}: real step cpkit <= best of MCore / Megatron-LM, a tie within "
+                   f"{TIE:.1%} counts (best other / cpkit {min(others):.3f})"] = min(others) >= 1.0 - TIE
         if "static/cpkit" in r["real_ratios"] and r["label"].startswith("lognormal"):
             v = r["real_ratios"]["static/cpkit"]
             checks[f"{r['label']}: real step static / cpkit >= {STATIC_TARGET} ({v:.3f})"] = v >= STATIC_TARGET
