@@ -225,6 +225,33 @@ def test_band_block_on_flex_attention_matches_dense_math(causal, dtype_name, lay
         _close(got, ref, dtype, name)
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal_window", "two_sided_window"])
+def test_a_thd_band_block_on_the_dynamic_shape_kernel_matches_dense_math(causal, monkeypatch):
+    """Past STATIC_SHAPES shapes every band block runs on the one dynamic-shape kernel (packed
+    batches of ever-new lengths): a THD block there also runs on FlexAttention, equal to the
+    dense-mask math, forward and backward. Its two-sided window failed to lower on torch 2.11
+    with the window's bounds as Python ints; which kernel ran depended on the cases before."""
+    from cpkit.attention import flex_band
+    from cpkit.attention.band import Band, Window, band_bwd, band_fwd
+    from cpkit.attention.chunks import local_seq
+
+    monkeypatch.setattr(flex_band, "STATIC_SHAPES", 0)
+    monkeypatch.setattr(flex_band, "_STATIC_KEYS", set())
+    monkeypatch.setattr(flex_band, "_FAILED", set())
+    gen = torch.Generator().manual_seed(7)
+    seq = local_seq(512, 2, torch.tensor([0, 256, 384, 1024], device="cuda"), 640)
+    band = Band(Window(100, None) if causal else Window(60, 90), causal, seq, 1, "cuda").block(0)
+    q, k, v, dout = (_randn(512, h, d, dtype=torch.float32, gen=gen) for h, d in ((8, 64), (2, 64), (2, 32), (8, 32)))
+    out, lse = band_fwd(q, k, v, band, SCALE)
+    want_out, want_lse = band_fwd(q, k, v, band, SCALE, kernel="math")
+    grads = band_bwd(dout, q, k, v, want_out, want_lse, band, SCALE)
+    want = band_bwd(dout, q, k, v, want_out, want_lse, band, SCALE, kernel="math")
+    assert not flex_band._FAILED, "FlexAttention fell back to math"
+    _close(out, want_out, torch.float32, "band out")
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, want):
+        _close(got, ref, torch.float32, name)
+
+
 def test_band_blocks_of_ever_new_packings_compile_a_bounded_number_of_times():
     """Packed batches change length every micro-batch: ten THD packings of different totals run
     through FlexAttention with at most STATIC_SHAPES shape-specialised compilations and then

@@ -135,25 +135,25 @@ def _tile_bounds(x: torch.Tensor, tiles: int):
     return x.amin(1), x.amax(1)
 
 
-SEQ_STRIDE = 1 << 32
-"""THD positions as seq id * SEQ_STRIDE + position (int64): any two sequences' positions differ by
-more than any window, so a window bounded on both sides also keeps queries in their sequence."""
-
-
 def _mask_mod(band, tiles_q: int, tiles_k: int):
     """The band as a FlexAttention mask_mod(b, h, q, kv); positions in the last, partial tile
-    read the last query's or key's, never out of bounds. A THD band bounded on both sides
-    compares one position per token (SEQ_STRIDE), not positions and sequence ids: inductor
-    (torch 2.11, CUDA) failed to lower the two comparisons of a two-sided window beside the
-    sequence ids' (LoweringException, 'ShapeAsConstantBuffer' object has no attribute 'dtype')."""
+    read the last query's or key's, never out of bounds. The window's bounds are 0-dim tensors,
+    not Python ints: the dynamic-shape compile makes an int constant symbolic, and inductor
+    (torch 2.11, CUDA) failed to lower a symbolic bound in the mask (LoweringException:
+    'ShapeAsConstantBuffer' object has no attribute 'dtype'; 0 and 1 are never symbolic, so only
+    a window bounded away from 0 on both sides showed it)."""
     (q_idx, q_seg), (k_idx, k_seg) = ((_edge_pad(i, n * TILE), _edge_pad(g, n * TILE))
                                       for (i, g), n in ((band.q, tiles_q), (band.k, tiles_k)))
-    if q_seg is None:
-        return lambda b, h, i, j: band.allows(q_idx[i], k_idx[j])
-    if None not in band.distances():
-        q_pos, k_pos = (seg.long() * SEQ_STRIDE + idx.long() for idx, seg in ((q_idx, q_seg), (k_idx, k_seg)))
-        return lambda b, h, i, j: band.allows(q_pos[i], k_pos[j])
-    return lambda b, h, i, j: band.allows(q_idx[i], k_idx[j], q_seg[i], k_seg[j])
+    lo, hi = (None if d is None else torch.tensor(d, device=q_idx.device) for d in band.distances())
+
+    def mask_mod(b, h, i, j):
+        diff = q_idx[i] - k_idx[j]
+        ok = diff >= lo if lo is not None else diff == diff
+        if hi is not None:
+            ok = ok & (diff <= hi)
+        return ok if q_seg is None else ok & (q_seg[i] == k_seg[j])
+
+    return mask_mod
 
 
 def _as_kv_blocks(tiles: torch.Tensor):
