@@ -139,29 +139,35 @@ class _Runner:
 
     def per_microbatch(self, local, total: float, warmup: int, iters: int) -> tuple[float, float]:
         """(seconds one more micro-batch adds in a call, the call's once-only gap): a call of
-        BACK_TO_BACK micro-batches against a call of one, both timed like a step's forward and
-        backward (module docstring, step 3)."""
-        one = self.timed(lambda: self.fwd_bwd(local, total), warmup, iters)
-        many = self.timed(lambda: self.fwd_bwd(local, total, BACK_TO_BACK), warmup, iters)
-        per = (many - one) / (BACK_TO_BACK - 1)
+        BACK_TO_BACK micro-batches against a call of one, in alternating rounds, both timed like a
+        step's forward and backward (module docstring, step 3)."""
+        # the two calls alternate, so that a drifting host shifts both alike (their difference is
+        # what is kept), and the medians are of each round's pair
+        pairs = [(self._once(lambda: self.fwd_bwd(local, total)),
+                  self._once(lambda: self.fwd_bwd(local, total, BACK_TO_BACK)))
+                 for _ in range(warmup + iters)][warmup:]
+        one = statistics.median(a for a, _ in pairs)
+        many = statistics.median(b for _, b in pairs)
+        per = statistics.median((b - a) / (BACK_TO_BACK - 1) for a, b in pairs)
         if per <= 0:  # timing noise on a tiny micro-batch: the long call's mean, no gap
             return many / BACK_TO_BACK, 0.0
         return per, max(0.0, one - per)
 
+    def _once(self, fn) -> float:
+        """The slowest rank's seconds of one `fn()` between a barrier and a sync (every rank runs it)."""
+        _sync(self.device)
+        dist.barrier(self.group)
+        t0 = time.perf_counter()
+        fn()
+        _sync(self.device)
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=self.device)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=self.group)
+        return dt.item()
+
     def timed(self, fn, warmup: int, iters: int) -> float:
         """Median over `iters` of the slowest rank's seconds of `fn()` (every rank runs it)."""
-        rows = []
-        for i in range(warmup + iters):
-            _sync(self.device)
-            dist.barrier(self.group)
-            t0 = time.perf_counter()
-            fn()
-            _sync(self.device)
-            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=self.device)
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=self.group)
-            if i >= warmup:
-                rows.append(dt.item())
-        return statistics.median(rows)
+        rows = [self._once(fn) for _ in range(warmup + iters)]
+        return statistics.median(rows[warmup:])
 
 
 def warm_groups(model, registry, pgc, group, vocab, device) -> None:
