@@ -1,16 +1,21 @@
 """The CPU half of the GPU CI (scripts/GPU_CI.md): scripts/setup.sh's offline path sets a fresh
 virtual environment up from a .whl/ folder alone (pip --no-index; any index it reached would
 fail), scripts/gpu-ci-prepare.sh fails when a step fails, and scripts/gpu-proof.sh refuses a
-misspelt optional part before any set-up. Fake wheels, no GPU, no network."""
+misspelt optional part before any set-up, runs the gpu1 tier beside the multi-GPU tier that fits
+the host (a stand-in python3 says how many GPUs there are and answers pytest), one xdist worker
+per GPU (cpkit.testing.gpu_per_worker), and its verdict covers both. Fake wheels, no GPU, no network."""
 
 from __future__ import annotations
 
 import base64
 import hashlib
+import json
+import os
 import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -137,13 +142,17 @@ def test_the_proof_refuses_a_misspelt_optional_part_before_any_set_up(tmp_path):
 
 
 
-def test_the_proof_stops_before_the_tests_when_the_set_up_lacks_te(tmp_path):
+@pytest.fixture(scope="module")
+def proof_copy(tmp_path_factory):
+    """A copy of the tree without the carried files (.whl/, .te/, ...) or evidence."""
+    return Path(shutil.copytree(ROOT, tmp_path_factory.mktemp("proof") / "repo", ignore=shutil.ignore_patterns(
+        ".git", ".venv*", ".whl", ".te*", ".upstream", ".fla", "evidence", "__pycache__", "*.egg-info")))
+
+
+def test_the_proof_stops_before_the_tests_when_the_set_up_lacks_te(proof_copy, tmp_path):
     """Without the TE files (and no --optional te) the proof fails at once, naming TE, before it
     asks for GPUs; named optional, it goes on to the tests (here: the CPU host's GPU check)."""
-    import shutil
-
-    copy = Path(shutil.copytree(ROOT, tmp_path / "repo", ignore=shutil.ignore_patterns(
-        ".git", ".venv*", ".whl", ".te*", ".upstream", ".fla", "evidence", "__pycache__", "*.egg-info")))
+    copy = proof_copy
     env = {"PATH": PATH, "OUT": str(tmp_path / "out"), "HOME": str(tmp_path)}
     proc = subprocess.run(["bash", "scripts/gpu-proof.sh"], cwd=copy, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -152,7 +161,139 @@ def test_the_proof_stops_before_the_tests_when_the_set_up_lacks_te(tmp_path):
     optional = subprocess.run(["bash", "scripts/gpu-proof.sh", "--optional", "all"], cwd=copy, env=env,
                               capture_output=True, text=True, timeout=300)
     assert "FAIL before the tests" not in optional.stdout
-    assert optional.returncode == 2 and "the proof needs 2 or more" in optional.stdout  # no GPU on this host
+    assert optional.returncode == 2 and "the proof needs 1 or more" in optional.stdout  # no GPU on this host
+
+
+#: python3 on a host of $FAKE_GPUS GPUs whose pytest is $FAKE_PYTEST; anything else goes to the real one.
+FAKE_PYTHON = """#!/bin/bash
+if [ "$1" = "-c" ] && [ "$2" = "import torch; print(torch.cuda.device_count())" ]; then echo "$FAKE_GPUS"; exit 0; fi
+if [ "$1" = "-m" ] && [ "$2" = "pytest" ]; then shift 2; exec "$REAL_PYTHON" "$FAKE_PYTEST" "$@"; fi
+exec "$REAL_PYTHON" "$@"
+"""
+#: pytest that logs its arguments and writes a junit of one test, failing for the marker $FAKE_FAIL.
+FAKE_PYTEST = """
+import json, os, sys
+args = sys.argv[1:]
+with open(os.environ["FAKE_LOG"], "a") as fh:
+    fh.write(json.dumps(args) + "\\n")
+marker = args[args.index("-m") + 1]
+junit = next(a.split("=", 1)[1] for a in args if a.startswith("--junitxml="))
+name, failure = marker.replace(" ", "_"), '<failure message="off"/>' if marker == os.environ.get("FAKE_FAIL") else ""
+with open(junit, "w") as fh:
+    fh.write('<?xml version="1.0"?><testsuites><testsuite name="pytest"><testcase classname="functional.test_x" '
+             f'name="test_{name}" time="1">{failure}</testcase></testsuite></testsuites>')
+"""
+
+
+@pytest.mark.parametrize("gpus,fail,tiers,exit_code", [
+    (1, "", {"gpu1": "1"}, 0),
+    (2, "gpu1", {"gpu1": "2", "gpu2": "0"}, 1),
+    (4, "", {"gpu1": "4", "gpu2 or gpu4": "0"}, 0),
+])
+def test_the_proof_runs_gpu1_beside_the_tier_the_host_fits_and_fails_on_either(proof_copy, tmp_path, gpus, fail,
+                                                                               tiers, exit_code):
+    """1 GPU: gpu1 alone (no refusal, no budget); 2-3: gpu1 beside gpu2; 4 or more: gpu1 beside
+    gpu2 + gpu4. gpu1 runs on one xdist worker per GPU, each pinned, its slowest file first; a
+    gpu1 failure fails the proof."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(FAKE_PYTHON)
+    (bin_dir / "python3").chmod(0o755)
+    (tmp_path / "fake_pytest.py").write_text(FAKE_PYTEST)
+    log = tmp_path / "pytest-calls.jsonl"
+    env = {"PATH": f"{bin_dir}:{PATH}", "OUT": str(tmp_path / "out"), "HOME": str(tmp_path), "CPKIT_COMMIT": "abc1234",
+           "REAL_PYTHON": sys.executable, "FAKE_PYTEST": str(tmp_path / "fake_pytest.py"), "FAKE_LOG": str(log),
+           "FAKE_GPUS": str(gpus), "FAKE_FAIL": fail}
+    proc = subprocess.run(["bash", "scripts/gpu-proof.sh", "--optional", "all"], cwd=proof_copy, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == exit_code, proc.stdout + proc.stderr
+    calls = {args[args.index("-m") + 1]: args for args in map(json.loads, log.read_text().splitlines())}
+    assert {marker: args[args.index("-n") + 1] for marker, args in calls.items()} == tiers
+    gpu1 = calls["gpu1"]
+    assert " ".join(gpu1).count("-p cpkit.testing.gpu_per_worker") == 1 and "--dist worksteal" in " ".join(gpu1)
+    assert f"--junitxml={tmp_path}/out/evidence/" in " ".join(gpu1) and gpu1[-1] == "tests"
+    assert [a for a in gpu1 if a.startswith("functional/")][0] == "functional/test_replay_gpu.py"
+    with tarfile.open(tmp_path / "out" / "proof.tar.gz") as tar:
+        names = {Path(n).name for n in tar.getnames()}
+        readme = tar.extractfile(next(n for n in tar.getnames() if n.endswith("README.md"))).read().decode()
+    assert {"junit-gpu1.xml.gz", "pytest-gpu1.log.gz"} <= names and ("junit.xml.gz" in names) == (gpus > 1)
+    if gpus == 1:
+        assert "no multi-GPU tier on 1 GPU" in readme and "none stated for a 1-GPU host" in readme
+    if fail:
+        assert "- FAIL: not green: gpu1: 1 failed" in readme
+    if gpus == 4:
+        assert "pytest wall (gpu1 beside gpu2 or gpu4): " in readme and "- pass" in readme
+
+
+def _gpu1_paths() -> list[str]:
+    """The gpu1 tier's pytest paths as scripts/gpu-proof.sh spells them (bash expands the glob)."""
+    line = next(l for l in (ROOT / "scripts" / "gpu-proof.sh").read_text().splitlines() if l.startswith("gpu1_paths=("))
+    out = subprocess.run(["bash", "-c", f'{line}; printf "%s\\n" "${{gpu1_paths[@]}}"'], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout
+    return out.split()
+
+
+def _collect(paths: list[str]) -> list[str]:
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "gpu1",
+                           *paths], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [line for line in proc.stdout.splitlines() if "::" in line]
+
+
+def test_the_gpu1_paths_collect_the_whole_tier_with_the_slowest_test_first():
+    """pytest collects in the order of its arguments: the slowest gpu1 test (about 100 s on one
+    H200) is first, so worksteal starts it at once; and the paths miss no gpu1 test."""
+    ordered = _collect(_gpu1_paths())
+    assert ordered[0] == "functional/test_replay_gpu.py::test_cost_model_within_10_percent_of_the_replay"
+    assert len(ordered) == len(set(ordered)) and set(ordered) == set(_collect(["functional", "tests"]))
+
+
+@pytest.mark.parametrize("worker,visible,gpu", [("gw0", None, "0"), ("gw3", None, "3"), ("gw1", "5,7", "7"),
+                                                ("gw2", "5, 7", "5"), ("gw1", "GPU-ab12,GPU-cd34", "GPU-cd34"),
+                                                ("gw0", "", "")])
+def test_each_worker_takes_its_own_gpu_of_those_the_run_sees(worker, visible, gpu):
+    from cpkit.testing.gpu_per_worker import worker_gpu
+
+    assert worker_gpu(worker, visible) == gpu
+
+
+def test_a_worker_id_that_is_not_xdist_s_is_refused_with_a_fix():
+    from cpkit.testing.gpu_per_worker import worker_gpu
+
+    with pytest.raises(ValueError, match=r"PYTEST_XDIST_WORKER='master': not an xdist worker id, which is gw<N>.*fix:"):
+        worker_gpu("master", None)
+
+
+PIN_TEST = """
+import os, conftest, pytest
+@pytest.mark.parametrize("i", range(4))
+def test_pin(i):
+    with open(os.environ["PIN_LOG"], "a") as fh:
+        fh.write(f"{os.environ.get('PYTEST_XDIST_WORKER', '-')} {conftest.AT_IMPORT} {os.environ['CUDA_VISIBLE_DEVICES']}\\n")
+"""
+
+
+@pytest.mark.timeout(300)
+def test_each_xdist_worker_sees_only_its_gpu_before_any_conftest_is_imported(tmp_path):
+    """The plugin rides `-p` into every worker and sets CUDA_VISIBLE_DEVICES before conftests and
+    test modules import (CUDA reads it once); without xdist it changes nothing."""
+    (tmp_path / "conftest.py").write_text("import os\nAT_IMPORT = os.environ.get('CUDA_VISIBLE_DEVICES')\n")
+    (tmp_path / "test_pin.py").write_text(PIN_TEST)
+    log = tmp_path / "pin.log"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+           "CUDA_VISIBLE_DEVICES": "5,7", "PIN_LOG": str(log)}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    for extra in (["-n", "2", "--dist", "worksteal"], ["-n", "0"]):
+        log.unlink(missing_ok=True)
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "cpkit.testing.gpu_per_worker",
+                               "-p", "no:cacheprovider", "--rootdir", str(tmp_path), *extra, str(tmp_path)],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        seen = set(log.read_text().splitlines())
+        if extra[1] == "2":
+            assert seen == {"gw0 5 5", "gw1 7 7"}, seen
+        else:
+            assert seen == {"- 5,7 5,7"}, seen
 
 
 def test_setup_violations_name_each_required_part_the_set_up_lacks():
@@ -168,7 +309,9 @@ def test_setup_violations_name_each_required_part_the_set_up_lacks():
 
 def test_the_proof_ends_at_its_deadline_with_a_kill_after_the_grace_and_writes_no_cards_unless_asked():
     text = (ROOT / "scripts" / "gpu-proof.sh").read_text()
-    assert re.search(r'timeout -s INT -k "\$\{CPKIT_PROOF_GRACE_S:-30\}" "\$\{CPKIT_PROOF_TIMEOUT_S:-540\}"', text)
+    assert re.search(r'deadline=\(timeout -s INT -k "\$\{CPKIT_PROOF_GRACE_S:-30\}" "\$\{CPKIT_PROOF_TIMEOUT_S:-540\}"\)', text)
+    pytests = [line for line in text.splitlines() if "python3 -m pytest" in line]
+    assert len(pytests) == 2 and all('"${deadline[@]}" python3 -m pytest' in line for line in pytests)  # both tiers
     record = text[text.index('if [ "$record" = 1 ]; then'):]
     assert "cards record" in record and text.count('sys.exit(main())" cards record') == 1
     assert text.count('cp -r "$dir" "evidence/$name"') == 1 and 'cp -r "$dir" "evidence/$name"' in record

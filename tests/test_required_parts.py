@@ -81,6 +81,8 @@ def test_a_file_that_is_not_junit_is_a_clear_error(tmp_path):
 
 
 def _evidence(tmp_path, *cases):
+    """An evidence folder: the multi-GPU tier's junit of `cases` beside a green gpu1 tier's."""
+    _junit(tmp_path, PASS.replace("test_gpt", "test_kernels_gpu")).rename(tmp_path / "junit-gpu1.xml")
     _junit(tmp_path, *cases)
     (tmp_path / "case-times.jsonl").write_text(json.dumps({"example": "x", "t0": 0, "t1": 1}) + "\n")
     return tmp_path
@@ -88,10 +90,17 @@ def _evidence(tmp_path, *cases):
 
 def test_a_green_run_over_budget_passes_unless_the_overrun_flag_is_set(tmp_path):
     folder = _evidence(tmp_path, PASS)
-    text, passed = proof_report.verdict(folder, gpus=2, pytest_s=203, total_s=240)
-    assert passed and "budget overrun reported, not failed (--fail-over-budget fails it): pytest 203 s > 180 s" in text
-    text, passed = proof_report.verdict(folder, gpus=2, pytest_s=203, total_s=240, fail_over_budget=True)
-    assert not passed and "FAIL: over budget: pytest 203 s > 180 s" in text
+    text, passed = proof_report.verdict(folder, gpus=2, pytest_s=253, total_s=300)
+    assert passed and "budget overrun reported, not failed (--fail-over-budget fails it): pytest 253 s > 240 s" in text
+    text, passed = proof_report.verdict(folder, gpus=2, pytest_s=253, total_s=300, fail_over_budget=True)
+    assert not passed and "FAIL: over budget: pytest 253 s > 240 s" in text
+
+
+def test_the_skips_of_several_junit_files_are_read_together(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    found = violations([_junit(tmp_path / "a", PASS, TE_SKIP), _junit(tmp_path / "b", TE_SKIP.replace("nccl2", "gpu1"))])
+    assert len(found) == 1 and "Transformer Engine [te] is required: 2 test(s) skipped" in found[0]
 
 
 def test_the_report_exits_1_naming_te_and_0_when_te_is_optional(tmp_path, capsys):

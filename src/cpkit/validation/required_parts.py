@@ -118,18 +118,20 @@ def setup_violations(absent: Mapping[str, str], optional: Iterable[str] = ()) ->
     return out
 
 
-def violations(junit: str | Path, optional: Iterable[str] = (), *, absent: Mapping[str, str] | None = None,
-               over_budget: Iterable[str] = (), fail_over_budget: bool = False) -> list[str]:
+def violations(junit: str | Path | Iterable[str | Path], optional: Iterable[str] = (), *,
+               absent: Mapping[str, str] | None = None, over_budget: Iterable[str] = (),
+               fail_over_budget: bool = False) -> list[str]:
     """Why the run does not pass, one line each; [] when it passes.
 
-    junit: the run's pytest junit XML; optional: parts that may be missing (parse_optional's
-    names); absent: part -> why the set-up lacks it; over_budget: the budgets the run overran,
-    a violation only with fail_over_budget."""
+    junit: the run's pytest junit XML, or several (the proof's tiers, read together); optional:
+    parts that may be missing (parse_optional's names); absent: part -> why the set-up lacks it;
+    over_budget: the budgets the run overran, a violation only with fail_over_budget."""
     optional = parse_optional(list(optional), field="optional")
     out = setup_violations(absent or {}, optional)
     by_part: dict[str, list[tuple[str, str]]] = {}
-    for part, test, message in missing_dependency_skips(junit):
-        by_part.setdefault(part, []).append((test, message))
+    for path in [junit] if isinstance(junit, (str, Path)) else junit:
+        for part, test, message in missing_dependency_skips(path):
+            by_part.setdefault(part, []).append((test, message))
     for part, skips in sorted(by_part.items()):
         if part not in optional:
             test, message = skips[0]
