@@ -135,8 +135,17 @@ tests_begin=$(date +%s.%N)
 gpu1_pid=$!
 multi_s=0
 if [ -n "$marker" ]; then
+  # The multi-GPU tests that start their own ranks (no pool: neither a grid nor a prefetched
+  # example) in a pytest of their own, 3 side by side (proof_report.LAUNCHES says why).
+  ( "${deadline[@]}" python3 -m pytest -n 3 -p no:cacheprovider -q -rfEsx --durations=25 \
+      -m "($marker) and not cpkit_grid and not cpkit_prefetch" --junitxml="$dir/junit-launch.xml" functional "$@" \
+      >"$dir/pytest-launch.log" 2>&1 ) &
+  launch_pid=$!
   "${deadline[@]}" python3 -m pytest -n 0 -p no:cacheprovider -q -rfEsx --durations=25 \
-    -m "$marker" --junitxml="$dir/junit.xml" functional "$@" 2>&1 | tee "$dir/pytest.log" | tail -40
+    -m "($marker) and (cpkit_grid or cpkit_prefetch)" --junitxml="$dir/junit.xml" functional "$@" 2>&1 \
+    | tee "$dir/pytest.log" | tail -40
+  wait "$launch_pid"
+  echo "-- the $marker tests that start their own ranks ($dir/pytest-launch.log):"; tail -15 "$dir/pytest-launch.log"
   multi_s=$(secs "$tests_begin")
 fi
 wait "$gpu1_pid"
@@ -157,7 +166,7 @@ if [ "$record" = 1 ]; then
   rm -rf "evidence/$name" && cp -r "$dir" "evidence/$name"
   python3 -c "import sys; from cpkit.cli import main; sys.exit(main())" cards record --evidence "evidence/$name" --machine "${gpus}x $gpu" 2>&1 | tail -5
 fi
-gzip -f "$dir/case-times.jsonl" "$dir/pytest.log" "$dir/junit.xml" "$dir/pytest-gpu1.log" "$dir/junit-gpu1.xml" \
+gzip -f "$dir/case-times.jsonl" "$dir/pytest.log" "$dir/junit.xml" "$dir/pytest-launch.log" "$dir/junit-launch.xml" "$dir/pytest-gpu1.log" "$dir/junit-gpu1.xml" \
   "$dir/gpu-util.csv" 2>/dev/null
 tar czf "$out/proof.tar.gz" -C "$out/evidence" "$name" && rm -rf "$out/evidence"
 exit "$verdict"

@@ -185,16 +185,24 @@ with open(junit, "w") as fh:
 """
 
 
+def _split(marker):
+    """The multi-GPU tier's two pytests: the pools' (one process) and the own launches' (3 workers)."""
+    return {f"({marker}) and (cpkit_grid or cpkit_prefetch)": "0",
+            f"({marker}) and not cpkit_grid and not cpkit_prefetch": "3"}
+
+
 @pytest.mark.parametrize("gpus,fail,tiers,exit_code", [
     (1, "", {"gpu1": "1"}, 0),
-    (2, "gpu1", {"gpu1": "2", "gpu2": "0"}, 1),
-    (4, "", {"gpu1": "4", "gpu2 or gpu4": "0"}, 0),
+    (2, "gpu1", {"gpu1": "2", **_split("gpu2")}, 1),
+    (2, "(gpu2) and not cpkit_grid and not cpkit_prefetch", {"gpu1": "2", **_split("gpu2")}, 1),
+    (4, "", {"gpu1": "4", **_split("gpu2 or gpu4")}, 0),
 ])
 def test_the_proof_runs_gpu1_beside_the_tier_the_host_fits_and_fails_on_either(proof_copy, tmp_path, gpus, fail,
                                                                                tiers, exit_code):
     """1 GPU: gpu1 alone (no refusal, no budget); 2-3: gpu1 beside gpu2; 4 or more: gpu1 beside
-    gpu2 + gpu4. gpu1 runs on one xdist worker per GPU, each pinned, its slowest file first; a
-    gpu1 failure fails the proof."""
+    gpu2 + gpu4, the multi-GPU tests that start their own ranks in a pytest of their own beside
+    the pools'. gpu1 runs on one xdist worker per GPU, each pinned, its slowest file first; a
+    failure in gpu1 or in the own launches fails the proof."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python3").write_text(FAKE_PYTHON)
@@ -217,10 +225,13 @@ def test_the_proof_runs_gpu1_beside_the_tier_the_host_fits_and_fails_on_either(p
         names = {Path(n).name for n in tar.getnames()}
         readme = tar.extractfile(next(n for n in tar.getnames() if n.endswith("README.md"))).read().decode()
     assert {"junit-gpu1.xml.gz", "pytest-gpu1.log.gz"} <= names and ("junit.xml.gz" in names) == (gpus > 1)
+    assert ("junit-launch.xml.gz" in names) == (gpus > 1)
     if gpus == 1:
         assert "no multi-GPU tier on 1 GPU" in readme and "none stated for a 1-GPU host" in readme
-    if fail:
+    if fail == "gpu1":
         assert "- FAIL: not green: gpu1: 1 failed" in readme
+    elif fail:  # a test that starts its own ranks failed: the proof fails too
+        assert "- FAIL: not green: gpu2: own launches: 1 failed" in readme
     if gpus == 4:
         assert "pytest wall (gpu1 beside gpu2 or gpu4): " in readme and "- pass" in readme
 
@@ -311,7 +322,7 @@ def test_the_proof_ends_at_its_deadline_with_a_kill_after_the_grace_and_writes_n
     text = (ROOT / "scripts" / "gpu-proof.sh").read_text()
     assert re.search(r'deadline=\(timeout -s INT -k "\$\{CPKIT_PROOF_GRACE_S:-30\}" "\$\{CPKIT_PROOF_TIMEOUT_S:-540\}"\)', text)
     pytests = [line for line in text.splitlines() if "python3 -m pytest" in line]
-    assert len(pytests) == 2 and all('"${deadline[@]}" python3 -m pytest' in line for line in pytests)  # both tiers
+    assert len(pytests) == 3 and all('"${deadline[@]}" python3 -m pytest' in line for line in pytests)  # every pytest
     record = text[text.index('if [ "$record" = 1 ]; then'):]
     assert "cards record" in record and text.count('sys.exit(main())" cards record') == 1
     assert text.count('cp -r "$dir" "evidence/$name"') == 1 and 'cp -r "$dir" "evidence/$name"' in record

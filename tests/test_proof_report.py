@@ -25,11 +25,15 @@ GREEN = JUNIT.replace('<failure message="boom"/>', "")
 WORDS = dict(command="c", machine="2x H100", commit="abc1234", fingerprint="0" * 16)
 
 
-def _folder(tmp_path, rows, gpu1=GPU1_JUNIT, multi=JUNIT):
-    if gpu1 is not None:
-        (tmp_path / "junit-gpu1.xml").write_text(gpu1)
-    if multi is not None:
-        (tmp_path / "junit.xml").write_text(multi)
+LAUNCH_JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" timestamp="2026-11-27T19:00:00">
+<testcase classname="functional.test_launcher" name="test_all_reduce_smoke[nccl2]" time="6"/>
+</testsuite></testsuites>"""
+
+
+def _folder(tmp_path, rows, gpu1=GPU1_JUNIT, multi=JUNIT, launch=LAUNCH_JUNIT):
+    for name, text in (("junit-gpu1.xml", gpu1), ("junit.xml", multi), ("junit-launch.xml", launch)):
+        if text is not None:
+            (tmp_path / name).write_text(text)
     (tmp_path / "case-times.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "gpu-util.csv").write_text("0, 50, 100\n1, 30, 100\n0, 70, 100\n1, 10, 100\n")
     return tmp_path
@@ -62,9 +66,11 @@ def test_a_failure_or_an_over_budget_wall_is_not_met(tmp_path):
                                     fingerprint="f" * 16, gpu1_s=120, multi_gpu_s=245)
     assert not met and "NOT green (gpu2 or gpu4: 1 failed" in text
     assert "-m gpu1` over functional/ and tests/ (4 xdist workers, one GPU each) beside pytest `-m \"gpu2 or gpu4\"`" in text
-    assert "| outcome | gpu1 | gpu2 or gpu4 | all |" in text
-    assert "| passed | 2 | 1 | 3 |" in text and "| xfailed | 0 | 1 | 1 |" in text and "| skipped | 1 | 0 | 1 |" in text
-    assert "| gpu1 tier (its pytest) | 120 |" in text and "| gpu2 or gpu4 tier (its pytest) | 245 |" in text
+    assert "| outcome | gpu1 | gpu2 or gpu4 | gpu2 or gpu4: own launches | all |" in text
+    assert "| passed | 2 | 1 | 1 | 4 |" in text and "| xfailed | 0 | 1 | 0 | 1 |" in text
+    assert "| skipped | 1 | 0 | 0 | 1 |" in text
+    assert "| gpu1 tier (its pytest) | 120 |" in text
+    assert "| gpu2 or gpu4 tier (its pytests: the pools' and the own launches, side by side) | 245 |" in text
     assert "| 4-GPU | 50.0 |" in text and "| pytest (both tiers, side by side) | 250 |" in text
     assert "pytest wall (gpu1 beside gpu2 or gpu4): 250 s of 300 s: within" in text
     assert "proof command end to end: 300 s of 420 s: within" in text
@@ -89,11 +95,12 @@ def test_the_budgets_by_gpu_count_cover_both_tiers_and_none_on_one_gpu(gpus, bud
     assert proof_report.overruns(gpus, 10_000, 10_000) == [f"{k} 10000 s > {v:.0f} s" for k, v in budgets.items()]
 
 
-def test_the_two_junits_count_per_tier_and_together(tmp_path):
+def test_the_junits_count_per_tier_and_together(tmp_path):
     folder = _folder(tmp_path, [])
     tiers = proof_report.tier_counts(folder, "gpu2")
-    assert list(tiers) == ["gpu1", "gpu2"]
-    assert (tiers["gpu1"]["passed"], tiers["gpu1"]["skipped"], tiers["gpu2"]["passed"], tiers["gpu2"]["failed"]) == (2, 1, 1, 1)
+    assert list(tiers) == ["gpu1", "gpu2", "gpu2: own launches"]
+    assert (tiers["gpu1"]["passed"], tiers["gpu1"]["skipped"], tiers["gpu2"]["passed"], tiers["gpu2"]["failed"],
+            tiers["gpu2: own launches"]["passed"]) == (2, 1, 1, 1, 1)
     assert proof_report.tier_junits(folder, "")["gpu1"].name == "junit-gpu1.xml"
     assert list(proof_report.tier_counts(folder, "")) == ["gpu1"]  # a 1-GPU host: gpu1 alone
 
@@ -109,9 +116,14 @@ def test_a_gpu1_failure_fails_the_proof_though_the_multi_gpu_tier_is_green(tmp_p
 def test_a_tier_that_wrote_no_junit_fails_the_proof(tmp_path):
     folder = _folder(tmp_path, [], gpu1=None, multi=GREEN)
     text, _ = proof_report.report(folder, gpus=2, setup_s=30, pytest_s=200, total_s=260, marker="gpu2", **WORDS)
-    assert "| passed | - | 2 | 2 |" in text
+    assert "| passed | - | 2 | 1 | 3 |" in text
     gate, passed = proof_report.verdict(folder, gpus=2, pytest_s=200, total_s=260, marker="gpu2")
     assert not passed and "FAIL: not green: gpu1: no junit-gpu1.xml (the tier did not finish" in gate
+    # the multi-GPU tests that start their own ranks: no junit of theirs fails the proof as well
+    (folder / "junit-launch.xml").unlink()
+    (folder / "junit-gpu1.xml").write_text(GPU1_JUNIT)
+    gate, passed = proof_report.verdict(folder, gpus=2, pytest_s=200, total_s=260, marker="gpu2")
+    assert not passed and "FAIL: not green: gpu2: own launches: no junit-launch.xml" in gate
 
 
 def test_a_dependency_skip_in_the_gpu1_tier_fails_the_proof_naming_the_part(tmp_path):
