@@ -28,5 +28,6 @@ units=(tests/test_attention_module.py tests/test_cpu_shim.py tests/test_dynamic_
 dist=(functional/test_attention_module.py functional/test_dynamic_cp.py functional/test_dynamic_failures.py
   functional/test_dynamic_p2p_shapes.py functional/test_dynamic_pipeline.py functional/test_eval_cp.py functional/test_gpt.py
   functional/test_gpt_features.py functional/test_groups.py functional/test_hierarchical.py functional/test_loss_matrix.py
-  functional/test_loss_matrix_dynamic.py functional/test_mcore_hybrid_cp.py)
+  functional/test_loss_matrix_dynamic.py functional/test_mcore_hybrid_cp.py
+  functional/test_mcore_hybrid_model.py)
 exec "$venv/bin/python" -m pytest -p no:cacheprovider -q "${units[@]}" "${dist[@]}" -m "not (gpu1 or gpu2 or gpu4)" "$@"
