@@ -15,7 +15,7 @@ for candidate in "${PYTHON312:-}" python3.12 $(ls -d "${PYENV_ROOT:-$HOME/.pyenv
 done
 [ -n "$py" ] || { echo "test-mcore-019: no Python 3.12 that runs (set PYTHON312)" >&2; exit 2; }
 venv=.venv-mcore019
-if ! "$venv/bin/python" -c "import torch, megatron.core as m, cpkit, pytest; assert m.__version__ == '0.19.2'" 2>/dev/null; then
+if ! "$venv/bin/python" -c "import torch, megatron.core as m, cpkit, pytest; assert m.__version__.split('+')[0] == '0.19.2'" 2>/dev/null; then
   echo "test-mcore-019: setting up $venv (Python 3.12, torch, megatron-core 0.19.2, cpkit[test]; a few minutes the first time)"
   "$py" -m venv "$venv"
   "$venv/bin/python" -m pip install -q "torch>=2.6" 2>&1 | grep -v "^WARNING: Location" || true
