@@ -19,7 +19,9 @@
 #   host-bound), each within ${DYNAMIC_STEP_BUDGET_S:-300} s; tables, JSON and per-micro-batch
 #   timelines under $OUT.
 # - hybrid: a gated delta net layer at cp 2 against one GPU (fla's kernels where fla trains), the transition.
-# Usage: bash scripts/gpu-bench.sh attention|attention-full|attention-profile|eval_cp|window|dynamic_step|hybrid
+# - replay: the cost model against the replay of every implementation's plans on one GPU (its timing
+#   targets, --strict: exit 1 on a miss; alone on the GPU, as timing wants).
+# Usage: bash scripts/gpu-bench.sh attention|attention-full|attention-profile|eval_cp|window|dynamic_step|hybrid|replay
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-results}; mkdir -p "$out"
@@ -102,6 +104,10 @@ case "${1:-}" in
     python3 -m cpkit.bench dynamic_step --ranks "$ranks" --budget-s "$budget" --hidden 2048 --ffn 7168 --heads 16 --kv-heads 4 \
       --layers 8 --out "$out/dynamic_step_h2048.json" 2>&1 | quiet | tee "$out/dynamic_step_h2048.txt" || rc=1
     ;;
-  *) echo "usage: bash scripts/gpu-bench.sh attention|attention-full|attention-profile|eval_cp|window|dynamic_step|hybrid" >&2; exit 2 ;;
+  replay)
+    python3 -m cpkit.bench replay --quick --sets mix,long --strict --out "$out/replay.json" 2>&1 | quiet \
+      | tee "$out/replay.txt" || rc=1
+    ;;
+  *) echo "usage: bash scripts/gpu-bench.sh attention|attention-full|attention-profile|eval_cp|window|dynamic_step|hybrid|replay" >&2; exit 2 ;;
 esac
 exit $rc

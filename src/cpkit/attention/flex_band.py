@@ -137,20 +137,23 @@ def _tile_bounds(x: torch.Tensor, tiles: int):
 
 def _mask_mod(band, tiles_q: int, tiles_k: int):
     """The band as a FlexAttention mask_mod(b, h, q, kv); positions in the last, partial tile
-    read the last query's or key's, never out of bounds. The window's bounds are 0-dim tensors,
-    not Python ints: the dynamic-shape compile makes an int constant symbolic, and inductor
-    (torch 2.11, CUDA) failed to lower a symbolic bound in the mask (LoweringException:
-    'ShapeAsConstantBuffer' object has no attribute 'dtype'; 0 and 1 are never symbolic, so only
-    a window bounded away from 0 on both sides showed it)."""
+    read the last query's or key's, never out of bounds. It compares captured index tensors
+    only, no scalar: each window bound is folded into a copy of the key positions
+    (q - k >= lo  <=>  q >= k + lo). With the bounds as Python ints, the dynamic-shape kernel of a
+    two-sided window failed to lower (torch 2.11, CUDA: 'ShapeAsConstantBuffer' object has no
+    attribute 'dtype'); as 0-dim tensors, short THD blocks in half precision found no kernel
+    config (NoValidChoicesError)."""
     (q_idx, q_seg), (k_idx, k_seg) = ((_edge_pad(i, n * TILE), _edge_pad(g, n * TILE))
                                       for (i, g), n in ((band.q, tiles_q), (band.k, tiles_k)))
-    lo, hi = (None if d is None else torch.tensor(d, device=q_idx.device) for d in band.distances())
+    lo, hi = band.distances()
+    k_lo = None if lo is None else k_idx + lo
+    k_hi = None if hi is None else k_idx + hi
 
     def mask_mod(b, h, i, j):
-        diff = q_idx[i] - k_idx[j]
-        ok = diff >= lo if lo is not None else diff == diff
-        if hi is not None:
-            ok = ok & (diff <= hi)
+        q = q_idx[i]
+        ok = q >= k_lo[j] if k_lo is not None else q == q
+        if k_hi is not None:
+            ok = ok & (q <= k_hi[j])
         return ok if q_seg is None else ok & (q_seg[i] == k_seg[j])
 
     return mask_mod
