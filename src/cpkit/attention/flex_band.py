@@ -137,21 +137,27 @@ def _tile_bounds(x: torch.Tensor, tiles: int):
 
 def _mask_mod(band, tiles_q: int, tiles_k: int):
     """The band as a FlexAttention mask_mod(b, h, q, kv); positions in the last, partial tile
-    read the last query's or key's, never out of bounds. It compares captured index tensors
-    only, no scalar: each window bound is folded into a copy of the key positions
-    (q - k >= lo  <=>  q >= k + lo). With the bounds as Python ints, the dynamic-shape kernel of a
-    two-sided window failed to lower (torch 2.11, CUDA: 'ShapeAsConstantBuffer' object has no
-    attribute 'dtype'); as 0-dim tensors, short THD blocks in half precision found no kernel
-    config (NoValidChoicesError)."""
+    read the last query's or key's, never out of bounds.
+
+    A window that lets a query see keys after it (a two-sided window: lowest distance < 0) has its
+    bounds folded into copies of the key positions (q - k >= lo  <=>  q >= k + lo), so the mask
+    compares captured index tensors only: with the bounds as Python ints its dynamic-shape kernel
+    failed to lower (torch 2.11, CUDA: 'ShapeAsConstantBuffer' object has no attribute 'dtype').
+    Every other band keeps the int form, in which it compiles; folded, a causal window's short
+    THD blocks in half precision found no kernel config (NoValidChoicesError)."""
     (q_idx, q_seg), (k_idx, k_seg) = ((_edge_pad(i, n * TILE), _edge_pad(g, n * TILE))
                                       for (i, g), n in ((band.q, tiles_q), (band.k, tiles_k)))
     lo, hi = band.distances()
-    k_lo = None if lo is None else k_idx + lo
+    if lo is None or lo >= 0:
+        if q_seg is None:
+            return lambda b, h, i, j: band.allows(q_idx[i], k_idx[j])
+        return lambda b, h, i, j: band.allows(q_idx[i], k_idx[j], q_seg[i], k_seg[j])
+    k_lo = k_idx + lo
     k_hi = None if hi is None else k_idx + hi
 
     def mask_mod(b, h, i, j):
         q = q_idx[i]
-        ok = q >= k_lo[j] if k_lo is not None else q == q
+        ok = q >= k_lo[j]
         if k_hi is not None:
             ok = ok & (q <= k_hi[j])
         return ok if q_seg is None else ok & (q_seg[i] == k_seg[j])
