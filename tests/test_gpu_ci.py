@@ -255,7 +255,7 @@ def test_the_gpu1_paths_collect_the_whole_tier_with_the_slowest_test_first():
     """pytest collects in the order of its arguments: the slowest gpu1 test (about 100 s on one
     H200) is first, so worksteal starts it at once; and the paths miss no gpu1 test."""
     ordered = _collect(_gpu1_paths())
-    assert ordered[0] == "functional/test_replay_gpu.py::test_cost_model_within_10_percent_of_the_replay"
+    assert ordered[0] == "functional/test_replay_gpu.py::test_the_replay_runs_every_plan_on_the_gpu_and_reports_the_models_error"
     assert len(ordered) == len(set(ordered)) and set(ordered) == set(_collect(["functional", "tests"]))
 
 

@@ -81,8 +81,10 @@ def test_a_file_that_is_not_junit_is_a_clear_error(tmp_path):
 
 
 def _evidence(tmp_path, *cases):
-    """An evidence folder: the multi-GPU tier's junit of `cases` beside a green gpu1 tier's."""
+    """An evidence folder: the multi-GPU tier's junit of `cases` beside a green gpu1 tier's and a
+    green one of the multi-GPU tests that start their own ranks."""
     _junit(tmp_path, PASS.replace("test_gpt", "test_kernels_gpu")).rename(tmp_path / "junit-gpu1.xml")
+    _junit(tmp_path, PASS.replace("test_gpt", "test_launcher")).rename(tmp_path / "junit-launch.xml")
     _junit(tmp_path, *cases)
     (tmp_path / "case-times.jsonl").write_text(json.dumps({"example": "x", "t0": 0, "t1": 1}) + "\n")
     return tmp_path
