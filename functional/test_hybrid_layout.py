@@ -21,21 +21,29 @@ from tests.test_hybrid_layout import reference_indices
 LENGTHS = {"sbhd": lambda cp: [24 * cp], "thd": lambda cp: [6 * cp, 0, 2 * cp, 10 * cp]}
 
 
+def layout_case_inputs(lens: list[int], seed: int, features: tuple[int, ...]):
+    """This rank's inputs of a layout case over every rank of the world: (rank, cp, group, cu,
+    x, weight, zig_idx, con_idx, zig). x and weight are the global float64 [total, *features]
+    activations and gradient weights (the same on every rank), zig_idx / con_idx this rank's
+    global rows in zigzag and contiguous order (from the reference, not the code under test),
+    zig its zigzag shard of x, a leaf that takes gradients."""
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(cp)))
+    cu = [0] + torch.tensor(lens).cumsum(0).tolist()
+    gen = torch.Generator().manual_seed(seed)
+    x, weight = (torch.randn(cu[-1], *features, generator=gen, dtype=torch.float64).to(device()) for _ in range(2))
+    zig_idx, con_idx = (torch.tensor(reference_indices(mode, lens, cp, rank), dtype=torch.int64, device=device())
+                        for mode in ("zigzag", "contiguous"))
+    return rank, cp, group, cu, x, weight, zig_idx, con_idx, x[zig_idx].clone().requires_grad_(True)
+
+
 def _relayout_case(fmt: str) -> dict:
     from cpkit.hybrid.layout import build_routes, relayout
 
-    rank, cp = dist.get_rank(), dist.get_world_size()
-    group = dist.new_group(list(range(cp)))
-    lens = LENGTHS[fmt](cp)
-    cu = [0] + torch.tensor(lens).cumsum(0).tolist()
+    lens = LENGTHS[fmt](dist.get_world_size())
+    rank, cp, group, cu, x, weight, zig_idx, con_idx, zig = layout_case_inputs(lens, 7, (3, 5))
     total = cu[-1]
-    gen = torch.Generator().manual_seed(7)
-    x = torch.randn(total, 3, 5, generator=gen, dtype=torch.float64).to(device())
-    weight = torch.randn(total, 3, 5, generator=gen, dtype=torch.float64).to(device())
-    zig_idx = torch.tensor(reference_indices("zigzag", lens, cp, rank), dtype=torch.int64, device=device())
-    con_idx = torch.tensor(reference_indices("contiguous", lens, cp, rank), dtype=torch.int64, device=device())
     routes = build_routes(cu, rank, cp, device=device())
-    zig = x[zig_idx].clone().requires_grad_(True)
     con = relayout(zig, routes, "contiguous", group)
     back = relayout(con, routes, "zigzag", group)
     (con * weight[con_idx]).sum().backward()

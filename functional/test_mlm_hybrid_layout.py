@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from cpkit.testing import device, dist_params, launch
 from cpkit.testing.mlm_hybrid import layout_skip_reason, mlm_commit
+from functional.test_hybrid_layout import layout_case_inputs
 from tests.test_hybrid_layout import reference_indices
 
 needs_checkout = pytest.mark.skipif(layout_skip_reason() is not None, reason=layout_skip_reason() or "")
@@ -55,17 +56,9 @@ def _layout_case(fmt: str, backend: str) -> dict:
     from cpkit.hybrid.layout import build_routes, relayout
 
     conversion, routes_mod = _dev(backend)
-    rank, cp = dist.get_rank(), dist.get_world_size()
-    group = dist.new_group(list(range(cp)))
-    lens = LENGTHS[fmt](cp)
-    cu = [0] + torch.tensor(lens).cumsum(0).tolist()
+    lens = LENGTHS[fmt](dist.get_world_size())
+    rank, cp, group, cu, x, weight, zig_idx, per_seq, zig = layout_case_inputs(lens, 5, (2, 3))
     total = cu[-1]
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(total, 2, 3, generator=gen, dtype=torch.float64).to(device())
-    weight = torch.randn(total, 2, 3, generator=gen, dtype=torch.float64).to(device())
-    zig_idx = torch.tensor(reference_indices("zigzag", lens, cp, rank), device=device())
-    per_seq = torch.tensor(reference_indices("contiguous", lens, cp, rank), device=device())
-    zig = x[zig_idx].clone().requires_grad_(True)
     config = types.SimpleNamespace(cuda_graph_impl="none", cp_partition_mode="zigzag")
     if fmt == "sbhd":
         con_idx = per_seq

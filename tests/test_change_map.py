@@ -185,6 +185,16 @@ def test_planted_drift_in_the_skill_table_fails_the_skills_check(tmp_path):
     assert SKILL_TABLE_BEGIN in drifted
 
 
+def test_leftovers_of_an_earlier_table_after_the_end_marker_fail_the_skills_check(tmp_path):
+    # a regeneration that replaced the rows only left the old trailer behind, copy after copy
+    repo = Path(shutil.copytree(FIXTURE_REPO, tmp_path / "repo"))
+    trailer = skill_table()[skill_table().rindex("|") + 1:]  # the text after the rows, end marker included
+    _skill_with_table(repo, skill_table() + trailer)
+    assert _drift_problems(repo) == []  # the table itself is right
+    problems = [p for p in check_skills(repo, build_parser()) if "end of generated table" in p]
+    assert len(problems) == 1 and "appears 2 times, once allowed" in problems[0], problems
+
+
 def _git(repo: Path, *args: str) -> str:
     return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
                           capture_output=True, text=True).stdout

@@ -93,10 +93,15 @@ def _generated_table_problems(skill: Skill) -> list[str]:
     line = skill.body_start_line + skill.body[:start].count("\n")
     if end < 0:
         return [f"{skill.path}:{line}: generated table is not closed by {SKILL_TABLE_END!r}"]
+    problems = []
     if skill.body[start:end + len(SKILL_TABLE_END)] != skill_table():
-        return [f"{skill.path}:{line}: the table differs from src/cpkit/validation/change_map.py::CHANGE_MAP; "
-                "replace it with the output of `python -m cpkit.validation.change_map`"]
-    return []
+        problems.append(f"{skill.path}:{line}: the table differs from src/cpkit/validation/change_map.py::CHANGE_MAP; "
+                        "replace it with the output of `python -m cpkit.validation.change_map`")
+    copies = skill.body.count(SKILL_TABLE_END)
+    if copies > 1:  # a regeneration that replaced the rows only leaves the old text and marker behind
+        problems.append(f"{skill.path}:{line}: {SKILL_TABLE_END!r} appears {copies} times, once allowed: "
+                        "delete what follows the first up to the last (leftovers of earlier tables)")
+    return problems
 
 
 

@@ -1,15 +1,16 @@
 """The GPU proof's report (scripts/gpu-proof.sh): counts per tier from the junit files (the gpu1
-tier's junit-gpu1.xml, the multi-GPU tier's junit.xml) and combined, the wall of each stage (each
-tier's pytest, and from the timing lines of cpkit.harness.launch_times the multi-GPU grids), how
-busy the GPUs were, and each budget with its verdict; written as the evidence folder's README.md
+tier's junit-gpu1.xml, the multi-GPU tier's junit.xml and junit-launch.xml) and combined, the
+wall of each stage (each tier's pytest, and from the timing lines of cpkit.harness.launch_times
+the multi-GPU grids), how busy the GPUs were, and each budget with its verdict; written as the evidence folder's README.md
 and printed.
 
     python -m cpkit.validation.proof_report EVIDENCE_DIR --gpus 4 --setup-s 41 --pytest-s 250 --total-s 300 \
         --gpu1-s 120 --multi-gpu-s 245 --marker "gpu2 or gpu4"
 
-The two tiers run side by side, in two pytest processes: gpu1 on one xdist worker per GPU, and
+The tiers run side by side, in three pytest processes: gpu1 on one xdist worker per GPU, and
 the multi-GPU tier (`--marker`: gpu2 on 2-3 GPUs, gpu2 or gpu4 on 4 or more; empty on a 1-GPU
-host, which runs gpu1 alone). A stage's wall is the span from its first grid's first case to its
+host, which runs gpu1 alone) in two: its rank pools' tests (junit.xml) and the tests that start
+their own ranks (LAUNCHES, junit-launch.xml). A stage's wall is the span from its first grid's first case to its
 last grid's end (stages run side by side, so the walls overlap and do not add up): 2-GPU, 3-GPU
 and 4-GPU are the rank-pool grids of that world size without Transformer Engine; TE is every grid
 of functional/test_te_backend.py; examples are the torchrun runs of functional/test_examples.py.
@@ -229,10 +230,11 @@ def verdict(folder: Path, *, gpus: int, pytest_s: float, total_s: float, optiona
     in each (cpkit.validation.required_parts); an overrun fails it only with `fail_over_budget`."""
     from cpkit.validation.required_parts import violations
 
+    files = tier_junits(folder, marker)
     tiers = tier_counts(folder, marker)
-    problems = [f"not green: {p}" for p in _tier_problems(tiers, tier_junits(folder, marker))]
+    problems = [f"not green: {p}" for p in _tier_problems(tiers, files)]
     over = overruns(gpus, pytest_s, total_s)
-    junits = [path for tier, path in tier_junits(folder, marker).items() if tiers[tier] is not None]
+    junits = [path for tier, path in files.items() if tiers[tier] is not None]
     problems += violations(junits, optional, absent=absent, over_budget=over, fail_over_budget=fail_over_budget)
     lines = ["", f"Exit verdict (tiers: {', '.join(tiers)}; required parts: TE, Megatron-LM, Megatron-Bridge, MCore, "
              f"cuDNN frontend; optional: {', '.join(sorted(optional)) or 'none'}):", ""]

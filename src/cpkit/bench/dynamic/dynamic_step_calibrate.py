@@ -300,7 +300,7 @@ def measure_step_costs(model, opt, registry, pgc, group, vocab, device, *, longe
         low[0].model.zero_grad(set_to_none=False)
     prep_mb, prep_sample = fit_linear([n for n, _ in prep], [t for _, t in prep])
     # CostModel's kernel time is layers x one layer's: a shallow point's is scaled down
-    fitted = fit_costs(points, lambda p: kernel_model.group_time(p.seq_lens, p.cp) * p.layers / layers,
+    fitted = fit_costs(points, lambda p: kernel_model.group_time(p.seq_lens, p.cp) * (p.layers or layers) / layers,
                        layers, sync_s)
     costs = StepCosts(ops=ops, host_op_s=fitted["host_op_s"], sync_s=sync_s,
                       mem_s_per_token=fitted["mem_s_per_token"], overlap_loss=fitted["overlap_loss"],
