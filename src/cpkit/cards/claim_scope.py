@@ -26,7 +26,7 @@ import shlex
 from functools import lru_cache
 from pathlib import Path
 
-from cpkit.validation.import_graph import cpkit_imports, imports, package_modules
+from cpkit.validation.import_graph import cpkit_imports, imports, package_modules, reach
 
 __all__ = ["WHOLE_SUITE", "entry_modules", "claim_scope", "recorded_code"]
 
@@ -94,20 +94,8 @@ def _closures(src: Path) -> dict[str, frozenset[str]]:
     """module -> every cpkit module it reaches: imports (lazy ones included) and modules named by
     a string literal, transitively."""
     modules = package_modules(src)
-    direct = {}
-    for name, path in modules.items():
-        named = {s for s in _strings(path) if s in modules}
-        direct[name] = cpkit_imports(imports(path, src), modules) | named
-    out = {}
-    for start in modules:
-        seen, todo = {start}, [start]
-        while todo:
-            for nxt in direct[todo.pop()]:
-                if nxt not in seen:
-                    seen.add(nxt)
-                    todo.append(nxt)
-        out[start] = frozenset(seen)
-    return out
+    return reach({name: cpkit_imports(imports(path, src), modules) | {s for s in _strings(path) if s in modules}
+                  for name, path in modules.items()})
 
 
 def _strings(path: Path) -> set[str]:

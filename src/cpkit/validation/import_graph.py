@@ -14,7 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Iterator
 
-__all__ = ["module_name", "imports", "package_modules", "cpkit_imports", "transitive_cpkit_imports",
+__all__ = ["module_name", "imports", "package_modules", "cpkit_imports", "reach", "transitive_cpkit_imports",
            "TEST_FOLDERS", "SCRIPT_RUNNERS", "importing_tests", "named_imports", "import_cycles", "LAYERS",
            "layer_of", "layer_violations", "FEATURES", "BUILDS_ON", "feature_of", "feature_violations"]
 
@@ -101,12 +101,10 @@ def cpkit_imports(names: Iterable[str], modules: dict[str, Path]) -> set[str]:
     return out
 
 
-@lru_cache(maxsize=None)
-def _closure(src: Path, package: str) -> dict[str, frozenset[str]]:
-    modules = package_modules(src, package)
-    direct = {m: cpkit_imports(imports(p, src), modules) for m, p in modules.items()}
+def reach(direct: dict[str, Iterable[str]]) -> dict[str, frozenset[str]]:
+    """Node -> every node it reaches through `direct` (node -> its direct successors), itself included."""
     closure: dict[str, frozenset[str]] = {}
-    for start in modules:
+    for start in direct:
         seen, todo = {start}, [start]
         while todo:
             for nxt in direct[todo.pop()]:
@@ -115,6 +113,12 @@ def _closure(src: Path, package: str) -> dict[str, frozenset[str]]:
                     todo.append(nxt)
         closure[start] = frozenset(seen)
     return closure
+
+
+@lru_cache(maxsize=None)
+def _closure(src: Path, package: str) -> dict[str, frozenset[str]]:
+    modules = package_modules(src, package)
+    return reach({m: cpkit_imports(imports(p, src), modules) for m, p in modules.items()})
 
 
 def transitive_cpkit_imports(path: Path, root: Path, src: Path, package: str = "cpkit") -> set[str]:
