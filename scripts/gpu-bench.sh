@@ -9,7 +9,8 @@
 #   learnable sinks, MLA 192/128) for cpkit and TE at cp=4, 32K and 128K.
 # - attention-full: the longer sweep (32K, 64K, 128K at 8 and 32 KV heads), A/Bs of the ring's
 #   batching and of the a2a head chunks, p2p kv8 at cp=2, a profile of p2p / a2a / a2a+p2p at kv32.
-# - attention-profile: cpkit and TE side by side at cp=4, kv8, 32K and 128K, every comm type,
+# - attention-profile: cpkit and TE side by side at cp = the host's GPUs (2 or 4; ATTENTION_CP
+#   overrides), kv8, 32K and 128K, every comm type,
 #   profiled: kernel tables, traces and their timelines (compute / exposed comm / idle per cell).
 # - eval_cp: the default model, a 4096-wide one at TP1 PP2, a profile of TP1 PP2 16K.
 # - window: one rank's sliding-window compute (one GPU).
@@ -76,7 +77,9 @@ case "${1:-}" in
     ;;
   attention-profile)
     if [ -f .te/te-bundle.tar.xz ]; then bash scripts/te-install.sh .te/te-bundle.tar.xz || exit 1; fi
-    profiled attention --cp 4 --seq 32K,128K --kv-heads 8 --backends cpkit,te --warmup 2 --iters 3 \
+    gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+    profiled attention --cp "${ATTENTION_CP:-$([ "$gpus" -ge 4 ] && echo 4 || echo 2)}" --seq 32K,128K --kv-heads 8 \
+      --backends cpkit,te --warmup 2 --iters 3 \
       --timeout "${ATTENTION_BUDGET_S:-300}"
     ;;
   eval_cp)
