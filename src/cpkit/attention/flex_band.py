@@ -75,16 +75,46 @@ def _compiled(dynamic: bool):
     return _COMPILED[dynamic]
 
 
+def _shape_key(q, k, v, band) -> tuple:
+    return (q.shape, k.shape, v.shape, q.dtype, band.window, band.causal, band.q[1] is None)
+
+
 def _attention(q, k, v, band):
     """The FlexAttention callable for this call: uncompiled on CPU (its reference, for the unit
     tests), else a shape-specialised kernel for the first STATIC_SHAPES shapes, then one
     dynamic-shape kernel."""
     if q.device.type != "cuda":
         return _flex_module().flex_attention
-    key = (q.shape, k.shape, v.shape, q.dtype, band.window, band.causal, band.q[1] is None)
+    key = _shape_key(q, k, v, band)
     if key not in _STATIC_KEYS and len(_STATIC_KEYS) < STATIC_SHAPES:
         _STATIC_KEYS.add(key)
     return _compiled(key not in _STATIC_KEYS)
+
+
+def _static_limit() -> int:
+    """Shapes the specialised wrapper may compile: past dynamo's recompile limit it would run
+    FlexAttention uncompiled (a dense O(s^2) path that says nothing)."""
+    config = torch._dynamo.config
+    return int(getattr(config, "recompile_limit", getattr(config, "cache_size_limit", 8)))
+
+
+def _specialising_on_failure(q, k, v, band, run):
+    """run(); where the shared dynamic-shape kernel fails to compile this shape, run() again with a
+    kernel specialised to it. torch 2.11's dynamic-shape FlexAttention found no kernel config for
+    short half-precision THD blocks of a causal window (inductor NoValidChoicesError), which the
+    static compile of the same block lowers; without this the whole dtype fell back to dense math.
+    A failure of the specialised kernel is raised (try_run's fallback says so)."""
+    key = _shape_key(q, k, v, band)
+    dynamic = q.is_cuda and key not in _STATIC_KEYS and len(_STATIC_KEYS) >= STATIC_SHAPES
+    try:
+        return run()
+    except torch.OutOfMemoryError:
+        raise
+    except Exception:
+        if not dynamic or len(_STATIC_KEYS) >= _static_limit():
+            raise
+        _STATIC_KEYS.add(key)
+        return run()
 
 
 def _key(q, k, v) -> tuple:
@@ -224,7 +254,8 @@ def _flex_bhsd(q, k, v, band, scale):
 def fwd(q, k, v, band, scale: float):
     """(out like q, float32 LSE [b, h, s] or [h, t]) of q over k/v within `band`."""
     thd = q.dim() == 3
-    o, lse = _flex_bhsd(*(_to_bhsd(x) for x in (q, k, v)), band, scale)
+    qb, kb, vb = (_to_bhsd(x) for x in (q, k, v))
+    o, lse = _specialising_on_failure(qb, kb, vb, band, lambda: _flex_bhsd(qb, kb, vb, band, scale))
     return _from_bhsd(o, thd).to(q.dtype), (lse[0] if thd else lse)
 
 
@@ -247,6 +278,7 @@ def bwd(q, k, v, band, scale: float, dout, out, lse):
     """(dq, dk, dv) in the dtypes of q, k, v of the block within `band`, given the FINAL out
     and LSE of the whole attention."""
     thd = q.dim() == 3
-    grads = share_of_merge_grads(lambda a, b, c: _flex_bhsd(a, b, c, band, scale),
-                                 *(_to_bhsd(x) for x in (q, k, v, dout, out)), _lse_to_bhs(lse, thd))
+    qb, kb, vb, dob, ob = (_to_bhsd(x) for x in (q, k, v, dout, out))
+    grads = _specialising_on_failure(qb, kb, vb, band, lambda: share_of_merge_grads(
+        lambda a, b, c: _flex_bhsd(a, b, c, band, scale), qb, kb, vb, dob, ob, _lse_to_bhs(lse, thd)))
     return tuple(_from_bhsd(g, thd).to(x.dtype) for g, x in zip(grads, (q, k, v)))
