@@ -93,6 +93,27 @@ def test_summary_errors_ratios_order_and_targets():
     assert "lognormal a mcore: crash: x" in text and "pred step" in text and "900/810" in text
 
 
+def test_a_batch_whose_plans_all_miss_alike_has_a_common_error_and_small_errors_within_it():
+    """Every plan predicted 20% slow (the host ran faster than at calibration): common error
+    +20%, within the batch 0; a family that runs another's plan does not count twice; a plan
+    that misses on its own keeps its miss within the batch."""
+    from cpkit.bench.dynamic.dynamic_step_report import summarize
+
+    results = [_result("a", {"cpkit": _impl(1.0, 0.9, 1.2, 1.08), "static": _impl(1.5, 1.4, 1.8, 1.68),
+                             "mlm": _impl(1.0, 0.9, 1.2, 1.08, same_plan_as="cpkit"),
+                             "mcore": _impl(2.0, 1.8, 2.4, 2.16)}),
+               _result("b", {"cpkit": _impl(1.0, 0.9, 1.0, 0.9), "static": _impl(1.0, 0.9, 1.0, 0.9),
+                             "mcore": _impl(1.0, 0.9, 1.3, 1.17)})]
+    s = summarize(results)
+    assert results[0]["common_error"] == pytest.approx(0.2)
+    assert set(results[0]["within_batch_errors"]) == {"cpkit", "static", "mcore"}
+    assert all(e == pytest.approx(0.0) for e in results[0]["within_batch_errors"].values())
+    assert results[1]["common_error"] == pytest.approx(0.0)
+    assert results[1]["within_batch_errors"]["mcore"] == pytest.approx(0.3)
+    assert s["max_abs_within_batch_error"] == pytest.approx(0.3)
+    assert s["max_abs_error"]["step"] == pytest.approx(0.3)  # the target still reads the raw error
+
+
 def test_cpkit_within_half_a_percent_of_the_best_other_plan_is_a_tie_and_beyond_it_is_slower():
     from cpkit.bench.dynamic.dynamic_step_report import summarize, targets
 

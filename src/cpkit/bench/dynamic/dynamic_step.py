@@ -289,6 +289,11 @@ def main(argv=None) -> int:
         if r["real_ratios"]:
             print(f"{r['label']}: real step " + ", ".join(f"{k} {v:.3f}" for k, v in r["real_ratios"].items())
                   + f"; loss spread over plans {r['loss_spread']:.2e}")
+    for r in results:
+        if r["common_error"] is not None:
+            within = r["within_batch_errors"].values()
+            print(f"{r['label']}: common error {r['common_error']:+.1%} (every plan alike: the host's pace "
+                  f"against the calibration's), within the batch {min(within):+.1%} to {max(within):+.1%}")
     for p in summary["order_problems"]:
         print(f"order: {p}")
     ph = res["phases"]
