@@ -11,7 +11,8 @@
 #    xdist worker per GPU, each worker pinned to its own GPU (cpkit.testing.gpu_per_worker), and
 #    the multi-GPU tier, every gpu2 and gpu4 test of functional/ (`-m "gpu2 or gpu4"` on 4 or more
 #    GPUs, `-m gpu2` on 2 or 3, none on 1), TE and the examples included; pytest args go to both.
-#    GPU utilization sampled every second. The deadline CPKIT_PROOF_TIMEOUT_S (default 540) sends
+#    GPU utilization sampled every second; one compile cache for all of them and for the next proof
+#    on this machine (CPKIT_COMPILE_CACHE, default ~/.cache/cpkit/compile). The deadline CPKIT_PROOF_TIMEOUT_S (default 540) sends
 #    each pytest SIGINT (it still writes its summary and junit), and SIGKILL CPKIT_PROOF_GRACE_S
 #    (default 30) later;
 # 3. the evidence folder $OUT/evidence/<date>-<n>x<GPU>-<commit>/ (env.txt, junit-gpu1.xml and
@@ -120,6 +121,13 @@ echo "set-up: ${setup_s} s" | tee -a "$dir/env.txt"
 
 # -- 2. the tests: the gpu1 tier in the background, the multi-GPU tier beside it -----------------
 export CPKIT_CASE_TIMES="$dir/case-times.jsonl"; rm -f "$CPKIT_CASE_TIMES"
+# One compile cache for every process of the proof and every proof on this machine (a CI runner):
+# inductor's FX graph and autograd caches and Triton's kernels, kept where /tmp cleaning does not
+# reach them. The report counts, per case, the graphs whose kernels came from it.
+cache=${CPKIT_COMPILE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/cpkit/compile}
+export TORCHINDUCTOR_CACHE_DIR=$cache/inductor TRITON_CACHE_DIR=$cache/triton
+mkdir -p "$TORCHINDUCTOR_CACHE_DIR" "$TRITON_CACHE_DIR"
+echo "compile cache: $cache ($(du -sh "$cache" 2>/dev/null | cut -f1) before the tests)" | tee -a "$dir/env.txt"
 nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader,nounits -l 1 >"$dir/gpu-util.csv" 2>/dev/null &
 sampler=$!
 deadline=(timeout -s INT -k "${CPKIT_PROOF_GRACE_S:-30}" "${CPKIT_PROOF_TIMEOUT_S:-540}")

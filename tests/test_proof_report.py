@@ -45,7 +45,8 @@ ROWS = [
     dict(grid="functional.test_gpt.gpt_case", backend="nccl", world_size=4, wall_s=50, cases_s=40, t0=100.0, t1=150.0),
     dict(grid="functional.test_te_backend.gpt_case", backend="nccl", world_size=4, wall_s=20, cases_s=20, t0=140.0, t1=160.0),
     dict(example="examples/x.py", seconds=12, t0=100.0, t1=112.0, ok=True),
-    dict(grid="functional.test_gpt.gpt_case", backend="nccl", world_size=4, case="c1", seconds=7.5, ok=True, compiled=3),
+    dict(grid="functional.test_gpt.gpt_case", backend="nccl", world_size=4, case="c1", seconds=7.5, ok=True, compiled=3,
+         cached=2),
     dict(pool=True, backend="nccl", world_size=4, gpus="0,1,2,3", index=1, starts=2, cases=9, start_s=6.1,
          retired={"hang": 1}),
 ]
@@ -74,8 +75,9 @@ def test_a_failure_or_an_over_budget_wall_is_not_met(tmp_path):
     assert "| 4-GPU | 50.0 |" in text and "| pytest (both tiers, side by side) | 250 |" in text
     assert "pytest wall (gpu1 beside gpu2 or gpu4): 250 s of 300 s: within" in text
     assert "proof command end to end: 300 s of 420 s: within" in text
-    assert "nccl4 0,1,2,3 #1: 2, 9, 6.1, hang x1" in text and "7.5 nccl4 functional.test_gpt c1 (3 graphs compiled)" in text
-    assert "Cases that compiled (torch.compile graphs): 1, 3 graphs, 7.5 s of case time" in text
+    assert "nccl4 0,1,2,3 #1: 2, 9, 6.1, hang x1" in text and "7.5 nccl4 functional.test_gpt c1 (3 graphs compiled, 2 from the machine's cache)" in text
+    assert "3 graphs (2 with their kernels from the machine's inductor cache)" in text
+    assert "Cases that compiled (torch.compile graphs): 1, 3 graphs (2 with their kernels from the machine's inductor cache), 7.5 s of case time" in text
 
 
 def test_the_budgets_decide_when_the_run_is_green(tmp_path):

@@ -45,6 +45,7 @@ class CaseResult:
     errors: dict[int, str] = field(default_factory=dict)
     seconds: float = 0.0
     compiled: int = 0
+    cached: int = 0  # of the compiled graphs, those whose kernels came from the machine's inductor cache
     assertion_ranks: set[int] = field(default_factory=set)
     skip_reason: str | None = None
 
@@ -290,7 +291,7 @@ def _run_case(pool: RankPool, spec: GridSpec, case: Any, result: CaseResult, dea
 
 def _fill(result: CaseResult, run, world_size: int) -> None:
     result.values, result.errors, result.seconds = run.values, dict(run.errors), run.seconds
-    result.compiled = run.compiled
+    result.compiled, result.cached = run.compiled, run.cached
     result.assertion_ranks = set(run.assertion_ranks)
     if run.skipped and len(run.skipped) == world_size:
         result.skip_reason = next(iter(run.skipped.values()))

@@ -34,5 +34,6 @@ def record_grid_times(fn, backend: str, world_size: int, results: dict, started:
     cases_s = sum(r.seconds for r in results.values())
     wall, t1 = time.monotonic() - started, time.time()  # t0/t1: epoch seconds, to line up stages run side by side
     record_times([dict(grid, case=r.case_id, seconds=round(r.seconds, 3), ok=r.ok,
-                       **({"compiled": r.compiled} if getattr(r, "compiled", 0) else {})) for r in results.values()]
+                       **({"compiled": r.compiled, "cached": getattr(r, "cached", 0)} if getattr(r, "compiled", 0) else {}))
+                  for r in results.values()]
                  + [dict(grid, wall_s=round(wall, 2), cases_s=round(cases_s, 2), t0=round(t1 - wall, 2), t1=round(t1, 2))])

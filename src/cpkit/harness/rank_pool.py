@@ -77,6 +77,8 @@ class CaseRun:
     seconds: float = 0.0
     compiled: int = 0
     """Graphs torch.compile compiled during the case (the most on one rank)."""
+    cached: int = 0
+    """Of those, graphs whose kernels came from the machine's inductor cache (the most on one rank)."""
     pool_broken: bool = False
 
 
@@ -241,8 +243,9 @@ class RankPool:
                     out.errors[r] = message[1] if message else self._exit_text(r)
                     first_failure = first_failure or time.monotonic()
                     continue
-                kind, _, payload, seconds, compiled = message
+                kind, _, payload, seconds, compiled, cached = message
                 out.seconds, out.compiled = max(out.seconds, seconds), max(out.compiled, compiled)
+                out.cached = max(out.cached, cached)
                 if kind == "ok":
                     out.values[r] = payload
                 elif kind == "skipped":

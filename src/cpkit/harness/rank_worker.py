@@ -159,11 +159,16 @@ def _clean_up(before_bytes: int, baseline_groups: int, device) -> tuple[str | No
     return leak, retire, held
 
 
-def _compiled_graphs() -> int:
-    """Graphs torch.compile has compiled in this process so far (0 before dynamo is imported): a
-    case's count says whether its seconds went into compiling, a cost its pool pays once."""
+def _compiled_graphs() -> tuple[int, int]:
+    """(graphs torch.compile has compiled in this process so far, of those the ones inductor took
+    from the machine's FX graph cache): (0, 0) before dynamo is imported. A case's counts say
+    whether its seconds went into compiling, and whether another process on this machine had
+    already paid for the kernels (the cache is shared by every process of one user)."""
     dynamo_utils = sys.modules.get("torch._dynamo.utils")
-    return int(dynamo_utils.counters["stats"]["unique_graphs"]) if dynamo_utils else 0
+    if not dynamo_utils:
+        return 0, 0
+    counters = dynamo_utils.counters
+    return int(counters["stats"]["unique_graphs"]), int(counters["inductor"]["fxgraph_cache_hit"])
 
 
 def _outcome(fn, case, device):
@@ -250,7 +255,8 @@ def _serve(rank, world_size, backend, pool_dir, conn, threads, pg_timeout_s, syn
         start, graphs = time.perf_counter(), _compiled_graphs()
         with rank_case_context(test_id):  # the coverage map credits the case to the test that asked
             kind, payload = _outcome(resolve(ref), case, device)
-        took = (time.perf_counter() - start, _compiled_graphs() - graphs)
+        now = _compiled_graphs()
+        took = (time.perf_counter() - start, now[0] - graphs[0], now[1] - graphs[1])
         try:
             conn.send((kind, seq, payload, *took))
         except Exception:  # noqa: BLE001 - an unpicklable return value is the case's error

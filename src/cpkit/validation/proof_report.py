@@ -180,17 +180,24 @@ def report(folder: Path, *, gpus: int, setup_s: float, pytest_s: float, total_s:
     if cases:
         lines += ["", "Slowest cases (s):"] + [f"- {r['seconds']:.1f} {r['backend']}{r['world_size']} "
                                                f"{r['grid'].rsplit('.', 1)[0]} {r['case']}"
-                                               + (f" ({r['compiled']} graphs compiled)" if r.get("compiled") else "")
+                                               + (f" ({_compiles(r)})" if r.get("compiled") else "")
                                                for r in cases]
     compiling = [r for r in rows if r.get("compiled")]
     if compiling:
         lines += ["", f"Cases that compiled (torch.compile graphs): {len(compiling)}, "
-                      f"{sum(r['compiled'] for r in compiling)} graphs, {sum(r['seconds'] for r in compiling):.1f} s of case time"]
+                      f"{sum(r['compiled'] for r in compiling)} graphs ({sum(r.get('cached', 0) for r in compiling)} "
+                      f"with their kernels from the machine's inductor cache), "
+                      f"{sum(r['seconds'] for r in compiling):.1f} s of case time"]
     met = not problems and all(ok for _, _, ok in verdicts)
     return "\n".join(lines) + "\n", met
 
 
 OUTCOMES = ("passed", "failed", "error", "xfailed", "xpassed", "skipped")
+
+
+def _compiles(row: dict) -> str:
+    cached = row.get("cached", 0)
+    return f"{row['compiled']} graphs compiled" + (f", {cached} from the machine's cache" if cached else "")
 
 
 def _outcome_table(tiers: dict[str, Counter | None]) -> list[str]:
