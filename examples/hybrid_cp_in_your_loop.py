@@ -58,12 +58,12 @@ def main() -> str:
     # CP N: rank r holds chunks r and 2N-1-r of every sequence (zigzag); routes built once per batch.
     group = dist.new_group(list(range(world)))
     idx = thd_partition(torch.tensor(cu), rank, world).to(rd.device)
-    model = HybridLM(pattern=PATTERN, gdn_mode=MODE, device=rd.device, seed=0)
+    model = HybridLM(pattern=PATTERN, linear_cp_mode=MODE, device=rd.device, seed=0)
     cp_loss, cp_grads = step(model, tokens[idx], labels[idx], mask[idx], HybridBatch.build(cu, group, rd.device),
                              count, group)
 
     # CP 1: the whole batch on every rank.
-    ref = HybridLM(pattern=PATTERN, gdn_mode=MODE, device=rd.device, seed=0)
+    ref = HybridLM(pattern=PATTERN, linear_cp_mode=MODE, device=rd.device, seed=0)
     ref_loss, ref_grads = step(ref, tokens, labels, mask, HybridBatch.build(cu, None, rd.device), count, None)
 
     assert abs(cp_loss - ref_loss) <= TOL["loss"] * abs(ref_loss), (

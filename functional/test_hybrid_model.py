@@ -1,4 +1,4 @@
-"""A small hybrid model (attention in zigzag, gated delta net in contiguous, src/cpkit/hybrid/model.py)
+"""A small hybrid model (attention in zigzag, gated delta net and Mamba-2 in contiguous, src/cpkit/hybrid/model.py)
 trains at cp 2 and 4 like cp 1: the loss of each of 3 SGD steps and, after the first, every
 parameter's gradient (gloo; NCCL on GPUs).
 
@@ -15,7 +15,7 @@ import torch.distributed as dist
 from cpkit.testing import device, launch
 
 LENS = [13, 5, 0, 21]
-PATTERNS = [("AGA", "chunkwise"), ("GAG", "headwise")]
+PATTERNS = [("AGMA", "chunkwise"), ("MAG", "headwise")]  # G gated delta net, M Mamba-2
 
 
 def _batch(cp: int):
@@ -41,7 +41,7 @@ def _train(pattern: str, mode: str, steps: int = 3) -> dict:
     count = mask.sum()
     results = {}
     for name, grp in (("cp1", None), ("cp", group)):
-        model = HybridLM(pattern=pattern, gdn_mode=mode, device=device(), seed=1)
+        model = HybridLM(pattern=pattern, linear_cp_mode=mode, device=device(), seed=1)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         idx = thd_partition(torch.tensor(cu), rank, cp).to(device()) if grp is not None else torch.arange(cu[-1], device=device())
         batch = HybridBatch.build(cu, grp, device())

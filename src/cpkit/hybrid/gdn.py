@@ -13,6 +13,7 @@
   a model in zigzag needs no transition for it.
 
 Both are differentiable through autograd: the collectives' backward sends the gradients back.
+The collectives are shared with the Mamba layer (src/cpkit/hybrid/recurrent_cp.py).
 Shapes: x [T_local, C] rows of this rank in its layout; `cu_seqlens` global padded offsets.
 """
 
@@ -22,104 +23,16 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from cpkit.attention.comm import all_gather_seq
-from cpkit.errors import CPConfigError, Violation
+from cpkit.errors import CPConfigError
 from cpkit.hybrid.delta_rule import gated_delta_rule_varlen
-from cpkit.hybrid.layout import CpPartitionMode, check_partition_lengths, partition_indices
-from cpkit.parallel.group_info import group_device, group_rank, group_size
+from cpkit.hybrid.layout import CpPartitionMode, check_partition_lengths
+from cpkit.hybrid.recurrent_cp import (LINEAR_CP_MODES, causal_conv1d_cp, fold_earlier_ranks, gathered_order, heads_in,
+                                       heads_out, local_offsets, mode_violations)
+from cpkit.parallel.group_info import group_rank, group_size
 
 __all__ = ["LINEAR_CP_MODES", "GDNShape", "gated_delta_rule_cp", "causal_conv1d_cp", "GatedDeltaNet"]
-
-LINEAR_CP_MODES = ("chunkwise", "headwise")
-
-
-class _GatherThen(torch.autograd.Function):
-    """`use(every)`, where `every` stacks every rank's x on a new dim 0 (one all-gather). The
-    backward runs on every rank, also where `use` reads nothing gathered (rank 0 folds no earlier
-    rank): it recomputes `use`, sums the gradients of every rank's entry with one all-reduce
-    (gloo has it) and keeps this rank's. So the ranks always meet in the same collectives."""
-
-    @staticmethod
-    def forward(ctx, x, group, use):
-        every = all_gather_seq(x.detach().unsqueeze(0).to(group_device(group)), group).to(x.device)
-        ctx.group, ctx.use = group, use
-        ctx.save_for_backward(every)
-        return use(every)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (every,) = ctx.saved_tensors
-        with torch.enable_grad():
-            every = every.detach().requires_grad_(True)
-            out = ctx.use(every)
-            found = torch.autograd.grad(out, every, grad, allow_unused=True)[0] if out.requires_grad else None
-        found = torch.zeros_like(every) if found is None else found
-        found = found.contiguous().to(group_device(ctx.group))
-        dist.all_reduce(found, group=ctx.group)
-        return found[group_rank(ctx.group)].to(grad.device), None, None
-
-
-class _AllToAll(torch.autograd.Function):
-    """x [size, ...] with x[j] for rank j -> [size, ...] with entry j from rank j; backward: the same."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_to_all(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_to_all(grad, ctx.group), None
-
-
-def _all_to_all(x: torch.Tensor, group: Any) -> torch.Tensor:
-    device = x.device
-    x = x.contiguous().to(group_device(group))
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
-    return out.to(device)
-
-
-def _local_offsets(cu_seqlens: Sequence[int], cp: int) -> list[int]:
-    """This rank's offsets in the contiguous layout: each sequence contributes length / cp rows."""
-    return [c // cp for c in cu_seqlens]
-
-
-def causal_conv1d_cp(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: Sequence[int], group: Any) -> torch.Tensor:
-    """Depthwise causal conv1d (weight [C, W]) of this rank's contiguous rows x [T_local, C], each
-    sequence continuing the previous ranks' tokens: the halo of W-1 tokens comes by one all-gather."""
-    cp, rank = group_size(group), group_rank(group)
-    cu = check_partition_lengths(cu_seqlens, cp)
-    local = _local_offsets(cu, cp)
-    width = weight.shape[1]
-    spans = list(zip(local, local[1:]))
-    tails = [x[max(b - (width - 1), a):b] for a, b in spans]  # the same length on every rank
-    sizes = [tail.shape[0] for tail in tails]
-
-    def halos(every: torch.Tensor) -> torch.Tensor:
-        """[n_seq, W-1, C]: for each sequence, the last W-1 tokens of ranks 0..r-1 (zeros before its start)."""
-        out, offset = [], 0
-        for size in sizes:
-            before = every[:rank, offset:offset + size].reshape(-1, every.shape[-1])[-(width - 1):]
-            out.append(F.pad(before, (0, 0, width - 1 - before.shape[0], 0)))
-            offset += size
-        return torch.stack(out) if out else every.new_zeros((0, width - 1, every.shape[-1]))
-
-    if cp > 1:
-        halo = _GatherThen.apply(torch.cat(tails), group, halos)
-    else:
-        halo = x.new_zeros((len(spans), width - 1, x.shape[1]))
-    outs = []
-    for i, (a, b) in enumerate(spans):
-        if a == b:  # an empty sequence: nothing to convolve (its halo is never read)
-            outs.append(x[a:b])
-            continue
-        seq = torch.cat([halo[i], x[a:b]]).t().unsqueeze(0)  # [1, C, W-1 + L]
-        outs.append(F.conv1d(seq, weight.unsqueeze(1), groups=weight.shape[0]).squeeze(0).t())
-    return torch.cat(outs) if outs else x[:0]
 
 
 def gated_delta_rule_cp(q, k, v, beta, g, cu_seqlens: Sequence[int], group: Any, scale: Optional[float] = None,
@@ -127,8 +40,8 @@ def gated_delta_rule_cp(q, k, v, beta, g, cu_seqlens: Sequence[int], group: Any,
     """Chunkwise CP: o [T_local, H, V] of this rank's contiguous rows (q, k [T_local, H, K], v
     [T_local, H, V], beta, g [T_local, H]), every sequence starting from a zero state on rank 0.
     `kernel`: src/cpkit/hybrid/delta_rule.py::kernel_for (fla's kernels on GPUs where installed)."""
-    cp, rank = group_size(group), group_rank(group)
-    local = _local_offsets(check_partition_lengths(cu_seqlens, cp), cp)
+    cp = group_size(group)
+    local = local_offsets(check_partition_lengths(cu_seqlens, cp), cp)
     n, h, dk, dv = len(local) - 1, k.shape[1], k.shape[2], v.shape[2]
     rule = lambda values, start: gated_delta_rule_varlen(q, k, values, beta, g, local, start, scale,  # noqa: E731
                                                          chunk_size, kernel)
@@ -139,34 +52,10 @@ def gated_delta_rule_cp(q, k, v, beta, g, cu_seqlens: Sequence[int], group: Any,
     if v.dtype == torch.float64:
         start = start.double()
     summaries = rule(torch.cat([v.new_zeros(v.shape[0], h, dk), v], -1), start)[1]  # [n, H, K, K + V]
-
-    def incoming(every: torch.Tensor) -> torch.Tensor:
-        """[n_seq, H, K, V]: each sequence's state entering this rank, folding ranks 0..r-1 in order."""
-        states = []
-        for i in range(n):
-            state = every.new_zeros(h, dk, dv)
-            for r in range(rank):
-                state = every[r, i, :, :, :dk] @ state + every[r, i, :, :, dk:]
-            states.append(state)
-        return torch.stack(states) if states else every.new_zeros((0, h, dk, dv))
-
-    entering = _GatherThen.apply(summaries, group, incoming)  # one all-gather of (P, B)
+    # S_out = P S_in + B, per sequence and head: one all-gather of (P, B)
+    entering = fold_earlier_ranks(summaries, group, lambda part, state: part[..., :dk] @ state + part[..., dk:],
+                                  (n, h, dk, dv))
     return rule(v, entering)[0]
-
-
-def _heads_in(x: torch.Tensor, cp: int, group: Any, order: torch.Tensor) -> torch.Tensor:
-    """[T_local, H, ...] of this rank -> [T_global, H/cp, ...] in sequence order."""
-    t, h = x.shape[:2]
-    parts = x.reshape(t, cp, h // cp, *x.shape[2:]).movedim(1, 0)  # [cp, T_local, H/cp, ...]
-    return _AllToAll.apply(parts, group).reshape(cp * t, h // cp, *x.shape[2:]).index_select(0, order)
-
-
-def _heads_out(x: torch.Tensor, cp: int, group: Any, order: torch.Tensor) -> torch.Tensor:
-    """The inverse of _heads_in: [T_global, H/cp, ...] in sequence order -> [T_local, H, ...]."""
-    rows = torch.empty_like(x).index_copy(0, order, x)  # back to the rank-major gathered order
-    parts = rows.reshape(cp, x.shape[0] // cp, *x.shape[1:])
-    back = _AllToAll.apply(parts, group)  # [cp (heads of rank j), T_local, H/cp, ...]
-    return back.movedim(0, 1).reshape(x.shape[0] // cp, cp * x.shape[1], *x.shape[2:])
 
 
 @dataclass(frozen=True)
@@ -224,15 +113,7 @@ class GatedDeltaNet(torch.nn.Module):
                 layout: CpPartitionMode | str = CpPartitionMode.CONTIGUOUS, core=None) -> torch.Tensor:
         s, cp = self.shape, group_size(group)
         layout = CpPartitionMode(layout)
-        problems = []
-        if mode not in LINEAR_CP_MODES:
-            problems.append(Violation("linear_cp_mode", mode, f"must be one of {LINEAR_CP_MODES}", "use 'chunkwise'"))
-        elif mode == "chunkwise" and cp > 1 and layout is not CpPartitionMode.CONTIGUOUS:
-            problems.append(Violation("layout", layout.value, "chunkwise CP continues the previous rank's state: "
-                                      "its rows must be contiguous", "relayout(x, routes, 'contiguous', group) first"))
-        if mode == "headwise" and s.heads % cp:
-            problems.append(Violation("heads", s.heads, f"headwise CP splits heads over cp={cp}: must be divisible",
-                                      f"use chunkwise, or a head count divisible by {cp}"))
+        problems = mode_violations(mode, layout, s.heads, cp)
         if problems:
             raise CPConfigError(problems)
         cu = check_partition_lengths(cu_seqlens, cp)
@@ -249,11 +130,11 @@ class GatedDeltaNet(torch.nn.Module):
             q, k, v = self._qkv(mixed, x.shape[0], s.heads)
             o = gated_delta_rule_cp(q, k, v, beta, g, cu, group, chunk_size=self.chunk_size, kernel=self.kernel)
             return self._finish(o)
-        order = _gathered_order(cu, cp, layout, x.device)
+        order = gathered_order(cu, cp, layout, x.device)
         h = s.heads // cp
         rank = group_rank(group)
         qkv = [t.reshape(x.shape[0], s.heads, -1) for t in torch.split(mixed, [s.heads * s.head_k] * 2 + [s.heads * s.head_v], -1)]
-        gathered = [_heads_in(t, cp, group, order) for t in (*qkv, beta.unsqueeze(-1), g.unsqueeze(-1))]
+        gathered = [heads_in(t, cp, group, order) for t in (*qkv, beta.unsqueeze(-1), g.unsqueeze(-1))]
         weights = [w.reshape(s.heads, -1, s.conv_width)[rank * h:(rank + 1) * h].reshape(-1, s.conv_width)
                    for w in torch.split(self.conv_weight, [s.heads * s.head_k] * 2 + [s.heads * s.head_v])]
         # whole sequences now: the conv and the rule run as at cp 1 (group None), on this rank's heads
@@ -261,11 +142,5 @@ class GatedDeltaNet(torch.nn.Module):
         q, k, v = self._qkv(torch.cat(convolved, -1), convolved[0].shape[0], h)
         o = gated_delta_rule_cp(q, k, v, gathered[3].squeeze(-1), gathered[4].squeeze(-1), cu, None,
                                 chunk_size=self.chunk_size, kernel=self.kernel)
-        return self._finish(_heads_out(o, cp, group, order))
-
-
-def _gathered_order(cu: Sequence[int], cp: int, layout: CpPartitionMode, device) -> torch.Tensor:
-    """For rows gathered rank-major from `layout`, the gathered position of each global token."""
-    held = torch.cat([partition_indices(layout, cu, r, cp) for r in range(cp)])
-    return torch.argsort(held).to(device)
+        return self._finish(heads_out(o, cp, group, order))
 

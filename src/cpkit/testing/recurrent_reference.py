@@ -1,5 +1,6 @@
 """Independent references for recurrent layers under CP: token-by-token recurrences in float64
-that share no code with the chunked paths they check (src/cpkit/hybrid/)."""
+(the gated delta rule, Mamba-2's SSD) and a tap-by-tap causal conv, sharing no code with the
+chunked paths they check (src/cpkit/hybrid/)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["gated_delta_rule_reference", "causal_conv1d_reference"]
+__all__ = ["gated_delta_rule_reference", "ssd_reference", "causal_conv1d_reference"]
 
 
 def gated_delta_rule_reference(q, k, v, beta, g, initial_state: Optional[torch.Tensor] = None,
@@ -27,6 +28,32 @@ def gated_delta_rule_reference(q, k, v, beta, g, initial_state: Optional[torch.T
         outs.append(torch.einsum("hkv,hk->hv", state, q[i] * scale))
     o = torch.stack(outs) if outs else v.new_zeros((0, h, v.shape[-1]))
     return o, state
+
+
+def ssd_reference(x, dt, A, B, C, D: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
+                  dt_softplus: bool = False, initial_state: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba-2's SSD recurrence, (y [T, H, P], final state [H, P, N]), one token at a time in float64,
+    x [T, H, P], dt [T, H], A [H], B, C [T, G, N] (head h reads group h // (H/G)):
+    dt = log(1 + exp(dt + dt_bias));  S = exp(dt A) S + dt x B^T;  y = S C + D x."""
+    t, h, p = x.shape
+    groups, n = B.shape[1:]
+    x, dt, A, B, C = (z.double() for z in (x, dt, A, B, C))
+    if dt_bias is not None:
+        dt = dt + dt_bias.double()
+    if dt_softplus:
+        dt = torch.log1p(torch.exp(dt))
+    group_of_head = [head * groups // h for head in range(h)]
+    state = torch.zeros(h, p, n, dtype=torch.float64, device=x.device) if initial_state is None \
+        else initial_state.double()
+    outs = []
+    for i in range(t):
+        b_i, c_i = B[i, group_of_head], C[i, group_of_head]  # [H, N]
+        state = torch.exp(dt[i] * A)[:, None, None] * state + torch.einsum("hp,hn->hpn", dt[i][:, None] * x[i], b_i)
+        y = torch.einsum("hpn,hn->hp", state, c_i)
+        if D is not None:
+            y = y + (D.double() if D.dim() == 2 else D.double()[:, None]) * x[i]
+        outs.append(y)
+    return (torch.stack(outs) if outs else x.new_zeros((0, h, p))), state
 
 
 def causal_conv1d_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
