@@ -52,7 +52,8 @@ def _reference_core():
 
     return types.SimpleNamespace(
         conv=causal_conv1d_reference,
-        scan=lambda x, dt, A, B, C, D, dt_bias: ssd_reference(x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=True)[0])
+        scan=lambda x, dt, A, B, C, D, dt_bias: ssd_reference(x, dt, A, B, C, D=D, dt_bias=dt_bias,
+                                                              dt_softplus=True)[0])
 
 
 def cases_at(cp: int) -> list[tuple[str, str, str]]:

@@ -43,7 +43,8 @@ def test_the_layer_at_cp1_equals_the_references_with_every_gradient(rmsnorm):
     torch.testing.assert_close(y, y_ref, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(dx, dx_ref, atol=1e-12, rtol=1e-12)
     for name in grads_ref:
-        torch.testing.assert_close(grads[name], grads_ref[name], atol=1e-12, rtol=1e-12, msg=lambda m, n=name: f"d{n}: {m}")
+        torch.testing.assert_close(grads[name], grads_ref[name], atol=1e-12, rtol=1e-12,
+                                   msg=lambda m, n=name: f"d{n}: {m}")
 
 
 def test_bad_sizes_are_refused_all_at_once_with_the_fix():

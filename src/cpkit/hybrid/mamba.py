@@ -39,7 +39,7 @@ def ssd_scan_cp(x, dt, A, B, C, cu_seqlens: Sequence[int], group: Any, D: Option
                 dt_bias: Optional[torch.Tensor] = None, chunk_size: int = 64) -> torch.Tensor:
     """Chunkwise CP: y [T_local, H, P] of this rank's contiguous rows (x [T_local, H, P], raw dt
     [T_local, H] (softplus(dt + dt_bias) inside), A [H], B, C [T_local, G, N]), every sequence
-    starting from a zero state on rank 0."""
+    starting from a zero state on rank 0. Over `group`: one all-gather (an all-reduce backward)."""
     cp = group_size(group)
     local = local_offsets(check_partition_lengths(cu_seqlens, cp), cp)
     n, (h, p), dn = len(local) - 1, x.shape[1:], B.shape[-1]
@@ -147,7 +147,9 @@ class Mamba2Mixer(torch.nn.Module):
                 layout: CpPartitionMode | str = CpPartitionMode.CONTIGUOUS, core=None) -> torch.Tensor:
         s, cp = self.shape, group_size(group)
         layout = CpPartitionMode(layout)
-        problems = mode_violations(mode, layout, s.heads, cp) + (group_violations(s.groups, cp) if mode == "headwise" else [])
+        problems = mode_violations(mode, layout, s.heads, cp)
+        if mode == "headwise":
+            problems += group_violations(s.groups, cp)
         if problems:
             raise CPConfigError(problems)
         cu = check_partition_lengths(cu_seqlens, cp)

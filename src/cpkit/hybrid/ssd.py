@@ -36,7 +36,8 @@ def discretize_dt(dt: torch.Tensor, dt_bias: Optional[torch.Tensor] = None, dt_s
 
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
              chunk_size: int = 64, D: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
-             dt_softplus: bool = False, initial_state: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+             dt_softplus: bool = False,
+             initial_state: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(y [b, T, H, P], final state [b, H, P, N]) of a batch of equal-length sequences (sbhd) from
     `initial_state` (zeros when None); the arguments as mamba_ssm's mamba_chunk_scan_combined.
     Computes in float32 at least (float64 stays float64); `y` comes back in x's dtype."""

@@ -31,7 +31,8 @@ def gated_delta_rule_reference(q, k, v, beta, g, initial_state: Optional[torch.T
 
 
 def ssd_reference(x, dt, A, B, C, D: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
-                  dt_softplus: bool = False, initial_state: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  dt_softplus: bool = False,
+                  initial_state: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Mamba-2's SSD recurrence, (y [T, H, P], final state [H, P, N]), one token at a time in float64,
     x [T, H, P], dt [T, H], A [H], B, C [T, G, N] (head h reads group h // (H/G)):
     dt = log(1 + exp(dt + dt_bias));  S = exp(dt A) S + dt x B^T;  y = S C + D x."""
