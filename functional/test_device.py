@@ -40,19 +40,13 @@ def _randn(*shape, dtype, gen):
     return torch.randn(*shape, generator=gen).to("cuda", dtype)
 
 
-@pytest.mark.parametrize("merge_form", ["eager", "fused"])
 @pytest.mark.parametrize("layout", ["sbhd", "thd"])
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
-def test_merge_of_key_blocks_matches_full_attention(dtype_name, layout, merge_form, monkeypatch):
+def test_merge_of_key_blocks_matches_full_attention(dtype_name, layout):
     """Attention over three key blocks, merged by their LSEs (merge and the in-place merge_ the
-    ring uses, with a running output in the input dtype), equals attention over all keys. "fused":
-    merge_ on its compiled kernel (merge.py::FUSED_MIN_ELEMENTS lowered to 0), also into the
-    second half of the running tensors (views, as the ring merges its second query chunk)."""
-    from cpkit.attention import merge as merge_module
-
-    fused = merge_form == "fused"
-    if fused:
-        monkeypatch.setattr(merge_module, "FUSED_MIN_ELEMENTS", 0)
+    ring uses, with a running output in the input dtype), equals attention over all keys; also
+    into the second half of the running tensors (views, as the ring merges its second query
+    chunk), the first half untouched."""
     dtype = DTYPES[dtype_name]
     gen = torch.Generator().manual_seed(11)
     tokens, bounds = 768, [0, 100, 352, 768]
@@ -82,7 +76,7 @@ def test_merge_of_key_blocks_matches_full_attention(dtype_name, layout, merge_fo
 
     running, running_lse = blocks[0][0].clone(), blocks[0][1].clone()
     for o, l in blocks[1:]:
-        merge_(running, running_lse, o, l, fused)
+        merge_(running, running_lse, o, l)
     assert running.dtype == dtype
     _close(running, want_out, dtype, "merge_ out")
     torch.testing.assert_close(running_lse, want_lse, rtol=1e-4 if dtype == torch.float32 else 2e-2, atol=1e-3)
@@ -93,7 +87,7 @@ def test_merge_of_key_blocks_matches_full_attention(dtype_name, layout, merge_fo
     running = torch.cat([first[0][0], second[0][0]]).clone()
     running_lse = torch.cat([first[0][1], second[0][1]], dim=-1).clone()
     for o, l in second[1:]:
-        merge_(running.narrow(0, half, half), running_lse.narrow(-1, half, half), o, l, fused)
+        merge_(running.narrow(0, half, half), running_lse.narrow(-1, half, half), o, l)
     torch.testing.assert_close(running[:half], first[0][0], rtol=0, atol=0)  # rows not merged: untouched
     _close(running[half:], want_out[half:], dtype, "merge_ into a view")
     torch.testing.assert_close(running_lse[..., half:], want_lse[..., half:],

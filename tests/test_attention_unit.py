@@ -71,31 +71,6 @@ def test_merge_keeps_rows_without_keys_finite():
 
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_fused_merges_expression_is_the_eager_merge_on_views_and_empty_rows(dtype):
-    """`merge._merge_into` (what torch.compile fuses on CUDA; compiled there by
-    functional/test_device.py) gives the eager merge_'s output and LSE, into views of the running
-    tensors as the ring's second query chunk passes them, rows without keys kept."""
-    from cpkit.attention.merge import _merge_into
-
-    gen = torch.Generator().manual_seed(5)
-    out0 = torch.randn(8, 2, 4, 8, generator=gen).to(dtype)
-    lse0 = torch.randn(2, 4, 8, generator=gen)
-    lse0[0, 1, 5:] = float("-inf")  # rows no block has reached yet
-    block = torch.randn(4, 2, 4, 8, generator=gen).to(dtype)
-    block_lse = torch.randn(2, 4, 4, generator=gen)
-    block_lse[0, 1, 2:] = float("-inf")  # two of them see no key in this block either
-    want_out, want_lse, got_out, got_lse = out0.clone(), lse0.clone(), out0.clone(), lse0.clone()
-    merge_(want_out.narrow(0, 4, 4), want_lse.narrow(-1, 4, 4), block, block_lse)
-    _merge_into(got_out.narrow(0, 4, 4), got_lse.narrow(-1, 4, 4), block, block_lse)
-    assert torch.isfinite(got_out).all()
-    # The same math in another order of roundings: fp32 to a few ulps, bf16 to its own rounding.
-    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else {}
-    torch.testing.assert_close(got_out, want_out, **tol)
-    torch.testing.assert_close(got_lse, want_lse, rtol=1e-6, atol=1e-6)
-    assert torch.equal(got_out[:4], out0[:4]) and torch.equal(got_lse[..., :4], lse0[..., :4])
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_merge_rounds_once_like_the_fp32_merge(dtype):
     # A ring of 2 merges straight into the first block's low-precision output: the result must
@@ -315,12 +290,6 @@ def test_options_read_the_environment_once_as_their_default(monkeypatch):
     assert CPAttentionOptions.from_env({"CPKIT_ATTN_KERNEL": " Flash "}).kernel == "flash"
     with pytest.raises(ValueError, match="CPKIT_ATTN_KERNEL='triton'"):
         CPAttentionOptions.from_env({"CPKIT_ATTN_KERNEL": "triton"})
-    assert CPAttentionOptions.from_env(env).fused_merge and not CPAttentionOptions.from_env(
-        {"CPKIT_FUSED_MERGE": "0"}).fused_merge
-    with pytest.raises(ValueError, match="CPKIT_FUSED_MERGE='yes': must be 1 .* or 0"):
-        CPAttentionOptions.from_env({"CPKIT_FUSED_MERGE": "yes"})
-    with pytest.raises(CPConfigError, match="fused_merge"):
-        CPAttentionOptions(fused_merge="yes")
     # read once: a later change of the environment does not reach the cached default
     opts.default_options.cache_clear()
     monkeypatch.setenv("CPKIT_A2A_CHUNKS", "3")

@@ -82,6 +82,9 @@ def test_the_readme_benchmark_table_is_rendered_from_the_newest_claims(tmp_path)
     newer = dataclasses.replace(old, id="a-newer-run", date=old.date + dt.timedelta(days=1))
     card = dataclasses.replace(cards[0], claims=(*cards[0].claims, newer))
     assert newest_claim(cp2_features, [card, *cards[1:]], ROOT).id == "a-newer-run"
+    dense_cp2 = next(q for q in QUESTIONS if q.command == "`python -m cpkit.bench attention --cp 2`")
+    assert dense_cp2.matches("python -m cpkit.bench attention --cp 2 --backends cpkit,te,torch,sdpa")
+    assert not dense_cp2.matches("python -m cpkit.bench attention --cp 2 --backends cpkit")  # an A/B: not vs TE
     dense_cp4 = next(q for q in QUESTIONS if q.command == "`python -m cpkit.bench attention --cp 4`")
     assert "--features" not in newest_claim(dense_cp4, cards, ROOT).command
     (tmp_path / "README.md").write_text(f"{BEGIN}\n| stale |\n{END}\n")

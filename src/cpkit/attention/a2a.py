@@ -106,8 +106,7 @@ class _UlyssesAttention(torch.autograd.Function):
         for c in range(chunks):
             qc, kc, vc = _arrived_heads(inbound[c], rows, shapes)
             sink_c = None if sink is None else sink[first + c * widths[0]:first + (c + 1) * widths[0]]
-            oc, lse, kv = ring_forward(qc, kc, vc, comm, causal, scale, seq, options.kernel, band, sink_c,
-                                       options.fused_merge)
+            oc, lse, kv = ring_forward(qc, kc, vc, comm, causal, scale, seq, options.kernel, band, sink_c)
             outbound.append(_to_seq([oc], rows, a, a2a_group))
             kv_tensors, kv_layout = kv_to_save(kv)  # the same kind for every chunk
             saved += [qc, oc, lse, *kv_tensors]

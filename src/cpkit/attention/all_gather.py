@@ -84,7 +84,7 @@ def _gather_kv(k, v, group, natural_rows):
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sink, group, causal, scale, seq, kernel, window, fused_merge):
+    def forward(ctx, q, k, v, sink, group, causal, scale, seq, kernel, window):
         natural_rows = gathered_to_natural(seq, device=q.device)
         _, K, V = _gather_kv(k, v, group, natural_rows)
         blocks = _Blocks(seq, group_rank(group), K.shape[0])
@@ -109,7 +109,7 @@ class _AllGatherAttention(torch.autograd.Function):
                     if o_j is None:
                         o_j, l_j = o.float(), l.float().contiguous()
                     else:
-                        merge_(o_j, l_j, o, l, fused_merge)
+                        merge_(o_j, l_j, o, l)
                 _put(seq, out, lse, j, o_j, l_j)
         if sink is not None:  # once, after the last merge
             out, lse = apply_sink(out, lse, sink)
@@ -157,7 +157,7 @@ class _AllGatherAttention(torch.autograd.Function):
         dsink = None
         if sink is not None and ctx.needs_input_grad[3]:
             dsink = sink_grad(dout, out, lse, sink).to(sink.dtype)
-        return dq.to(q.dtype), dkv_local[:, 0], dkv_local[:, 1], dsink, None, None, None, None, None, None, None
+        return dq.to(q.dtype), dkv_local[:, 0], dkv_local[:, 1], dsink, None, None, None, None, None, None
 
 
 def _put(seq: LocalSeq, out, lse, j, o_j, l_j) -> None:
@@ -180,9 +180,8 @@ def all_gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
     q [s, b, h, d] or [t, h, d] (THD: `seq` carries the global cu_seqlens), k/v with h_kv heads,
     in the 2-chunk layout of `group`. Collectives: one all-gather of KV in forward, one
     all-gather and one reduce-scatter (dKV, input dtype) in backward. `options.kernel` picks the
-    kernel, `options.fused_merge` the merge. `window` (`band.Window`): sliding window, the local queries against all gathered
+    kernel. `window` (`band.Window`): sliding window, the local queries against all gathered
     keys under the band mask; `sink` [h]: sink logits, applied once at the end. Returns the
     output like q.
     """
-    return _AllGatherAttention.apply(q, k, v, sink, group, causal, scale, seq, options.kernel, window,
-                                     options.fused_merge)
+    return _AllGatherAttention.apply(q, k, v, sink, group, causal, scale, seq, options.kernel, window)

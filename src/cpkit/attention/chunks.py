@@ -88,15 +88,15 @@ class LocalSeq:
         else:
             acc.index_add_(dim, self.index[j], value.to(acc.dtype))
 
-    def merge_(self, out, lse, j: int, block_out, block_lse, fused: bool = False) -> None:
+    def merge_(self, out, lse, j: int, block_out, block_lse) -> None:
         """Merge a partial result of the queries of chunk j into (out, lse), in place."""
         if not self.varlen:
             half = self.tokens // 2
-            merge_(out.narrow(0, j * half, half), lse.narrow(-1, j * half, half), block_out, block_lse, fused)
+            merge_(out.narrow(0, j * half, half), lse.narrow(-1, j * half, half), block_out, block_lse)
             return
         idx = self.index[j]
         o, l = out.index_select(0, idx), lse.index_select(-1, idx)
-        merge_(o, l, block_out, block_lse, fused)
+        merge_(o, l, block_out, block_lse)
         out.index_copy_(0, idx, o)
         lse.index_copy_(-1, idx, l)
 

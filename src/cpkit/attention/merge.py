@@ -11,14 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FUSED_MIN_ELEMENTS", "lse_as_out", "merge_", "merge"]
-
-#: Outputs of at least this many elements merge in one compiled kernel on CUDA (`fused=True`):
-#: the eager merge is about eight elementwise passes over the output, which cost 1-4% of a
-#: cp-2 attention step at 32K-128K (profile at cp 2 on 2x H200); TE fuses the same merge with
-#: torch.compile. Smaller outputs keep the eager merge: there a compile costs more than it saves.
-FUSED_MIN_ELEMENTS = 1 << 20
-_FUSED: dict = {}  # "merge" -> the compiled merge, built on first use
+__all__ = ["lse_as_out", "merge_", "merge"]
 
 
 def lse_as_out(lse: torch.Tensor) -> torch.Tensor:
@@ -27,22 +20,7 @@ def lse_as_out(lse: torch.Tensor) -> torch.Tensor:
     return lse.movedim(-1, 0).unsqueeze(-1)
 
 
-def _merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """The merge as one expression per output (what torch.compile fuses into one kernel each for
-    the output and the LSE), rounded once into `out`. Same rules as `merge_`'s eager form."""
-    w_new = torch.sigmoid(lse_as_out(block_lse) - lse_as_out(lse)).nan_to_num(nan=0.0)
-    out.copy_(out.float() * (1.0 - w_new) + block_out.float() * w_new)
-    lse.copy_(torch.logaddexp(lse, block_lse))
-
-
-def _fused_merge():
-    if "merge" not in _FUSED:
-        _FUSED["merge"] = torch.compile(_merge_into, dynamic=True, fullgraph=True)
-    return _FUSED["merge"]
-
-
-def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor,
-           fused: bool = False) -> None:
+def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     """Fold one partial result into the running one, in place.
 
     out: the running output (may be a view), float32 or a lower precision; lse: float32 running
@@ -50,12 +28,7 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
     float32 LSE. A lower-precision `out` is merged in fp32 and rounded once on the way back, so
     a single merge (a ring of 2) needs no fp32 copy of the output. Rows where both LSEs are -inf
     (no key seen yet) keep their running output (the kernels' zeros) instead of becoming NaN.
-    `fused` (`CPAttentionOptions.fused_merge`): on CUDA, outputs of FUSED_MIN_ELEMENTS or more
-    merge in one compiled kernel.
     """
-    if fused and out.is_cuda and out.numel() >= FUSED_MIN_ELEMENTS:
-        _fused_merge()(out, lse, block_out, block_lse)
-        return
     # exp(l_block - logaddexp(l, l_block)) is sigmoid(l_block - l): one kernel fewer per weight
     # (this merge runs in every ring step and, with short blocks, its launches are what costs).
     # Rows with no keys in either part have l = l_block = -inf: NaN, so w_new 0 and w_old 1.

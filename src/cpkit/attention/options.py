@@ -13,8 +13,6 @@ the comm types and kernels, so nothing deep in a kernel path reads the environme
   extra `cpkit[kernels]`) forces one CUDA kernel (no fallback), for benchmarking; on CPU only
   `math` is honoured. Unset, cpkit chooses per block (`kernels.py`'s module docstring: the cuDNN
   frontend for sliding windows, THD, sinks and MLA where it is installed).
-- CPKIT_FUSED_MERGE: `1` (default) merges large partial outputs on CUDA in one compiled kernel
-  (`merge.py::FUSED_MIN_ELEMENTS`); `0` keeps the eager merge (for A/Bs).
 """
 
 from __future__ import annotations
@@ -30,7 +28,6 @@ __all__ = [
     "A2A_CHUNKS_ENV",
     "CUDA_KERNELS",
     "CPAttentionOptions",
-    "FUSED_MERGE_ENV",
     "KERNEL_ENV",
     "P2P_BATCHED_ENV",
     "default_options",
@@ -39,7 +36,6 @@ __all__ = [
 P2P_BATCHED_ENV = "CPKIT_P2P_BATCHED"
 A2A_CHUNKS_ENV = "CPKIT_A2A_CHUNKS"
 KERNEL_ENV = "CPKIT_ATTN_KERNEL"
-FUSED_MERGE_ENV = "CPKIT_FUSED_MERGE"
 CUDA_KERNELS = ("cudnn", "flash", "efficient", "math", "cudnn_fe")
 
 
@@ -59,9 +55,6 @@ class CPAttentionOptions:
     is in `kernels.py`'s docstring). "cudnn_fe" also takes the band (window) blocks off
     FlexAttention; where the cuDNN frontend is not installed it warns once and cpkit chooses.
     On CPU only "math" is honoured."""
-    fused_merge: bool = True
-    """Merge partial outputs of FUSED_MIN_ELEMENTS or more on CUDA in one compiled kernel
-    (`merge.py::merge_`); False keeps the eager merge. CPU always merges eagerly."""
 
     def __post_init__(self):
         if self.p2p_batched not in (None, True, False):
@@ -73,9 +66,6 @@ class CPAttentionOptions:
         if self.kernel is not None and self.kernel not in CUDA_KERNELS:
             raise CPConfigError.single("kernel", self.kernel, f"must be None or one of {list(CUDA_KERNELS)}",
                                        "pass None to let cpkit choose")
-        if self.fused_merge not in (True, False):
-            raise CPConfigError.single("fused_merge", self.fused_merge, "must be True or False",
-                                       "pass True (the default) or False for the eager merge")
 
     def ring_batched(self, ring_size: int) -> bool:
         """Whether a ring of `ring_size` ranks posts each exchange as one batched call."""
@@ -89,7 +79,7 @@ class CPAttentionOptions:
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "CPAttentionOptions":
-        """Options from CPKIT_P2P_BATCHED, CPKIT_A2A_CHUNKS, CPKIT_ATTN_KERNEL and CPKIT_FUSED_MERGE (`environ`,
+        """Options from CPKIT_P2P_BATCHED, CPKIT_A2A_CHUNKS and CPKIT_ATTN_KERNEL (`environ`,
         default os.environ); unset ones keep their defaults. Raises ValueError naming the
         variable for a value it does not take."""
         env = os.environ if environ is None else environ
@@ -112,14 +102,8 @@ class CPAttentionOptions:
                 f"{KERNEL_ENV}={kernel!r}: must be one of {', '.join(CUDA_KERNELS)}; unset it to "
                 "let cpkit choose"
             )
-        fused = env.get(FUSED_MERGE_ENV, "1").strip()
-        if fused not in ("0", "1"):
-            raise ValueError(
-                f"{FUSED_MERGE_ENV}={fused!r}: must be 1 (the default: large merges in one compiled "
-                "kernel on CUDA) or 0 (the eager merge); unset it for the default"
-            )
         return cls(p2p_batched=None if batched == "auto" else batched == "1",
-                   a2a_chunks=int(chunks), kernel=kernel or None, fused_merge=fused == "1")
+                   a2a_chunks=int(chunks), kernel=kernel or None)
 
 
 @functools.lru_cache(maxsize=1)

@@ -105,12 +105,12 @@ def _attend_bwd(dout, q, kv, out, lse, case, scale: float, seq: LocalSeq, kernel
                     seq.take(lse, 1, dim=-1), False, scale, kernel=kernel, **seq.kw("half", "full"))
 
 
-def _merge_block(out, lse, case, o, l, seq: LocalSeq, fused: bool) -> None:
+def _merge_block(out, lse, case, o, l, seq: LocalSeq) -> None:
     """Fold one block's output and LSE into the running fp32 output and LSE."""
     if isinstance(case, str) and case == "q_second":
-        seq.merge_(out, lse, 1, o, l, fused)
+        seq.merge_(out, lse, 1, o, l)
     else:
-        merge_(out, lse, o, l, fused)
+        merge_(out, lse, o, l)
 
 
 def _add_block(acc, case, grad, seq: LocalSeq, part_of: str) -> None:
@@ -127,13 +127,13 @@ def _add_block(acc, case, grad, seq: LocalSeq, part_of: str) -> None:
 
 def ring_forward(q, k, v, comm: Optional[RingComm], causal: bool, scale: float, seq: LocalSeq,
                  kernel: Optional[str] = None, band: Optional[Band] = None,
-                 sink: Optional[torch.Tensor] = None, fused_merge: bool = False):
+                 sink: Optional[torch.Tensor] = None):
     """The ring's forward (no autograd): (output like q, fp32 LSE, what `ring_backward` needs
     of k and v: the packed `RingKV` the forward ended with (the next rank's), or (k, v)
     without a ring). `comm` None: local attention. `kernel`: `CPAttentionOptions.kernel`.
     `band`: sliding-window masks of this level (blocks outside the window are skipped).
     `sink`: per-head sink logits of q's heads, applied once after the last merge (the output
-    and LSE returned include it). `fused_merge`: `CPAttentionOptions.fused_merge`. Also the
+    and LSE returned include it). Also the
     per-chunk step of `a2a.a2a_attention`."""
     n, rank = (comm.size, comm.rank) if comm is not None else (1, 0)
     if n == 1:  # one block: nothing to merge, no fp32 copy of the output; the kernel takes the sink
@@ -152,7 +152,7 @@ def ring_forward(q, k, v, comm: Optional[RingComm], causal: bool, scale: float, 
         if block is not None:  # after the post: the exchange starts while this merge runs
             if out.dtype != torch.float32:  # more merges to come: accumulate in fp32
                 out = out.float()
-            _merge_block(out, lse, *block, seq, fused_merge)
+            _merge_block(out, lse, *block, seq)
         case = _block_case((rank - step) % n, rank, causal, band)
         block = None
         if step == 0:
@@ -167,7 +167,7 @@ def ring_forward(q, k, v, comm: Optional[RingComm], causal: bool, scale: float, 
             pending.wait()
             kv = nxt
     if block is not None:
-        _merge_block(out, lse, *block, seq, fused_merge)
+        _merge_block(out, lse, *block, seq)
     if sink is not None:
         out, lse = apply_sink(out, lse, sink)
     return out.to(q.dtype), lse, kv
@@ -254,8 +254,7 @@ class _RingAttention(torch.autograd.Function):
         size = group_size(group)
         comm = RingComm(group, options.ring_batched(size)) if size > 1 else None
         band = None if window is None else Band(window, causal, seq, comm.rank if comm else 0, q.device)
-        out, lse, kv = ring_forward(q, k, v, comm, causal, scale, seq, options.kernel, band, sink,
-                                    options.fused_merge)
+        out, lse, kv = ring_forward(q, k, v, comm, causal, scale, seq, options.kernel, band, sink)
         kv_tensors, ctx.kv_layout = kv_to_save(kv)
         ctx.save_for_backward(q, out, lse, sink, *kv_tensors)
         ctx.setup = (comm, causal, scale, seq, options.kernel, band)

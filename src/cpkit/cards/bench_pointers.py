@@ -38,9 +38,15 @@ def _cp(n: int) -> Callable[[str], bool]:
     return lambda c: f"--cp {n}" in c or (n == 4 and "gpu-bench.sh attention" in c and "--cp" not in c)
 
 
+def _against_te(command: str) -> bool:
+    """The run had TE beside cpkit: no --backends (the bench's default includes TE) or a list naming it."""
+    chosen = re.search(r"--backends[ =](\S+)", command)
+    return chosen is None or "te" in chosen[1].split(",")
+
+
 QUESTIONS = (
     Question("`python -m cpkit.bench attention --cp 2`", "dense, cp 2: vs TE, torch CP, SDPA",
-             "attention", lambda c: _cp(2)(c) and "--features" not in c),
+             "attention", lambda c: _cp(2)(c) and "--features" not in c and _against_te(c)),
     Question("`python -m cpkit.bench attention --cp 2 --features ...`", "windows, sinks, MLA at cp 2; comm type",
              "attention", lambda c: _cp(2)(c) and "--features" in c),
     Question("`python -m cpkit.bench attention --cp 4`", "dense, cp 4",
