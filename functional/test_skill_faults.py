@@ -6,8 +6,9 @@ the skill gave. Here one fault at a time is planted in a copy of the repository 
 source change in a feature's main code path, as a mutation test plants it) and the Verify
 commands of that feature's skill (`## ... Verify` section, the pytest commands that run on this
 machine: GPU-only markers are left to GPU hosts) run in the copy as written, with `-x` so the
-first failure ends them. At least one must fail with pytest's "tests failed" (exit 1): a usage
-error or a collection error would not show that the tests catch the fault.
+first failure ends them, the one measured to catch the fault (`Fault.caught_by`) first. At
+least one must fail with pytest's "tests failed" (exit 1): a usage error or a collection error
+would not show that the tests catch the fault.
 
     python -m pytest functional/test_skill_faults.py -m dist -rA
 """
@@ -20,6 +21,8 @@ import shlex
 import shutil
 import subprocess
 import sys
+import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,27 +43,35 @@ class Fault:
     what: str
     old: str
     new: str
+    caught_by: str | None = None
+    """A test file the Verify command that catches this fault names (measured): that command runs
+    first, the others in the order written only if it passes. Which command fails does not
+    matter to the test; the commands that pass before it cost minutes."""
 
 
 FAULTS = [
     Fault("context-parallel-attention", "src/cpkit/attention/a2a.py",
           "a2a's sink gradient halved (each rank's heads' share)",
           "dsink[heads] = sink_grad(dc, oc, lse, sink[heads])",
-          "dsink[heads] = 0.5 * sink_grad(dc, oc, lse, sink[heads])"),
+          "dsink[heads] = 0.5 * sink_grad(dc, oc, lse, sink[heads])",
+          caught_by="functional/test_attention_features.py"),
     Fault("context-parallel-attention", "src/cpkit/attention/band.py",
           "a two-sided window sees one key fewer on its right",
           "return (0 if causal else (None if right is None else -right)), window.left",
-          "return (0 if causal else (None if right is None else 1 - right)), window.left"),
+          "return (0 if causal else (None if right is None else 1 - right)), window.left",
+          caught_by="tests/test_ring_threads.py"),
     Fault("hierarchical-context-parallel", "src/cpkit/parallel/groups.py",
           "the hierarchical levels handed out in the wrong order",
-          'groups["hcp"] = [a2a, p2p]', 'groups["hcp"] = [p2p, a2a]'),
+          'groups["hcp"] = [a2a, p2p]', 'groups["hcp"] = [p2p, a2a]', caught_by="functional/test_groups.py"),
     Fault("eval-context-parallel", "src/cpkit/eval_cp/loop.py",
           "the eval loss summed over the eval dp group only (the cp ranks' shares dropped)",
           "    group = reduce_group(pg_collection)\n    device = group_device(group)",
-          '    group = get_pg(pg_collection, "dp")\n    device = group_device(group)'),
+          '    group = get_pg(pg_collection, "dp")\n    device = group_device(group)',
+          caught_by="functional/test_eval_cp.py"),
     Fault("dynamic-context-parallel", "src/cpkit/dynamic/runtime.py",
           "a micro-batch's attention left on the static CP group",
-          "    psp.cp_group = group\n", "    psp.cp_group = None\n"),
+          "    psp.cp_group = group\n", "    psp.cp_group = None\n",
+          caught_by="tests/test_dynamic_runtime.py"),
     Fault("hybrid-context-parallel", "src/cpkit/hybrid/recurrent_cp.py",
           "chunkwise: the earlier ranks' parts folded in the wrong order",
           "        for r in range(group_rank(group)):\n            state = fold(every[r], state)",
@@ -93,10 +104,17 @@ def verify_commands(skill: str, root: Path = ROOT) -> list[list[str]]:
         for line in fence.splitlines():
             argv = shlex.split(line.split(" #")[0]) if line.strip() else []
             if argv[:1] == ["pytest"] or argv[:3] in (["python", "-m", "pytest"], ["python3", "-m", "pytest"]):
-                marker = argv[argv.index("-m") + 1] if "-m" in argv[1:] and argv[1] != "-m" else ""
+                args = argv[argv.index("pytest") + 1:]
+                marker = args[args.index("-m") + 1] if "-m" in args[:-1] else ""
                 if "gpu" not in marker:
-                    out.append(argv[argv.index("pytest") + 1:])
+                    out.append(args)
     return out
+
+
+def run_order(fault: Fault, commands: list[list[str]]) -> list[list[str]]:
+    """`commands` with those naming `fault.caught_by` first, each group in the order written."""
+    first = [args for args in commands if fault.caught_by in args]
+    return first + [args for args in commands if args not in first]
 
 
 def test_every_skill_has_a_verify_section_that_runs_here():
@@ -109,6 +127,22 @@ def test_every_fault_applies_to_the_code_as_it_is():
         assert (ROOT / fault.path).read_text().count(fault.old) == 1, (fault.path, fault.old)
 
 
+def test_a_fault_s_catching_command_is_one_its_skill_runs_here():
+    """A stale `caught_by` would not fail the fault test, only make it slow: it names a file of one
+    of the skill's Verify commands that run without GPUs."""
+    for fault in FAULTS:
+        if fault.caught_by is not None:
+            assert any(fault.caught_by in args for args in verify_commands(fault.skill)), (fault.skill, fault.caught_by)
+
+
+def test_gpu_only_verify_commands_are_left_to_gpu_hosts(tmp_path):
+    (tmp_path / "skills" / "probe").mkdir(parents=True)
+    (tmp_path / "skills" / "probe" / "SKILL.md").write_text(
+        '## Verify\n```bash\npytest a.py -m dist\npython -m pytest b.py -m "gpu2 or gpu4" -q\n'
+        "python3 -m pytest c.py -q\npytest d.py -m gpu1  # kernels\n```\n")
+    assert verify_commands("probe", tmp_path) == [["a.py", "-m", "dist"], ["c.py", "-q"]]
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("fault", FAULTS, ids=[f"{f.skill}:{f.path.rsplit('/', 1)[1]}" for f in FAULTS])
 def test_the_skills_verify_commands_fail_on_a_fault_in_its_feature(fault, tmp_path):
@@ -117,11 +151,14 @@ def test_the_skills_verify_commands_fail_on_a_fault_in_its_feature(fault, tmp_pa
     source.write_text(source.read_text().replace(fault.old, fault.new))
     env = {**os.environ, "PYTHONPATH": f"{copy / 'src'}{os.pathsep}{copy}"}
     runs = []
-    for args in verify_commands(fault.skill):
+    for args in run_order(fault, verify_commands(fault.skill)):
         proc = subprocess.run([sys.executable, "-m", "pytest", *args, "-x", "-q", "-p", "no:cacheprovider"],
                               cwd=copy, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
         runs.append((args, proc.returncode, proc.stdout[-1500:]))
         if proc.returncode == 1:
+            if fault.caught_by is not None and fault.caught_by not in args:
+                warnings.warn(f"{fault.what}: caught by `pytest {' '.join(args)}`, not by the command naming "
+                              f"caught_by={fault.caught_by!r}, which ran first; update caught_by")
             return
     report = "\n".join(f"pytest {' '.join(a)} -> exit {rc}\n{tail}" for a, rc, tail in runs)
     pytest.fail(f"{fault.what} ({fault.path}) passed every Verify command of skills/{fault.skill}/SKILL.md:\n{report}")
@@ -141,7 +178,8 @@ def test_the_attention_verify_commands_run_every_variant_of_its_feature_table():
     from cpkit.cards.schema import load_cards
     from functional.test_attention_features import COMMS, FEATURE_MATRIX
 
-    selected = set().union(*(_collected(args) for args in verify_commands("context-parallel-attention")))
+    with ThreadPoolExecutor(max_workers=len(verify_commands("context-parallel-attention"))) as pool:
+        selected = set().union(*pool.map(_collected, verify_commands("context-parallel-attention")))
     test = "functional/test_attention_features.py::test_cp_attention_feature_matches_reference"
     missing = [(feature, fmt, comm) for feature, fmts in FEATURE_MATRIX.items() for fmt in fmts for comm in COMMS
                if not any(node.startswith(test + "[gloo") and f"-{comm}" in node and node.endswith(f"-{feature}-{fmt}]")
