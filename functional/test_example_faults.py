@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from functional.test_examples import EXAMPLES, ROOT, _skip_without_bridge, launch_example
+from functional.test_examples import (EXAMPLES, GLOO_SIDE_BY_SIDE, NEEDS_BRIDGE, ROOT, _bridge_missing,
+                                     _skip_without_bridge, launch_example)
 
 TIMEOUT_S = 180  # per launch: one example at its smallest size runs in 10-30 s on 2 busy cores
 
@@ -163,13 +164,40 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 '''
 
 
-def _run_planted(tmp_path: Path, name: str, plant: str, n: int):
-    """The example under torchrun on n gloo ranks through the runner with `plant`."""
-    runner = tmp_path / "planted.py"
+def _run_planted(folder: Path, name: str, plant: str, n: int):
+    """The example under torchrun on n gloo ranks through the runner with `plant` (written to `folder`)."""
+    runner = folder / "planted.py"
     runner.write_text(RUNNER.format(plant=textwrap.dedent(plant).strip()))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", str(runner),
            f"examples/{name}"]
     return launch_example(cmd, hide_gpus=True, timeout=TIMEOUT_S)
+
+
+CONTROL = "eval_cp_in_your_loop.py"
+"""The example the control case runs through the runner with nothing planted."""
+
+
+@pytest.fixture(scope="module")
+def planted_runs(request, tmp_path_factory):
+    """Every launch of this file the session selected (each fault, the control), started at the
+    first one's test, GLOO_SIDE_BY_SIDE at a time (functional/test_examples.py says why): key (the
+    example's name, or None for the control) -> Future of the finished process."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    mine = [item for item in request.session.items if getattr(item, "module", None) is request.module]
+    wanted = [item.callspec.params["name"] for item in mine
+              if item.originalname == "test_the_example_fails_on_a_fault_in_its_path"]
+    pool = ThreadPoolExecutor(max_workers=GLOO_SIDE_BY_SIDE, thread_name_prefix="cpkit-example-fault")
+    runs = {}
+    for name in wanted:
+        if name in NEEDS_BRIDGE and _bridge_missing():
+            continue
+        fault = FAULTS[name]
+        runs[name] = pool.submit(_run_planted, tmp_path_factory.mktemp("planted"), name, fault.plant, fault.world_size)
+    if any(item.originalname == "test_the_runner_without_a_fault_passes" for item in mine):
+        runs[None] = pool.submit(_run_planted, tmp_path_factory.mktemp("control"), CONTROL, "", 2)
+    yield runs
+    pool.shutdown(wait=False, cancel_futures=True)  # a run stopped early (-x) does not wait for them
 
 
 def test_every_example_has_a_planted_fault():
@@ -182,10 +210,10 @@ def test_every_example_has_a_planted_fault():
 
 @pytest.mark.dist
 @pytest.mark.parametrize("name", sorted(FAULTS))
-def test_the_example_fails_on_a_fault_in_its_path(name, tmp_path):
+def test_the_example_fails_on_a_fault_in_its_path(name, planted_runs):
     _skip_without_bridge(name)
     fault = FAULTS[name]
-    done = _run_planted(tmp_path, name, fault.plant, fault.world_size)
+    done = planted_runs[name].result()
     report = f"examples/{name} with {fault.path} faulted ({fault.fault}):\n{done.stdout}\n{done.stderr[-6000:]}"
     assert done.returncode != 0, f"passed with the fault planted: {report}"
     assert re.search(fault.failure, done.stderr), f"did not fail on /{fault.failure}/: {report}"
@@ -193,10 +221,10 @@ def test_the_example_fails_on_a_fault_in_its_path(name, tmp_path):
 
 
 @pytest.mark.dist
-def test_the_runner_without_a_fault_passes(tmp_path):
+def test_the_runner_without_a_fault_passes(planted_runs):
     """The control: the same runner, nothing planted, and the example passes its checks."""
-    name = "eval_cp_in_your_loop.py"
-    done = _run_planted(tmp_path, name, "", 2)
+    name = CONTROL
+    done = planted_runs[None].result()
     assert done.returncode == 0, f"examples/{name} through the runner exited {done.returncode}:\n{done.stderr[-6000:]}"
     for pattern in EXAMPLES[name][1](2):
         assert re.search(pattern, done.stdout), f"examples/{name} did not print /{pattern}/:\n{done.stdout}"

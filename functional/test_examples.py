@@ -168,14 +168,43 @@ def _start_nccl_runs() -> None:
     pool.shutdown(wait=False)
 
 
-def _torchrun(name: str, n: int, backend: str) -> None:
+GLOO_SIDE_BY_SIDE = 3
+"""gloo launches run at once on CPU: each spends seconds in single-threaded start-up (torchrun,
+imports, rendezvous) that another launch's ranks fill (three 2-rank examples: 43 s one after
+another, 28 s side by side on 2 cores)."""
+
+
+@pytest.fixture(scope="module")
+def gloo_runs(request):
+    """Every gloo launch this session selected, started at the first one's test, GLOO_SIDE_BY_SIDE
+    at a time in the order they run: (name, n) -> Future of its output. Failures surface in each
+    example's own test; a launch still running when the run stops dies with it (kill_all)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    selected = [item.callspec.params for item in request.session.items
+                if getattr(item, "module", None) is request.module
+                and item.originalname == "test_example_under_torchrun_on_gloo"]
+    pool = ThreadPoolExecutor(max_workers=GLOO_SIDE_BY_SIDE, thread_name_prefix="cpkit-example")
+    runs = {(p["name"], p["n"]): pool.submit(_run, _command(p["name"], p["n"]), hide_gpus=True) for p in selected
+            if not (p["name"] in NEEDS_BRIDGE and _bridge_missing())}
+    yield runs
+    pool.shutdown(wait=False, cancel_futures=True)  # a run stopped early (-x) does not wait for them
+
+
+def _bridge_missing() -> bool:
+    from cpkit.upstream.bridge import bridge_src
+
+    return bridge_src()[0] is None
+
+
+def _torchrun(name: str, n: int, backend: str, gloo_runs: dict | None = None) -> None:
     _skip_without_bridge(name)
     if backend == "nccl":
         if not _NCCL_RUNS:
             _start_nccl_runs()
         out = _NCCL_RUNS[(name, n)].result()
     else:
-        out = _run(_command(name, n), hide_gpus=True)
+        out = gloo_runs[(name, n)].result()
     print(out)  # the evidence: each rank's backend and device, what was checked, the numbers (-rP shows it)
     _check_output(name, n, out, backend)
 
@@ -193,8 +222,8 @@ def test_every_example_names_its_world_sizes_and_nccl():
 
 
 @pytest.mark.parametrize("name,n", _cases("gloo"))
-def test_example_under_torchrun_on_gloo(name, n):
-    _torchrun(name, n, "gloo")
+def test_example_under_torchrun_on_gloo(name, n, gloo_runs):
+    _torchrun(name, n, "gloo", gloo_runs)
 
 
 @pytest.mark.parametrize("name,n", _cases("nccl"))
