@@ -164,13 +164,14 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 '''
 
 
-def _run_planted(folder: Path, name: str, plant: str, n: int):
-    """The example under torchrun on n gloo ranks through the runner with `plant` (written to `folder`)."""
+def _run_planted(folder: Path, name: str, plant: str, n: int, test_id: str | None = None):
+    """The example under torchrun on n gloo ranks through the runner with `plant` (written to `folder`);
+    `test_id`: the test that checks it (launch_example)."""
     runner = folder / "planted.py"
     runner.write_text(RUNNER.format(plant=textwrap.dedent(plant).strip()))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", str(runner),
            f"examples/{name}"]
-    return launch_example(cmd, hide_gpus=True, timeout=TIMEOUT_S)
+    return launch_example(cmd, hide_gpus=True, timeout=TIMEOUT_S, test_id=test_id)
 
 
 CONTROL = "eval_cp_in_your_loop.py"
@@ -185,17 +186,19 @@ def planted_runs(request, tmp_path_factory):
     from concurrent.futures import ThreadPoolExecutor
 
     mine = [item for item in request.session.items if getattr(item, "module", None) is request.module]
-    wanted = [item.callspec.params["name"] for item in mine
+    wanted = [(item.callspec.params["name"], item.nodeid) for item in mine
               if item.originalname == "test_the_example_fails_on_a_fault_in_its_path"]
     pool = ThreadPoolExecutor(max_workers=GLOO_SIDE_BY_SIDE, thread_name_prefix="cpkit-example-fault")
     runs = {}
-    for name in wanted:
+    for name, nodeid in wanted:
         if name in NEEDS_BRIDGE and _bridge_missing():
             continue
         fault = FAULTS[name]
-        runs[name] = pool.submit(_run_planted, tmp_path_factory.mktemp("planted"), name, fault.plant, fault.world_size)
-    if any(item.originalname == "test_the_runner_without_a_fault_passes" for item in mine):
-        runs[None] = pool.submit(_run_planted, tmp_path_factory.mktemp("control"), CONTROL, "", 2)
+        runs[name] = pool.submit(_run_planted, tmp_path_factory.mktemp("planted"), name, fault.plant, fault.world_size,
+                                 nodeid)
+    control = [item.nodeid for item in mine if item.originalname == "test_the_runner_without_a_fault_passes"]
+    if control:
+        runs[None] = pool.submit(_run_planted, tmp_path_factory.mktemp("control"), CONTROL, "", 2, control[0])
     yield runs
     pool.shutdown(wait=False, cancel_futures=True)  # a run stopped early (-x) does not wait for them
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from cpkit.harness.attribution import CONTEXT_ENV
 from cpkit.harness.children import popen_tied
 from cpkit.harness.launch_times import record_times
 
@@ -94,14 +95,19 @@ def _skip_without_bridge(name: str) -> None:
 
 
 def launch_example(cmd: list[str], *, hide_gpus: bool, gpus: str | None = None,
-                   timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
+                   timeout: float = TIMEOUT_S, test_id: str | None = None) -> subprocess.CompletedProcess:
     """Run `cmd` from the repository root (src/ on PYTHONPATH) in a session of its own, tied to
     the test run (cpkit.harness.children.popen_tied); on a timeout kill the whole session (torchrun and
     its ranks) and fail with the output so far. Returns the finished process, whatever its exit
-    status (the launch time is recorded with cpkit.harness.launch_times)."""
+    status (the launch time is recorded with cpkit.harness.launch_times). `test_id`: the test that
+    checks this launch, when another test's start-up runs it (a fixture starting launches side by
+    side): while a coverage map is recorded its work is credited to that test, not to whichever
+    test is running when the launch starts."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                               "MASTER_PORT")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
+    if test_id is not None and CONTEXT_ENV in env:
+        env[CONTEXT_ENV] = test_id
     if hide_gpus:
         env["CUDA_VISIBLE_DEVICES"] = ""
     elif gpus is not None:
@@ -119,9 +125,9 @@ def launch_example(cmd: list[str], *, hide_gpus: bool, gpus: str | None = None,
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def _run(cmd: list[str], *, hide_gpus: bool, gpus: str | None = None) -> str:
+def _run(cmd: list[str], *, hide_gpus: bool, gpus: str | None = None, test_id: str | None = None) -> str:
     """launch_example, failing with stdout and stderr on a non-zero exit. Returns stdout."""
-    done = launch_example(cmd, hide_gpus=hide_gpus, gpus=gpus)
+    done = launch_example(cmd, hide_gpus=hide_gpus, gpus=gpus, test_id=test_id)
     out, err = done.stdout, done.stderr
     assert done.returncode == 0, f"{' '.join(cmd[2:])} exited {done.returncode}:\n{out}\n{err[-6000:]}"
     # An example a user copies prints what it checked, not notices they cannot act on.
@@ -181,12 +187,12 @@ def gloo_runs(request):
     example's own test; a launch still running when the run stops dies with it (kill_all)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    selected = [item.callspec.params for item in request.session.items
+    selected = [(item.callspec.params, item.nodeid) for item in request.session.items
                 if getattr(item, "module", None) is request.module
                 and item.originalname == "test_example_under_torchrun_on_gloo"]
     pool = ThreadPoolExecutor(max_workers=GLOO_SIDE_BY_SIDE, thread_name_prefix="cpkit-example")
-    runs = {(p["name"], p["n"]): pool.submit(_run, _command(p["name"], p["n"]), hide_gpus=True) for p in selected
-            if not (p["name"] in NEEDS_BRIDGE and _bridge_missing())}
+    runs = {(p["name"], p["n"]): pool.submit(_run, _command(p["name"], p["n"]), hide_gpus=True, test_id=nodeid)
+            for p, nodeid in selected if not (p["name"] in NEEDS_BRIDGE and _bridge_missing())}
     yield runs
     pool.shutdown(wait=False, cancel_futures=True)  # a run stopped early (-x) does not wait for them
 
@@ -211,6 +217,18 @@ def _torchrun(name: str, n: int, backend: str, gloo_runs: dict | None = None) ->
 
 def test_every_example_is_tested():
     assert sorted(EXAMPLES) == sorted(p.name for p in (ROOT / "examples").glob("*.py"))
+
+
+def test_a_launch_started_for_another_test_is_credited_to_its_own_test(monkeypatch):
+    """While a coverage map is recorded, a launch a fixture starts ahead of its test runs under
+    that test's context, not the context of the test running when it starts; without a
+    recording, nothing is added to its environment."""
+    probe = [sys.executable, "-c", f"import os; print(os.environ.get({CONTEXT_ENV!r}, '-'))"]
+    monkeypatch.setenv(CONTEXT_ENV, "functional/test_examples.py::the_test_running_now")
+    done = launch_example(probe, hide_gpus=True, test_id="functional/test_examples.py::its_own_test")
+    assert done.stdout.strip() == "functional/test_examples.py::its_own_test"
+    monkeypatch.delenv(CONTEXT_ENV)
+    assert launch_example(probe, hide_gpus=True, test_id="x").stdout.strip() == "-"
 
 
 def test_every_example_names_its_world_sizes_and_nccl():
