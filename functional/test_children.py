@@ -87,7 +87,7 @@ def test_a_stopped_run_leaves_no_launch_behind(tmp_path, tree, stop):
     env.pop("PYTEST_XDIST_WORKER", None)
     cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-n", "0", str(tmp_path / "test_tree.py")]
     if stop == "timeout":
-        cmd = ["timeout", "20", *cmd]  # SIGTERM after 20 s, as the command does by default (the tree is up in ~3 s)
+        cmd = ["timeout", "40", *cmd]  # SIGTERM after 40 s, as the command does by default
     run = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            start_new_session=True, preexec_fn=_as_in_a_terminal)
     pids: list[int] = []
