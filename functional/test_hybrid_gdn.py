@@ -43,17 +43,19 @@ def _reference_core():
                                  rule=lambda q, k, v, beta, g: gated_delta_rule_reference(q, k, v, beta, g)[0])
 
 
-def _gdn_case(fmt: str, mode: str, layout: str) -> dict:
+def layer_problems(make_layer, reference_core, fmt: str, mode: str, layout: str, group) -> list[str]:
+    """A recurrent layer (`make_layer()`, GDN or Mamba) under CP in `mode` and `layout` against the
+    same layer at cp 1 on `reference_core()` (float64 loops sharing no code with the chunked path):
+    what differs among the output, dx and every parameter's gradient (summed over the ranks)."""
     rank, cp = dist.get_rank(), dist.get_world_size()
-    group = dist.new_group(list(range(cp)))
     lens = LENGTHS[fmt](cp)
     cu = [0] + torch.tensor(lens).cumsum(0).tolist()
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(cu[-1], 16, generator=gen, dtype=torch.float64).to(device())
     w = torch.randn(cu[-1], 16, generator=gen, dtype=torch.float64).to(device())
-    ref_layer, layer = _layer(), _layer()
+    ref_layer, layer = make_layer(), make_layer()
     x_ref = x.clone().requires_grad_(True)
-    y_ref = ref_layer(x_ref, cu, None, core=_reference_core())
+    y_ref = ref_layer(x_ref, cu, None, core=reference_core())
     (y_ref * w).sum().backward()
     idx = torch.tensor(reference_indices(layout, lens, cp, rank), dtype=torch.int64, device=device())
     x_local = x[idx].clone().requires_grad_(True)
@@ -68,7 +70,12 @@ def _gdn_case(fmt: str, mode: str, layout: str) -> dict:
         dist.all_reduce(grad, group=group)  # each rank holds its tokens' share
         if not torch.allclose(grad, p_ref.grad, **TOL):
             problems.append(f"d{name}: max error {(grad - p_ref.grad).abs().max().item():.3g}")
-    return {"problems": problems}
+    return problems
+
+
+def _gdn_case(fmt: str, mode: str, layout: str) -> dict:
+    group = dist.new_group(list(range(dist.get_world_size())))
+    return {"problems": layer_problems(_layer, _reference_core, fmt, mode, layout, group)}
 
 
 # The largest ring first: a fault in the state fold shows from 3 ranks on, and -x stops at the first.

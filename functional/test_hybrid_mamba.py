@@ -25,10 +25,8 @@ import torch
 import torch.distributed as dist
 
 from cpkit.testing import device, launch
-from tests.test_hybrid_layout import reference_indices
+from functional.test_hybrid_gdn import LENGTHS, layer_problems
 
-TOL = dict(atol=1e-9, rtol=1e-9)
-LENGTHS = {"sbhd": lambda cp: [8 * cp], "thd": lambda cp: [6 * cp, 0, 2 * cp, 10 * cp]}
 MODES = [("chunkwise", "contiguous"), ("headwise", "contiguous"), ("headwise", "zigzag")]
 HEADS, GROUPS = 4, 2
 
@@ -63,30 +61,7 @@ def cases_at(cp: int) -> list[tuple[str, str, str]]:
 
 
 def _mamba_case(fmt: str, mode: str, layout: str, group) -> list[str]:
-    rank, cp = dist.get_rank(), dist.get_world_size()
-    lens = LENGTHS[fmt](cp)
-    cu = [0] + torch.tensor(lens).cumsum(0).tolist()
-    gen = torch.Generator().manual_seed(11)
-    x = torch.randn(cu[-1], 16, generator=gen, dtype=torch.float64).to(device())
-    w = torch.randn(cu[-1], 16, generator=gen, dtype=torch.float64).to(device())
-    ref_layer, layer = _layer(), _layer()
-    x_ref = x.clone().requires_grad_(True)
-    y_ref = ref_layer(x_ref, cu, None, core=_reference_core())
-    (y_ref * w).sum().backward()
-    idx = torch.tensor(reference_indices(layout, lens, cp, rank), dtype=torch.int64, device=device())
-    x_local = x[idx].clone().requires_grad_(True)
-    y = layer(x_local, cu, group, mode=mode, layout=layout)
-    (y * w[idx]).sum().backward()
-    problems = []
-    for name, got, want in [("output", y.detach(), y_ref.detach()[idx]), ("dx", x_local.grad, x_ref.grad[idx])]:
-        if not torch.allclose(got, want, **TOL):
-            problems.append(f"{name}: max error {(got - want).abs().max().item():.3g}")
-    for (name, p), p_ref in zip(layer.named_parameters(), ref_layer.parameters()):
-        grad = p.grad.clone()
-        dist.all_reduce(grad, group=group)  # each rank holds its tokens' share
-        if not torch.allclose(grad, p_ref.grad, **TOL):
-            problems.append(f"d{name}: max error {(grad - p_ref.grad).abs().max().item():.3g}")
-    return problems
+    return layer_problems(_layer, _reference_core, fmt, mode, layout, group)
 
 
 def _every_mamba_case() -> dict:
