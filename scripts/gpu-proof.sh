@@ -7,8 +7,9 @@
 #    (scripts/te-install.sh), flash-linear-attention from .fla/, the upstream code from .upstream/
 #    (scripts/upstream-unpack.sh) as
 #    CPKIT_MLM_SRC / CPKIT_BRIDGE_SRC;
-# 2. two pytest processes side by side: the gpu1 tier (`-m gpu1`, functional/ and tests/) on one
-#    xdist worker per GPU, each worker pinned to its own GPU (cpkit.testing.gpu_per_worker), and
+# 2. two pytest processes side by side: the gpu1 tier (`-m gpu1`, functional/ and tests/) on
+#    CPKIT_GPU1_WORKERS_PER_GPU (default 2) xdist workers per GPU, each worker pinned to one GPU
+#    (cpkit.testing.gpu_per_worker), and
 #    the multi-GPU tier, every gpu2 and gpu4 test of functional/ (`-m "gpu2 or gpu4"` on 4 or more
 #    GPUs, `-m gpu2` on 2 or 3, none on 1), TE and the examples included; pytest args go to both.
 #    GPU utilization sampled every second; one compile cache for all of them and for the next proof
@@ -136,8 +137,12 @@ deadline=(timeout -s INT -k "${CPKIT_PROOF_GRACE_S:-30}" "${CPKIT_PROOF_TIMEOUT_
 # runs from the start instead of trailing the tier.
 gpu1_paths=(functional/test_replay_gpu.py functional/test_*.py tests)
 gpu1_wall=$(mktemp)
+# Two workers per GPU: the gpu1 tests are host-bound (compiles, small kernels; GPUs 15-20% busy
+# at c0b3916), so one worker per GPU left the GPUs idle and made gpu1 the proof's longest stage.
+gpu1_workers=$((gpus * ${CPKIT_GPU1_WORKERS_PER_GPU:-2}))
+gpu1_visible=${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((gpus - 1)))}  # workers wrap round these ids
 tests_begin=$(date +%s.%N)
-( "${deadline[@]}" python3 -m pytest -n "$gpus" --dist worksteal -p cpkit.testing.gpu_per_worker -p no:cacheprovider \
+( CUDA_VISIBLE_DEVICES=$gpu1_visible "${deadline[@]}" python3 -m pytest -n "$gpu1_workers" --dist worksteal -p cpkit.testing.gpu_per_worker -p no:cacheprovider \
     -q -rfEsx --durations=25 -m gpu1 --junitxml="$dir/junit-gpu1.xml" "${gpu1_paths[@]}" "$@" >"$dir/pytest-gpu1.log" 2>&1
   secs "$tests_begin" >"$gpu1_wall" ) &
 gpu1_pid=$!

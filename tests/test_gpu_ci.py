@@ -177,6 +177,8 @@ args = sys.argv[1:]
 with open(os.environ["FAKE_LOG"], "a") as fh:
     fh.write(json.dumps(args) + "\\n")
 marker = args[args.index("-m") + 1]
+with open(os.environ["FAKE_LOG"] + ".visible", "a") as fh:
+    fh.write(json.dumps([marker, os.environ.get("CUDA_VISIBLE_DEVICES")]) + "\\n")
 junit = next(a.split("=", 1)[1] for a in args if a.startswith("--junitxml="))
 name, failure = marker.replace(" ", "_"), '<failure message="off"/>' if marker == os.environ.get("FAKE_FAIL") else ""
 with open(junit, "w") as fh:
@@ -192,17 +194,18 @@ def _split(marker):
 
 
 @pytest.mark.parametrize("gpus,fail,tiers,exit_code", [
-    (1, "", {"gpu1": "1"}, 0),
-    (2, "gpu1", {"gpu1": "2", **_split("gpu2")}, 1),
-    (2, "(gpu2) and not cpkit_grid and not cpkit_prefetch", {"gpu1": "2", **_split("gpu2")}, 1),
-    (4, "", {"gpu1": "4", **_split("gpu2 or gpu4")}, 0),
+    (1, "", {"gpu1": "2"}, 0),
+    (2, "gpu1", {"gpu1": "4", **_split("gpu2")}, 1),
+    (2, "(gpu2) and not cpkit_grid and not cpkit_prefetch", {"gpu1": "4", **_split("gpu2")}, 1),
+    (4, "", {"gpu1": "8", **_split("gpu2 or gpu4")}, 0),
 ])
 def test_the_proof_runs_gpu1_beside_the_tier_the_host_fits_and_fails_on_either(proof_copy, tmp_path, gpus, fail,
                                                                                tiers, exit_code):
     """1 GPU: gpu1 alone (no refusal, no budget); 2-3: gpu1 beside gpu2; 4 or more: gpu1 beside
     gpu2 + gpu4, the multi-GPU tests that start their own ranks in a pytest of their own beside
-    the pools'. gpu1 runs on one xdist worker per GPU, each pinned, its slowest file first; a
-    failure in gpu1 or in the own launches fails the proof."""
+    the pools'. gpu1 runs on two xdist workers per GPU, each pinned (the workers wrap round the
+    host's GPU ids, which the proof names), its slowest file first; a failure in gpu1 or in the
+    own launches fails the proof."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python3").write_text(FAKE_PYTHON)
@@ -218,6 +221,8 @@ def test_the_proof_runs_gpu1_beside_the_tier_the_host_fits_and_fails_on_either(p
     calls = {args[args.index("-m") + 1]: args for args in map(json.loads, log.read_text().splitlines())}
     assert {marker: args[args.index("-n") + 1] for marker, args in calls.items()} == tiers
     gpu1 = calls["gpu1"]
+    visible = dict(map(json.loads, Path(f"{log}.visible").read_text().splitlines()))
+    assert visible["gpu1"] == ",".join(map(str, range(gpus)))
     assert " ".join(gpu1).count("-p cpkit.testing.gpu_per_worker") == 1 and "--dist worksteal" in " ".join(gpu1)
     assert f"--junitxml={tmp_path}/out/evidence/" in " ".join(gpu1) and gpu1[-1] == "tests"
     assert [a for a in gpu1 if a.startswith("functional/")][0] == "functional/test_replay_gpu.py"

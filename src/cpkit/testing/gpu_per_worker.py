@@ -1,5 +1,5 @@
 """One GPU per pytest-xdist worker, for one-GPU tests spread over a host's GPUs (the GPU proof's
-gpu1 tier, scripts/gpu-proof.sh: `pytest -n <GPUs> -p cpkit.testing.gpu_per_worker -m gpu1`).
+gpu1 tier, scripts/gpu-proof.sh: `pytest -n <2 x GPUs> -p cpkit.testing.gpu_per_worker -m gpu1`).
 
 Worker gwN sees only the Nth GPU of those the run was started with, through CUDA_VISIBLE_DEVICES,
 so a gpu1 test's "cuda" (or cuda:0) is its worker's own GPU, and so are the processes a test
@@ -21,7 +21,7 @@ __all__ = ["worker_gpu"]
 def worker_gpu(worker: str, visible: str | None) -> str:
     """The CUDA_VISIBLE_DEVICES of xdist worker `worker` ("gw3"): the Nth id of `visible` (the
     run's own CUDA_VISIBLE_DEVICES, wrapping when workers outnumber its ids), "N" where it is
-    unset (run one worker per GPU: `-n <GPUs>`), "" where it hides every GPU.
+    unset (then run one worker per GPU, `-n <GPUs>`; the GPU proof sets it, so that its workers wrap), "" where it hides every GPU.
     Raises ValueError for a worker id that is not gw<N>."""
     match = re.fullmatch(r"gw(\d+)", worker)
     if match is None:

@@ -7,7 +7,7 @@ and printed.
     python -m cpkit.validation.proof_report EVIDENCE_DIR --gpus 4 --setup-s 41 --pytest-s 250 --total-s 300 \
         --gpu1-s 120 --multi-gpu-s 245 --marker "gpu2 or gpu4"
 
-The tiers run side by side, in three pytest processes: gpu1 on one xdist worker per GPU, and
+The tiers run side by side, in three pytest processes: gpu1 on two xdist workers per GPU, and
 the multi-GPU tier (`--marker`: gpu2 on 2-3 GPUs, gpu2 or gpu4 on 4 or more; empty on a 1-GPU
 host, which runs gpu1 alone) in two: its rank pools' tests (junit.xml) and the tests that start
 their own ranks (LAUNCHES, junit-launch.xml). A stage's wall is the span from its first grid's first case to its
