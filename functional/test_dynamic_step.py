@@ -37,13 +37,18 @@ def test_dynamic_step_smoke_run(tmp_path, capsys):
     assert source["back_to_back"] >= 2 and len(source["call_gaps_s"]) > 0
     assert {p[6] for p in source["points"] if p[0] == 1} == {data["dims"]["num_layers"], source["shallow_layers"]}
     assert source["residual_identified"]
+    # the host pace probe: beside every calibration point, and in every timed round of the batch
+    assert len(source["pace_samples_s"]) == len(source["call_gaps_s"]) and source["pace_s"] > 0
     (batch,) = data["results"]
+    assert len(batch["host_pace"]["probe_samples_s"]) == data["iters"]
+    assert batch["host_pace"]["pace"] == pytest.approx(batch["host_pace"]["probe_s"] / source["pace_s"])
     ran = {k: v for k, v in batch["impl"].items() if "step_median_s" in v}
     assert set(ran) >= {"cpkit", "static", "mcore"}, batch["impl"]
     for fam, i in ran.items():
         assert len(i["step_s"]) == data["iters"] == 2
         assert 0 < i["fwd_bwd_median_s"] <= i["step_median_s"]
         assert i["predicted_step_s"] > i["predicted_fwd_bwd_s"] > 0 and i["tokens_per_s"] > 0
+        assert i["step_error_at_pace"] == pytest.approx(i["predicted_step_at_pace_s"] / i["step_median_s"] - 1)
         assert len(i["per_rank"]["fwd_bwd_s"]) == len(i["predicted_per_rank_fwd_bwd_s"]) == 4
         assert sorted(s for mb in i["plan"]["microbatches"] for g in mb for s in g["samples"]) \
             == list(range(batch["sequences"]))
@@ -65,7 +70,8 @@ def test_dynamic_step_smoke_run(tmp_path, capsys):
     assert set(data["link_table"]["measurements"]) == {"cp2_batched", "cp2_unbatched", "cp4_batched",
                                                        "cp4_unbatched"}
     text = capsys.readouterr().out
-    assert "pred step" in text and "counted per micro-batch" in text and "call gap" in text and "predicted within 10%" in text
+    assert "pred step" in text and "counted per micro-batch" in text and "call gap" in text
+    assert "predicted within 10% at the batch's host pace" in text and "err@pace" in text
     assert "where the step's time goes" in text and "largest miss" in text
 
 

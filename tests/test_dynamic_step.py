@@ -114,6 +114,52 @@ def test_a_batch_whose_plans_all_miss_alike_has_a_common_error_and_small_errors_
     assert s["max_abs_error"]["step"] == pytest.approx(0.3)  # the target still reads the raw error
 
 
+def test_the_error_target_reads_the_model_at_the_batchs_host_pace_and_shows_the_raw_error():
+    """Predicted 20% slow at the calibration's pace, right at the pace the probe measured in the
+    batch (0.8: the host ran faster): the target passes on the paced error and names both."""
+    from cpkit.bench.dynamic.dynamic_step_report import summarize, table, targets
+
+    paced = _impl(1.0, 0.9, 1.2, 1.08, predicted_step_at_pace_s=1.0, predicted_fwd_bwd_at_pace_s=0.92)
+    results = [{**_result("a", {"cpkit": paced, "static": _impl(1.5, 1.4, 1.8, 1.68)}), "host_pace": {"pace": 0.8}}]
+    s = summarize(results)
+    assert paced["step_error"] == pytest.approx(0.2) and paced["step_error_at_pace"] == pytest.approx(0.0)
+    assert s["max_abs_error"]["step"] == pytest.approx(0.2)
+    assert s["max_abs_error"]["step_at_pace"] == pytest.approx(0.0)
+    assert s["max_abs_error"]["fwd_bwd_at_pace"] == pytest.approx(0.92 / 0.9 - 1)
+    checks = targets(results, s)
+    (cpkit,) = [k for k in checks if k.startswith("a cpkit")]
+    assert checks[cpkit] and "host pace 0.800" in cpkit and "at the calibration's pace +20.0%" in cpkit
+    (static,) = [k for k in checks if k.startswith("a static")]  # no paced prediction: the raw error
+    assert not checks[static] and "pace" not in static
+    assert "err@pace" in table(results) and "0.800" in table(results)
+
+
+def test_the_host_pace_is_the_batchs_probe_over_the_calibrations():
+    from cpkit.bench.dynamic.dynamic_step_rank import host_pace
+
+    cal = {"step": {"source": {"pace_s": 0.2}}}
+    assert host_pace([0.22, 0.3, 0.24], cal)["pace"] == pytest.approx(1.2)
+    assert host_pace([0.22], {"step": {"source": {}}})["pace"] is None  # a calibration from before the probe
+    assert host_pace([], cal)["pace"] is None
+
+
+def test_costs_at_a_pace_scale_the_hosts_terms_only():
+    from cpkit.dynamic.step_model import OpCounts, StepCosts
+
+    costs = StepCosts(ops=OpCounts({1: (100.0, 10.0, 1.0, 0.0)}), host_op_s=1e-5, sync_s=2e-5, mem_s_per_token=3e-7,
+                      sample_op_s=4e-6, residual_s={1: 1e-3, 2: 2e-3}, idle_s=5e-3, prep_mb_s=1e-4,
+                      prep_sample_s=2e-5, reduce_opt_s=1e-2, call_gap_s=2e-3, overlap_loss=0.3)
+    slow = costs.at_pace(1.5)
+    for name in ("host_op_s", "sample_op_s", "idle_s", "prep_mb_s", "prep_sample_s", "call_gap_s"):
+        assert getattr(slow, name) == pytest.approx(1.5 * getattr(costs, name)), name
+    assert slow.residual_s == pytest.approx({1: 1.5e-3, 2: 3e-3})
+    for name in ("sync_s", "mem_s_per_token", "reduce_opt_s", "overlap_loss", "ops"):
+        assert getattr(slow, name) == getattr(costs, name), name
+    assert costs.at_pace(1.0) == costs
+    with pytest.raises(ValueError, match="pace=0"):
+        costs.at_pace(0)
+
+
 def test_cpkit_within_half_a_percent_of_the_best_other_plan_is_a_tie_and_beyond_it_is_slower():
     from cpkit.bench.dynamic.dynamic_step_report import summarize, targets
 
@@ -329,11 +375,16 @@ def test_the_plans_of_a_batch_are_timed_in_interleaved_rounds(world1, monkeypatc
     monkeypatch.setattr(dynamic_step_rank, "run_order", orders.__getitem__)
     monkeypatch.setattr(dynamic_step_rank, "_timeline_step", lambda *a: {"per_rank": []})
     spec = types.SimpleNamespace(warmup=1, iters=2)
-    out = dynamic_step_rank._time_plans(None, None, {"a": "a", "b": "b"}, spec, None, None, None,
-                                        None, torch.device("cpu"), step=fake_step)
-    assert calls == ["a", "b"] * 3  # a warm-up round, then two timed rounds
-    assert out["a"]["step_s"] == [3.0, 5.0] and out["b"]["step_s"] == [4.0, 6.0]
-    assert out["a"]["per_rank"]["step_s"] == [4.0] and out["b"]["per_rank"]["step_s"] == [5.0]
+    def pace():
+        calls.append("pace")
+        return 0.1 * len(calls)
+
+    out, paces = dynamic_step_rank._time_plans(None, None, {"a": "a", "b": "b"}, spec, None, None, None,
+                                               None, torch.device("cpu"), step=fake_step, pace=pace)
+    # a warm-up round, then two timed rounds, each opened by the pace probe (kept for timed rounds)
+    assert calls == ["pace", "a", "b"] * 3 and paces == pytest.approx([0.4, 0.7])
+    assert out["a"]["step_s"] == [5.0, 8.0] and out["b"]["step_s"] == [6.0, 9.0]
+    assert out["a"]["per_rank"]["step_s"] == [6.5] and out["b"]["per_rank"]["step_s"] == [7.5]
     assert (out["a"]["loss"], out["b"]["loss"]) == (1.0, 2.0)
     assert (out["a"]["runtime_microbatches"], out["b"]["runtime_microbatches"]) == (2, 3)
     assert not out["a"]["lockstep"] and out["b"]["lockstep"]

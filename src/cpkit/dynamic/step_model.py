@@ -130,6 +130,23 @@ class StepCosts:
     micro-batch minus what one more adds back to back)."""
     source: dict = field(default_factory=dict, compare=False)
 
+    def at_pace(self, pace: float) -> "StepCosts":
+        """These costs on a host `pace` times as slow as the calibration's (pace 1.1: every host
+        cost 10% longer): the host's terms scaled (per op, per sample, residual, call gap, idle
+        slot, preparation), the device's and the reduce-and-optimizer step's kept. A host-bound
+        step's host runs 5-25% faster or slower from one run to the next on the same machine
+        (2x H200, 2026-11-28 and 29), which no calibration measured at another time can know;
+        the bench measures that pace beside the steps and reads the model at it
+        (cpkit.bench.dynamic.dynamic_step_rank)."""
+        if not pace > 0:
+            raise ValueError(f"pace={pace!r}: must be a positive ratio of host speeds (1.0: the calibration's); "
+                             "fix: pass the probe's seconds now over its seconds at calibration")
+        per_sample = self.sample_op_s * pace if self.sample_op_s >= 0 else self.sample_op_s
+        return dataclasses.replace(
+            self, host_op_s=self.host_op_s * pace, sample_op_s=per_sample, call_gap_s=self.call_gap_s * pace,
+            idle_s=self.idle_s * pace, prep_mb_s=self.prep_mb_s * pace, prep_sample_s=self.prep_sample_s * pace,
+            residual_s={c: v * pace for c, v in self.residual_s.items()})
+
     def residual(self, cp: int) -> float:
         """residual_s at `cp`, the nearest measured size's where `cp` was not measured."""
         if not self.residual_s:

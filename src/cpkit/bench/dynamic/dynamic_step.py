@@ -279,8 +279,9 @@ def main(argv=None) -> int:
           f"{link['bandwidth_GBps']:.1f} GB/s); run {res['wall_s']:.0f} s")
     _print_calibration(res)
     print("measured: median over the steps of the slowest rank (rank f+b: each rank's median); "
-          "pred: the step model (modeled); err = predicted / measured - 1; kernels: the "
-          "kernels-only model of the step")
+          "pred: the step model (modeled); err = predicted / measured - 1; pace: the host's pace in "
+          "the batch's rounds over the calibration's (a probe's seconds); err@pace: the model read at "
+          "that pace; kernels: the kernels-only model of the step")
     print(table(results))
     where = breakdown_table(results)
     if where:
@@ -292,8 +293,10 @@ def main(argv=None) -> int:
     for r in results:
         if r["common_error"] is not None:
             within = r["within_batch_errors"].values()
+            pace = (r.get("host_pace") or {}).get("pace")
             print(f"{r['label']}: common error {r['common_error']:+.1%} (every plan alike: the host's pace "
-                  f"against the calibration's), within the batch {min(within):+.1%} to {max(within):+.1%}")
+                  f"against the calibration's" + (f", measured {pace:.3f}" if pace else "")
+                  + f"), within the batch {min(within):+.1%} to {max(within):+.1%}")
     for p in summary["order_problems"]:
         print(f"order: {p}")
     ph = res["phases"]

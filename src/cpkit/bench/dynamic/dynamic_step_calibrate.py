@@ -37,8 +37,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from cpkit.dynamic.plan import CPGroupAssignment, Microbatch, Plan
 
-__all__ = ["BACK_TO_BACK", "cache_path", "count_ops", "measure_step_costs", "share_kernel_timing",
-           "warm_groups"]
+__all__ = ["BACK_TO_BACK", "PACE_TOKENS", "cache_path", "count_ops", "measure_step_costs", "pace_probe",
+           "share_kernel_timing", "warm_groups"]
 
 BACK_TO_BACK = 4
 """Micro-batches per timed call (`per_microbatch`): a real step runs its micro-batches back to back
@@ -170,6 +170,20 @@ class _Runner:
         return statistics.median(rows[warmup:])
 
 
+PACE_TOKENS = 64
+
+
+def pace_probe(model, registry, pgc, group, vocab, device):
+    """A callable that times the host's pace now: BACK_TO_BACK micro-batches of one PACE_TOKENS
+    sample at cp 1 on every rank (host-bound: launches, no real GPU work), between a barrier and
+    a sync, the slowest rank's seconds. Timed beside every calibration point and in every round
+    of a batch's steps, its ratio is the host's pace then against the calibration's
+    (cpkit.dynamic.step_model.StepCosts.at_pace)."""
+    run = _Runner(model, registry, pgc, group, vocab, device)
+    local = run.prepare(_point_plan(1, [PACE_TOKENS], dist.get_world_size(group), 1 << 20))
+    return lambda: run._once(lambda: run.fwd_bwd(local, float(PACE_TOKENS), BACK_TO_BACK))
+
+
 def warm_groups(model, registry, pgc, group, vocab, device) -> None:
     """One tiny micro-batch on every CP size of the registry: NCCL communicators (collectives
     and the ring's point-to-point) and kernels are set up before anything is timed."""
@@ -259,8 +273,11 @@ def measure_step_costs(model, opt, registry, pgc, group, vocab, device, *, longe
         where = f"NOT COUNTED ({failed}): 0f7f3d4's CPU reading, scaled by layers"
     ops = OpCounts(counted, where)
     layers = kernel_model.dims.num_layers
-    points, prep, gaps = [], [], []
+    points, prep, gaps, paces = [], [], [], []
+    pace = pace_probe(model, registry, pgc, group, vocab, device)
+    pace()  # its shapes warmed before it is timed
     for cp, lens in _grid(sizes, longest, quick):
+        paces.append(pace())
         plan = _point_plan(cp, lens, world, 1 << 20)
         holder, samples = {}, run.samples(plan)
 
@@ -311,6 +328,7 @@ def measure_step_costs(model, opt, registry, pgc, group, vocab, device, *, longe
                       source={"points": [[p.cp, list(p.seq_lens), p.ops, p.sample_ops, p.syncs, p.seconds,
                                           p.layers] for p in points],
                               "call_gaps_s": gaps, "back_to_back": BACK_TO_BACK,
+                              "pace_s": statistics.median(paces), "pace_samples_s": paces,
                               "residual_identified": fitted["residual_identified"],
                               "shallow_layers": low[1] if low is not None else None,
                               "fit_errors": {str(c): v for c, v in fitted["errors"].items()},

@@ -120,3 +120,13 @@ class Predictor:
             out.update(replayed_s=r["step_s"], replayed_comm_s=r["comm_s"],
                        replay_wall_s=time.perf_counter() - t0)
         return out
+
+    def predict_at_pace(self, plan: Plan, pace: float) -> dict:
+        """The step model's step and forward + backward of `plan` on a host `pace` times as slow
+        as the calibration's (cpkit.dynamic.step_model.StepCosts.at_pace)."""
+        from cpkit.dynamic.step_model import StepModel
+
+        model = StepModel(self.model.dims, self.model.calibration, self.model.comm_type,
+                          costs=self.model.costs.at_pace(pace))
+        p = model.predict(plan)
+        return {"predicted_step_at_pace_s": p["step_s"], "predicted_fwd_bwd_at_pace_s": p["fwd_bwd_s"]}

@@ -41,7 +41,7 @@ from cpkit.bench.dynamic.replay_plans import Batch
 from cpkit.dynamic.cost import ModelDims
 from cpkit.dynamic.plan import Plan
 
-__all__ = ["FAMILIES", "StepSpec", "run_order", "run_rank", "unrunnable"]
+__all__ = ["FAMILIES", "StepSpec", "host_pace", "run_order", "run_rank", "unrunnable"]
 
 FAMILIES = ("cpkit", "static", "mcore", "mlm")
 COLUMNS = ("step_s", "fwd_bwd_s", "prep_s", "reduce_opt_s")  # per timed step, slowest rank
@@ -163,18 +163,24 @@ def _step(model, opt, order, registry, pgc, group, samples, device,
 
 
 def _time_plans(model, opt, plans: dict, spec, registry, pgc, group, samples, device,
-                step=None) -> dict:
-    """{family: its timed steps} of every plan of one batch, the plans' steps interleaved (round
-    after round, each plan once a round): the host of a host-bound step drifts by several
-    percent over seconds (up to 8% between runs of one plan on 2x H200), and a plan timed in a
-    later window than the others would take that drift as its own. `step`: _step (a stand-in in
-    the unit tests)."""
+                step=None, pace=None) -> tuple[dict, list[float]]:
+    """({family: its timed steps} of every plan of one batch, the host pace probe's seconds per
+    timed round): the plans' steps interleaved (round after round, each plan once a round): the
+    host of a host-bound step drifts by several percent over seconds (up to 8% between runs of
+    one plan on 2x H200), and a plan timed in a later window than the others would take that
+    drift as its own. `pace`: cpkit.bench.dynamic.dynamic_step_calibrate.pace_probe's callable,
+    timed at the start of every round (None: no probe). `step`: _step (a stand-in in the unit
+    tests)."""
     step = step or _step
     orders = {fam: run_order(plan) for fam, plan in plans.items()}
     world = dist.get_world_size(group)
     per_step = {fam: [] for fam in plans}  # [step][rank][column]
     losses = {fam: [] for fam in plans}
+    paces = []
     for i in range(spec.warmup + spec.iters):
+        probe_s = pace() if pace is not None else None
+        if i >= spec.warmup and probe_s is not None:
+            paces.append(probe_s)
         for fam, order in orders.items():
             times, loss = step(model, opt, order, registry, pgc, group, samples, device)
             mine = torch.tensor(times, dtype=torch.float64, device=device)
@@ -195,7 +201,18 @@ def _time_plans(model, opt, plans: dict, spec, registry, pgc, group, samples, de
         out[fam] = res
     for fam, order in orders.items():  # after every timed step, so their columns stay as they were
         out[fam]["timeline"] = _timeline_step(model, opt, order, registry, pgc, group, samples, device)
-    return out
+    return out, paces
+
+
+def host_pace(paces: list[float], calibration: dict) -> dict:
+    """The batch's host pace against the calibration's: {"probe_s": the probe's median over the
+    batch's rounds, "probe_samples_s", "calibration_probe_s": its median beside the calibration
+    points (None for a calibration measured before the probe existed), "pace": their ratio or
+    None}."""
+    cal = calibration.get("step", {}).get("source", {}).get("pace_s")
+    now = statistics.median(paces) if paces else None
+    return {"probe_s": now, "probe_samples_s": list(paces), "calibration_probe_s": cal,
+            "pace": now / cal if now and cal else None}
 
 
 def _timeline_step(model, opt, order, registry, pgc, group, samples, device) -> dict:
@@ -302,7 +319,7 @@ def _calibrate(spec: StepSpec, device, dev_name, link, link_data, model, opt, pg
 
 def run_rank(spec: StepSpec) -> Optional[dict]:
     """The whole run on this rank (module docstring); rank 0 returns the results, others None."""
-    from cpkit.bench.dynamic.dynamic_step_calibrate import warm_groups
+    from cpkit.bench.dynamic.dynamic_step_calibrate import pace_probe, warm_groups
     from cpkit.bench.dynamic.dynamic_step_predict import Predictor, plan_key, plan_record, start_mlm_worker
     from cpkit.bench.dynamic.replay_timing import LinkTable
     from cpkit.compat import get_pg
@@ -343,6 +360,7 @@ def run_rank(spec: StepSpec) -> Optional[dict]:
     model, opt, pgc, registry = _build(spec, device)
     group = get_pg(pgc, "dp_cp")
     warm_groups(model, registry, pgc, group, spec.vocab_size, device)
+    probe = pace_probe(model, registry, pgc, group, spec.vocab_size, device)
     phases["build_s"] = time.perf_counter() - start - phases["link_s"]
     calibrated_here = cal is None
     if cal is None:
@@ -371,7 +389,8 @@ def run_rank(spec: StepSpec) -> Optional[dict]:
                      "max_seq_len_per_rank": batch.max_seq_len_per_rank, "seq_lens": list(batch.seq_lens),
                      "sequences": len(batch.seq_lens), "tokens": sum(batch.seq_lens), "impl": {}}
             runnable, seen = {}, {}
-            for fam, plan in predictor.plans(batch).items():
+            fam_plans = predictor.plans(batch)
+            for fam, plan in fam_plans.items():
                 if isinstance(plan, str):
                     entry["impl"][fam] = {"error": plan}
                     continue
@@ -398,8 +417,9 @@ def run_rank(spec: StepSpec) -> Optional[dict]:
         entry, runnable = payload[0]
         t_steps = time.perf_counter()
         samples = _samples(batch, spec.vocab_size, spec.seed + bi, device)
-        for fam, timed in _time_plans(model, opt, runnable, spec, registry, pgc, group, samples,
-                                      device).items():
+        timed_plans, paces = _time_plans(model, opt, runnable, spec, registry, pgc, group, samples, device,
+                                         pace=probe)
+        for fam, timed in timed_plans.items():
             entry["impl"][fam].update(timed)
         for fam, info in entry["impl"].items():
             if "same_plan_as" in info:
@@ -407,6 +427,10 @@ def run_rank(spec: StepSpec) -> Optional[dict]:
                 info.update({k: src[k] for k in (*COLUMNS, "per_rank", "loss", "runtime_microbatches",
                                                   "lockstep", "timeline") if k in src})
         if rank == 0:
+            entry["host_pace"] = host_pace(paces, cal)
+            for fam, info in entry["impl"].items():
+                if "predicted_step_s" in info and entry["host_pace"]["pace"]:
+                    info.update(predictor.predict_at_pace(fam_plans[fam], entry["host_pace"]["pace"]))
             entry["steps_wall_s"] = time.perf_counter() - t_steps
             results.append(entry)
             print(f"  {entry['label']}: " + ", ".join(
