@@ -169,7 +169,7 @@ kill "$sampler" 2>/dev/null
 
 # -- 3. evidence, budgets, the verdict; the cards only with --record -----------------------------
 total_s=$(secs "$begin")
-python3 -m cpkit.validation.proof_report "$dir" --gpus "$gpus" --setup-s "$setup_s" --pytest-s "$pytest_s" \
+python3 -m cpkit.validation.proof_report "$dir" --gpus "$gpus" --gpu1-workers "$gpu1_workers" --setup-s "$setup_s" --pytest-s "$pytest_s" \
   --gpu1-s "${gpu1_s:-0}" --multi-gpu-s "$multi_s" --total-s "$total_s" --marker "$marker" \
   --machine "${gpus}x $gpu" --commit "$commit" \
   --optional "$optional" "${absent_args[@]}" "${over_flag[@]}" \

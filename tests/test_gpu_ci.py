@@ -2,7 +2,7 @@
 virtual environment up from a .whl/ folder alone (pip --no-index; any index it reached would
 fail), scripts/gpu-ci-prepare.sh fails when a step fails, and scripts/gpu-proof.sh refuses a
 misspelt optional part before any set-up, runs the gpu1 tier beside the multi-GPU tier that fits
-the host (a stand-in python3 says how many GPUs there are and answers pytest), one xdist worker
+the host (a stand-in python3 says how many GPUs there are and answers pytest), two xdist workers
 per GPU (cpkit.testing.gpu_per_worker), and its verdict covers both. Fake wheels, no GPU, no network."""
 
 from __future__ import annotations
@@ -230,6 +230,7 @@ def test_the_proof_runs_gpu1_beside_the_tier_the_host_fits_and_fails_on_either(p
         names = {Path(n).name for n in tar.getnames()}
         readme = tar.extractfile(next(n for n in tar.getnames() if n.endswith("README.md"))).read().decode()
     assert {"junit-gpu1.xml.gz", "pytest-gpu1.log.gz"} <= names and ("junit.xml.gz" in names) == (gpus > 1)
+    assert f"({2 * gpus} xdist workers on {gpus} GPU" in readme
     assert ("junit-launch.xml.gz" in names) == (gpus > 1)
     if gpus == 1:
         assert "no multi-GPU tier on 1 GPU" in readme and "none stated for a 1-GPU host" in readme

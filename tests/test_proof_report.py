@@ -64,9 +64,9 @@ def test_a_failure_or_an_over_budget_wall_is_not_met(tmp_path):
     folder = _folder(tmp_path, ROWS)
     text, met = proof_report.report(folder, gpus=4, setup_s=40, pytest_s=250, total_s=300, marker="gpu2 or gpu4",
                                     command="bash scripts/gpu-proof.sh", machine="4x H200", commit="abc1234",
-                                    fingerprint="f" * 16, gpu1_s=120, multi_gpu_s=245)
+                                    fingerprint="f" * 16, gpu1_s=120, multi_gpu_s=245, gpu1_workers=8)
     assert not met and "NOT green (gpu2 or gpu4: 1 failed" in text
-    assert "-m gpu1` over functional/ and tests/ (4 xdist workers, one GPU each) beside pytest `-m \"gpu2 or gpu4\"`" in text
+    assert "-m gpu1` over functional/ and tests/ (8 xdist workers on 4 GPUs, each worker pinned to one) beside pytest `-m \"gpu2 or gpu4\"`" in text
     assert "| outcome | gpu1 | gpu2 or gpu4 | gpu2 or gpu4: own launches | all |" in text
     assert "| passed | 2 | 1 | 1 | 4 |" in text and "| xfailed | 0 | 1 | 0 | 1 |" in text
     assert "| skipped | 1 | 0 | 0 | 1 |" in text
@@ -140,7 +140,7 @@ def test_a_one_gpu_host_runs_gpu1_alone_with_no_budget(tmp_path, capsys):
     folder = _folder(tmp_path, [], multi=None)
     text, met = proof_report.report(folder, gpus=1, setup_s=30, pytest_s=400, total_s=500, marker="", gpu1_s=400,
                                     **WORDS)
-    assert met and "Result: green" in text and "(1 xdist worker, one GPU each); no multi-GPU tier on 1 GPU" in text
+    assert met and "Result: green" in text and "(1 xdist worker on 1 GPU, each worker pinned to one); no multi-GPU tier on 1 GPU" in text
     assert "| outcome | gpu1 | all |" in text and "| pytest (the gpu1 tier) | 400 |" in text
     assert "- none stated for a 1-GPU host; the walls above are reported" in text
     assert proof_report.main([str(folder), "--gpus", "1", "--marker", "", "--pytest-s", "400", "--gpu1-s", "400"]) == 0

@@ -130,8 +130,9 @@ def _verdict(value: float, limit: float) -> str:
 
 def report(folder: Path, *, gpus: int, setup_s: float, pytest_s: float, total_s: float, marker: str,
            command: str, machine: str, commit: str, fingerprint: str, gpu1_s: float = 0.0,
-           multi_gpu_s: float = 0.0) -> tuple[str, bool]:
-    """(README text, every tier green and every budget met). `marker` is the multi-GPU tier's
+           multi_gpu_s: float = 0.0, gpu1_workers: int = 0) -> tuple[str, bool]:
+    """(README text, every tier green and every budget met); `gpu1_workers`: the gpu1 tier's xdist
+    workers (0: one per GPU). `marker` is the multi-GPU tier's
     ("" on a 1-GPU host); `gpu1_s` and `multi_gpu_s` are the walls of the two pytest processes,
     `pytest_s` the span of both."""
     tiers = tier_counts(folder, marker)
@@ -143,7 +144,9 @@ def report(folder: Path, *, gpus: int, setup_s: float, pytest_s: float, total_s:
     busy = gpu_busy(folder / "gpu-util.csv")
     pools = [r for r in rows if r.get("pool")]
     budgets = budgets_for(gpus)
-    gpu1_run = f"pytest `-m gpu1` over functional/ and tests/ ({gpus} xdist worker{'s' if gpus != 1 else ''}, one GPU each)"
+    workers = gpu1_workers or gpus
+    gpu1_run = (f"pytest `-m gpu1` over functional/ and tests/ ({workers} xdist worker{'s' if workers != 1 else ''} "
+                f"on {gpus} GPU{'s' if gpus != 1 else ''}, each worker pinned to one)")
     runs = (f"{gpu1_run} beside pytest `-m \"{marker}\"` over functional/ (TE and examples included)" if marker
             else f"{gpu1_run}; no multi-GPU tier on 1 GPU")
     lines = [f"# GPU proof: {machine}, commit {commit}", "",
@@ -277,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the evidence folder (junit-gpu1.xml, junit.xml, case-times.jsonl, gpu-util.csv)")
     parser.add_argument("--fingerprint", type=Path, metavar="ROOT", help="print the tree fingerprint of ROOT and exit")
     parser.add_argument("--gpus", type=int, default=4)
+    parser.add_argument("--gpu1-workers", type=int, default=0, help="the gpu1 tier's xdist workers (0: one per GPU)")
     parser.add_argument("--setup-s", type=float, default=0.0)
     parser.add_argument("--pytest-s", type=float, default=0.0, help="the wall of both tiers, side by side")
     parser.add_argument("--gpu1-s", type=float, default=0.0, help="the wall of the gpu1 tier's pytest")
@@ -308,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     text, _ = report(args.folder, gpus=args.gpus, setup_s=args.setup_s, pytest_s=args.pytest_s,
                      total_s=args.total_s, marker=args.marker, command=args.command, machine=args.machine,
                      commit=args.commit, fingerprint=fingerprint(Path.cwd()), gpu1_s=args.gpu1_s,
-                     multi_gpu_s=args.multi_gpu_s)
+                     multi_gpu_s=args.multi_gpu_s, gpu1_workers=args.gpu1_workers)
     gate, passed = verdict(args.folder, gpus=args.gpus, pytest_s=args.pytest_s, total_s=args.total_s,
                            optional=optional, absent=absent, fail_over_budget=args.fail_over_budget,
                            marker=args.marker)
