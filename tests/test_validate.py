@@ -398,3 +398,18 @@ def test_validate_changed_without_git_runs_the_functions_tests_and_names_the_bas
     assert report["paths"] == [MODULE] and not report["everything"]
     assert report["run_node_ids"] == ["tests/test_beta.py::test_b"] and report["run"] == []
     assert f"(base: {MAP_HASHES} (not a git checkout" in captured.err
+
+
+def test_every_feature_with_a_card_owns_test_files_in_the_table():
+    """`cpkit validate` prints a row per feature: a feature whose card exists but whose tests fall
+    to "foundation" would be silently missing from it. MCore's hybrid CP is its dynamic CP."""
+    from cpkit.commands.validate import feature_of
+
+    root = Path(__file__).resolve().parents[1]
+    files = [p.relative_to(root).as_posix() for d in ("tests", "functional") for p in (root / d).glob("test_*.py")]
+    owned = {feature_of(f) for f in files}
+    cards = {p.parent.name for p in (root / "cards").glob("*/card.yaml")} - {"validating-context-parallel-changes"}
+    assert cards <= owned, sorted(cards - owned)
+    assert feature_of("functional/test_hybrid_gdn.py::test_x") == "hybrid-context-parallel"
+    assert feature_of("functional/test_mlm_gdn_cp.py") == "hybrid-context-parallel"
+    assert feature_of("functional/test_mcore_hybrid_cp.py") == "dynamic-context-parallel"

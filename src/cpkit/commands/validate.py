@@ -48,6 +48,9 @@ FEATURE_TESTS: list[tuple[str, str]] = [
     ("functional/test_loss_matrix_dynamic*", "dynamic-context-parallel"),
     ("functional/test_loss_matrix*", "context-parallel-attention"),
     ("functional/test_te_backend*", "te-backend"),
+    ("*mcore_hybrid_cp*", "dynamic-context-parallel"),  # MCore's "hybrid CP" is its dynamic CP
+    ("*hybrid*", "hybrid-context-parallel"),
+    ("*gdn*", "hybrid-context-parallel"),
     ("*hierarchical*", "hierarchical-context-parallel"),
     ("*eval_cp*", "eval-context-parallel"),
     ("*eval_plan*", "eval-context-parallel"),
