@@ -520,23 +520,22 @@ def test_the_validated_band_names_evidence_that_shows_it():
 
     from cpkit.dynamic import candidates
 
-    if candidates.VALIDATED_ERROR is None:
+    error, where = candidates.validated_band()
+    if error is None:
         pytest.skip("no GPU run of the step model recorded")
-    folder = re.search(r"evidence/[^/\s]+/", candidates.VALIDATED_ON)
-    assert folder, f"VALIDATED_ON names no evidence folder: {candidates.VALIDATED_ON!r}"
+    folder = re.search(r"evidence/[^/\s]+/", where)
+    assert folder, f"validated_band names no evidence folder: {where!r}"
     readme = Path(__file__).resolve().parents[1] / folder[0] / "README.md"
     assert readme.is_file(), f"{folder[0]} has no README"
-    assert f"{candidates.VALIDATED_ERROR * 100:.1f}%" in readme.read_text()
+    assert f"{error * 100:.1f}%" in readme.read_text()
 
 
 def test_the_error_band_says_whether_gpus_validated_it(monkeypatch):
     from cpkit.dynamic import candidates
 
-    monkeypatch.setattr(candidates, "VALIDATED_ERROR", None)
-    monkeypatch.setattr(candidates, "VALIDATED_ON", "not validated on GPUs yet")
+    monkeypatch.setattr(candidates, "validated_band", lambda: (None, "not validated on GPUs yet"))
     assert candidates.error_band_text() == "error band: not validated on GPUs yet"
-    monkeypatch.setattr(candidates, "VALIDATED_ERROR", 0.083)
-    monkeypatch.setattr(candidates, "VALIDATED_ON", "4x H100, evidence/x")
+    monkeypatch.setattr(candidates, "validated_band", lambda: (0.083, "4x H100, evidence/x"))
     assert candidates.error_band_text() == "error band +-8%, 4x H100, evidence/x"
 
 

@@ -30,8 +30,8 @@ from typing import Mapping, Optional, Sequence
 from cpkit.dynamic.plan import CPGroupAssignment, Microbatch, Plan
 from cpkit.errors import CPConfigError
 
-__all__ = ["VALIDATED_ERROR", "VALIDATED_ON", "choose_plan",
-           "error_band_text", "fill_to_capacity_plan", "robustness", "TIE_BAND", "usable_references"]
+__all__ = ["choose_plan", "error_band_text", "fill_to_capacity_plan", "robustness", "TIE_BAND", "usable_references",
+           "validated_band"]
 
 TIE_BAND = 0.0
 """Plans modeled within this fraction of the fastest count as tied (then the most robust wins).
@@ -41,21 +41,25 @@ evidence/2026-11-28-2xH200-d9dd766/): of 35 plan pairs modeled within 10% of eac
 really more than 1% apart, the model ordered 31 right, and the more robust of a pair won 8 of
 25; over their 32 batches cpkit's choice took 1.0118x the best real step (worst 1.115x), the
 modeled fastest 1.0039x (worst 1.086x): the 4 batches where they differ are robustness picks."""
-VALIDATED_ERROR: float | None = 0.246
-"""The largest |modeled / real - 1| of the step model's step over every plan and batch of the
-last `python -m cpkit.bench dynamic_step` runs at the current calibration code, both model sizes
-(None: no such run yet): 24.6% at 4ddbc47 (host-bound model, every plan of one batch +18.8% to
-+24.6% alike), -23.5% at 37c0956; 0.066 and 0.114 on the default, GPU-bound model. On 4 GPUs,
-before the calibration was timed back to back (5b27ec5): 0.193."""
-VALIDATED_ON = "2x H200, 2 model sizes: evidence/2026-11-29-2xH200-4ddbc47/ (and evidence/2026-11-28-2xH200-37c0956/)"
-"""Where VALIDATED_ERROR was measured (the evidence folder), or why there is none."""
+def validated_band() -> tuple[float | None, str]:
+    """(the largest |modeled / real - 1| of the step model's step over every plan and batch of the
+    last `python -m cpkit.bench dynamic_step` runs at the current calibration code, both model
+    sizes, or None where no such run exists; where it was measured: the evidence folder, or why
+    there is none). Kept in a function's body, so that a new run's figure changes one function
+    (`cpkit validate --changed` then selects its tests, not every test that imports the module).
+
+    24.6% at 4ddbc47 (host-bound model, every plan of one batch +18.8% to +24.6% alike), -23.5%
+    at 37c0956; 0.066 and 0.114 on the default, GPU-bound model. On 4 GPUs, before the
+    calibration was timed back to back (5b27ec5): 0.193."""
+    return 0.246, "2x H200, 2 model sizes: evidence/2026-11-29-2xH200-4ddbc47/ (and evidence/2026-11-28-2xH200-37c0956/)"
 
 
 def error_band_text() -> str:
     """The validated error band of modeled step times, for every printed ratio."""
-    if VALIDATED_ERROR is None:
-        return f"error band: {VALIDATED_ON}"
-    return f"error band +-{VALIDATED_ERROR:.0%}, {VALIDATED_ON}"
+    error, where = validated_band()
+    if error is None:
+        return f"error band: {where}"
+    return f"error band +-{error:.0%}, {where}"
 
 
 def _blocks(dp_cp_size: int, size: int) -> list[int]:

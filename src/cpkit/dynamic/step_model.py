@@ -9,7 +9,7 @@ MCore 0.19.2; their times inferred, not measured) names what it adds: host-launc
 RoPE loop), host syncs, the CP group switch, memory-bound layers (norms, residual adds, RoPE,
 casts), an idle slot's zero-loss backward, the batch preparation and the gradient all-reduce
 with the optimizer. `StepModel` adds them (modeled; its error on 4 GPUs:
-cpkit.dynamic.candidates.VALIDATED_ERROR):
+cpkit.dynamic.candidates.validated_band):
 
     one group's micro-batch  = join(gpu, host) + sync_s * syncs(c, n) + residual_s[c]
       gpu                    = CostModel.group_time (GEMM + attention + exposed ring)
