@@ -4,7 +4,7 @@
 # 1. set-up from the prepared files (scripts/gpu-ci-prepare.sh, scripts/GPU_CI.md), torch loaded
 #    first: .whl/ through scripts/setup.sh's offline path (pip --no-index: cpkit[test], MCore) and
 #    scripts/gpu-env.sh (MCore, the cuDNN frontend), Transformer Engine from .te/te-bundle.tar.xz
-#    (scripts/te-install.sh), flash-linear-attention from .fla/, the upstream code from .upstream/
+#    (scripts/te-install.sh, beside cpkit's set-up), flash-linear-attention from .fla/, the upstream code from .upstream/
 #    (scripts/upstream-unpack.sh) as
 #    CPKIT_MLM_SRC / CPKIT_BRIDGE_SRC;
 # 2. two pytest processes side by side: the gpu1 tier (`-m gpu1`, functional/ and tests/) on
@@ -57,6 +57,12 @@ secs() { python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]
 absent=()  # PART=WHY for each part the set-up lacks: the verdict fails on it unless it is optional
 python3 -c "import torch" || { echo "gpu-proof: torch does not import; install the host's CUDA torch first"; exit 2; }
 source scripts/gpu-env.sh
+# TE installs into its own folder (/tmp/site) and needs only torch: beside cpkit's set-up, not after it.
+te_pid=""
+if [ -f .te/te-bundle.tar.xz ]; then
+  ( TE_WHEEL_EXPORT=$out/te-export bash scripts/te-install.sh >"$out/te-install.log" 2>&1 ) &
+  te_pid=$!
+fi
 if [ -d .whl ]; then
   PYTHON=python3 bash scripts/setup.sh >"$out/setup.log" 2>&1 || { cat "$out/setup.log"; echo "gpu-proof: set-up from .whl/ failed"; exit 2; }
   tail -1 "$out/setup.log"
@@ -65,8 +71,8 @@ else
 fi
 found megatron.core || absent+=("mcore=megatron-core is not installed (no .whl/ from scripts/host-wheels.sh?)")
 found cudnn || absent+=("kernels=the cuDNN frontend is not installed (no .whl/nvidia_cudnn_frontend-*.whl?)")
-if [ -f .te/te-bundle.tar.xz ]; then
-  TE_WHEEL_EXPORT=$out/te-export bash scripts/te-install.sh >"$out/te-install.log" 2>&1 \
+if [ -n "$te_pid" ]; then
+  wait "$te_pid" \
     || { absent+=("te=scripts/te-install.sh failed: $(grep -v '^ ' "$out/te-install.log" | tail -1)")
          echo "TE install failed:"; tail -20 "$out/te-install.log"; }
   grep "^te-install:" "$out/te-install.log"; tail -1 "$out/te-install.log"

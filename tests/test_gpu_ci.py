@@ -164,6 +164,28 @@ def test_the_proof_stops_before_the_tests_when_the_set_up_lacks_te(proof_copy, t
     assert optional.returncode == 2 and "the proof needs 1 or more" in optional.stdout  # no GPU on this host
 
 
+@pytest.mark.parametrize("te_ok", [True, False])
+def test_te_installs_beside_the_set_up_and_its_failure_is_named(proof_copy, tmp_path, te_ok):
+    """TE's install runs in the background beside cpkit's set-up; the proof waits for it, and a
+    failed install stops the proof before the tests, naming its last line (a stand-in install)."""
+    copy = Path(shutil.copytree(proof_copy, tmp_path / "repo"))
+    (copy / ".te").mkdir()
+    (copy / ".te" / "te-bundle.tar.xz").write_bytes(b"stand-in")
+    (copy / "scripts" / "te-install.sh").write_text(
+        'echo "te-install: stand-in"; sleep 1\n'
+        'if [ "$STUB_TE" = ok ]; then echo "transformer_engine imports"; exit 0; fi\n'
+        'echo "te-install: the extension did not import"; exit 1\n')
+    env = {"PATH": PATH, "OUT": str(tmp_path / "out"), "HOME": str(tmp_path), "STUB_TE": "ok" if te_ok else "no"}
+    proc = subprocess.run(["bash", "scripts/gpu-proof.sh", "--optional", "mlm,bridge,upstream,mcore,kernels,fla,other"],
+                          cwd=copy, env=env, capture_output=True, text=True, timeout=300)
+    assert "te-install: stand-in" in proc.stdout, proc.stdout + proc.stderr
+    if te_ok:  # on to the tests: here, the CPU host's GPU check
+        assert proc.returncode == 2 and "the proof needs 1 or more" in proc.stdout, proc.stdout + proc.stderr
+    else:
+        assert proc.returncode == 1 and "FAIL before the tests" in proc.stdout, proc.stdout + proc.stderr
+        assert "te-install: the extension did not import" in proc.stdout
+
+
 #: python3 on a host of $FAKE_GPUS GPUs whose pytest is $FAKE_PYTEST; anything else goes to the real one.
 FAKE_PYTHON = """#!/bin/bash
 if [ "$1" = "-c" ] && [ "$2" = "import torch; print(torch.cuda.device_count())" ]; then echo "$FAKE_GPUS"; exit 0; fi
