@@ -45,6 +45,12 @@ while [ $# -gt 0 ]; do
     *) break ;;
   esac
 done
+per_gpu=${CPKIT_GPU1_WORKERS_PER_GPU:-2}
+if ! [[ "$per_gpu" =~ ^[1-9][0-9]*$ ]]; then
+  echo "gpu-proof: CPKIT_GPU1_WORKERS_PER_GPU=$per_gpu: must be a whole number of 1 or more (the gpu1 tier's" \
+       "xdist workers per GPU); fix: CPKIT_GPU1_WORKERS_PER_GPU=2, or unset it" >&2
+  exit 2
+fi
 # A misspelt part fails now, not after the run.
 PYTHONPATH=$PWD/src python3 -c "import sys; from cpkit.validation.required_parts import parse_optional, RequiredPartsError
 try: parse_optional(sys.argv[1], field='--optional')
@@ -145,7 +151,7 @@ gpu1_paths=(functional/test_replay_gpu.py functional/test_*.py tests)
 gpu1_wall=$(mktemp)
 # Two workers per GPU: the gpu1 tests are host-bound (compiles, small kernels; GPUs 15-20% busy
 # at c0b3916), so one worker per GPU left the GPUs idle and made gpu1 the proof's longest stage.
-gpu1_workers=$((gpus * ${CPKIT_GPU1_WORKERS_PER_GPU:-2}))
+gpu1_workers=$((gpus * per_gpu))
 gpu1_visible=${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((gpus - 1)))}  # workers wrap round these ids
 tests_begin=$(date +%s.%N)
 ( CUDA_VISIBLE_DEVICES=$gpu1_visible "${deadline[@]}" python3 -m pytest -n "$gpu1_workers" --dist worksteal -p cpkit.testing.gpu_per_worker -p no:cacheprovider \

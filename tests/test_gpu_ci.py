@@ -164,6 +164,16 @@ def test_the_proof_stops_before_the_tests_when_the_set_up_lacks_te(proof_copy, t
     assert optional.returncode == 2 and "the proof needs 1 or more" in optional.stdout  # no GPU on this host
 
 
+@pytest.mark.parametrize("value", ["0", "two", "-1"])
+def test_a_bad_gpu1_worker_count_is_refused_before_any_set_up(proof_copy, tmp_path, value):
+    env = {"PATH": PATH, "OUT": str(tmp_path / "out"), "HOME": str(tmp_path), "CPKIT_GPU1_WORKERS_PER_GPU": value}
+    proc = subprocess.run(["bash", "scripts/gpu-proof.sh"], cwd=proof_copy, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"CPKIT_GPU1_WORKERS_PER_GPU={value}: must be a whole number of 1 or more" in proc.stderr
+    assert "fix: CPKIT_GPU1_WORKERS_PER_GPU=2" in proc.stderr and not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("te_ok", [True, False])
 def test_te_installs_beside_the_set_up_and_its_failure_is_named(proof_copy, tmp_path, te_ok):
     """TE's install runs in the background beside cpkit's set-up; the proof waits for it, and a
