@@ -76,6 +76,22 @@ def test_feature_cells_pair_with_te_of_the_same_feature_and_have_no_sdpa_ratio()
     assert sink_row.split()[5:7] == ["TE", "refuses"]
 
 
+def test_tes_all_gather_two_sided_window_has_no_ratio_and_says_why():
+    """TE attends another band there (functional/test_te_backend_window.py): its figure shows,
+    marked, and no cpkit/TE ratio is made of it; TE's other window cells still pair."""
+    results = RESULTS + [
+        dict(cell("cpkit", "all_gather", 32768, 330.0), feature="window2"),
+        dict(cell("te", "all_gather", 32768, 440.0), feature="window2"),
+        dict(cell("cpkit", "all_gather", 32768, 290.0), feature="window"),
+        dict(cell("te", "all_gather", 32768, 170.0), feature="window"),
+    ]
+    te = te_ratios(results)
+    assert ("cpkit all_gather window2 kv8 cp4", 32768) not in te
+    assert te[("cpkit all_gather window kv8 cp4", 32768)] == 290.0 / 170.0
+    table = render(results, [32768])
+    assert "440.0+" in table and "+ TE attends keys i-2W .. i here (functional/test_te_backend_window.py)" in table
+
+
 def test_attended_pairs_count_every_query_key_pair_of_the_band():
     from cpkit.bench.attention.attention_features import attended_pairs
 

@@ -83,8 +83,8 @@ CHANGE_MAP: tuple[Row, ...] = (
          "tests/test_band.py", "tests/test_flex_band.py", "tests/test_ring_threads.py", "tests/test_cudnn_fe.py"),
         ("functional/test_attention_module.py", "functional/test_attention.py", "functional/test_attention_features.py",
          "functional/test_hierarchical.py", "functional/test_gpt.py", "functional/test_gpt_features.py",
-         "functional/test_te_backend.py", "functional/test_device.py", "functional/test_kernels_gpu.py",
-         "functional/test_kernel_conformance.py"),
+         "functional/test_te_backend.py", "functional/test_te_backend_window.py", "functional/test_device.py",
+         "functional/test_kernels_gpu.py", "functional/test_kernel_conformance.py"),
         "unit, dist, gpu1, gpu2, gpu4; for a2a and a2a+p2p also "
         "`functional/test_attention.py::test_a2a_head_chunks_match_full_attention`, "
         "`functional/test_hierarchical.py::test_hierarchical_gpt_trains_like_cp1` and "
