@@ -105,13 +105,13 @@ def _specialising_on_failure(q, k, v, band, run):
     static compile of the same block lowers; without this the whole dtype fell back to dense math.
     A failure of the specialised kernel is raised (try_run's fallback says so)."""
     key = _shape_key(q, k, v, band)
-    dynamic = q.is_cuda and key not in _STATIC_KEYS and len(_STATIC_KEYS) >= STATIC_SHAPES
     try:
         return run()
     except torch.OutOfMemoryError:
         raise
     except Exception:
-        if not dynamic or len(_STATIC_KEYS) >= _static_limit():
+        # _attention has routed the shape by now: it ran the dynamic kernel if its key is not static
+        if not q.is_cuda or key in _STATIC_KEYS or len(_STATIC_KEYS) >= _static_limit():
             raise
         _STATIC_KEYS.add(key)
         return run()

@@ -115,9 +115,9 @@ def render(results: list[dict], seqs: list[int], device: str = "cuda") -> str:
     table = format_table(rows, columns, cells, corner="TFLOP/s per GPU" if device == "cuda" else "TFLOP/s per rank")
     if any(r.get("notes") for r in results):
         table += "\n* kv heads expanded to the query heads (the kernel refused native GQA)"
-    wrong = [te_other_band(r) for r in results if te_other_band(r) and not r["error"]]
-    if wrong:
-        table += "\n+ " + wrong[0]
+    why = next(filter(None, (te_other_band(r) for r in results if not r["error"])), None)
+    if why:
+        table += "\n+ " + why
     if te:
         table += "\n" + _te_summary(te)
     return table

@@ -234,11 +234,12 @@ def _count(run, cp: int, world: int):
 
 
 def measure_step_costs(model, opt, registry, pgc, group, vocab, device, *, longest: int,
-                       quick: bool, kernel_model, shallow=None) -> dict:
+                       quick: bool, kernel_model, pace, shallow=None) -> dict:
     """The "step" section of the calibration (module docstring, steps 2 to 4), on every rank;
-    `kernel_model`: a cpkit.dynamic.cost.CostModel of the kernels (step 1's); `shallow`:
-    (model, its layers), the bench's model with fewer layers (None: the residual at cp 1 is
-    held at 0, cpkit.dynamic.step_fit)."""
+    `kernel_model`: a cpkit.dynamic.cost.CostModel of the kernels (step 1's); `pace`: the run's
+    `pace_probe` callable (the same one times the batches' rounds), timed beside every point;
+    `shallow`: (model, its layers), the bench's model with fewer layers (None: the residual at cp
+    1 is held at 0, cpkit.dynamic.step_fit)."""
     from cpkit.dynamic.step_fit import MicrobatchPoint, fit_costs, fit_linear
     from cpkit.dynamic.step_model import OpCounts, StepCosts
     from cpkit.loss import all_reduce_gradients
@@ -274,7 +275,6 @@ def measure_step_costs(model, opt, registry, pgc, group, vocab, device, *, longe
     ops = OpCounts(counted, where)
     layers = kernel_model.dims.num_layers
     points, prep, gaps, paces = [], [], [], []
-    pace = pace_probe(model, registry, pgc, group, vocab, device)
     pace()  # its shapes warmed before it is timed
     for cp, lens in _grid(sizes, longest, quick):
         paces.append(pace())

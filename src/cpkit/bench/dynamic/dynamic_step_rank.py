@@ -285,8 +285,9 @@ def _build(spec: StepSpec, device):
     return model, opt, pgc, registry
 
 
-def _calibrate(spec: StepSpec, device, dev_name, link, link_data, model, opt, pgc, registry, group) -> dict:
-    """Measure the calibration on every rank (module docstring, step 2); rank 0's dict."""
+def _calibrate(spec: StepSpec, device, dev_name, link, link_data, model, opt, pgc, registry, group, probe) -> dict:
+    """Measure the calibration on every rank (module docstring, step 2); rank 0's dict. `probe`:
+    the run's host pace probe (cpkit.bench.dynamic.dynamic_step_calibrate.pace_probe)."""
     from cpkit.bench.common import machine_info
     from cpkit.bench.dynamic.dynamic_step_calibrate import measure_step_costs, share_kernel_timing
     from cpkit.bench.dynamic.dynamic_step_report import cpkit_commit
@@ -306,7 +307,7 @@ def _calibrate(spec: StepSpec, device, dev_name, link, link_data, model, opt, pg
     shallow = (_model(spec, device, pgc, few), few) if few < spec.dims.num_layers else None
     cal["step"] = measure_step_costs(model, opt, registry, pgc, group, spec.vocab_size, device,
                                      longest=longest, quick=spec.quick, kernel_model=kernel_model,
-                                     shallow=shallow)
+                                     pace=probe, shallow=shallow)
     del shallow
     cal["machine"] = machine_info()
     cal["software"] = (f"torch {cal['machine']['torch']}, megatron-core {cal['machine'].get('megatron_core')}, "
@@ -364,7 +365,7 @@ def run_rank(spec: StepSpec) -> Optional[dict]:
     phases["build_s"] = time.perf_counter() - start - phases["link_s"]
     calibrated_here = cal is None
     if cal is None:
-        cal = _calibrate(spec, device, dev_name, link, link_data, model, opt, pgc, registry, group)
+        cal = _calibrate(spec, device, dev_name, link, link_data, model, opt, pgc, registry, group, probe)
         if rank == 0:
             cal_path.parent.mkdir(parents=True, exist_ok=True)
             cal_path.write_text(json.dumps(cal, indent=1) + "\n")
