@@ -224,3 +224,33 @@ def test_compiled_wrappers_call_nothing_behind_an_lru_cache(wrapper):
         got = torch.compile(fn, backend="eager", dynamic=wrapper == "_flex_dynamic")(q, q, q)
     assert not [w for w in record if "lru_cache" in str(w.message)], [str(w.message) for w in record]
     torch.testing.assert_close(got, flex_band._FLEX.flex_attention(q, q, q), **FP32)
+
+
+def test_a_wrapper_at_dynamos_recompile_limit_is_replaced_never_run_uncompiled(monkeypatch):
+    """FlexAttention uncompiled is its unfused path ([s_q, s_k] scores in memory), and dynamo runs
+    a function uncompiled once its compiled variants reach the recompile limit; one wrapper
+    collects variants beyond its keys (strides, grad mode). Here (CPU, dynamo with the eager
+    backend, a recompile limit of 1) a second variant through the same wrapper gets a fresh
+    wrapper of its kind: FlexAttention stays traced (it warns "called without torch.compile"
+    otherwise) and the result is FlexAttention's."""
+    import functools
+    import warnings
+
+    from torch.nn.attention import flex_attention as module
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    monkeypatch.setattr(flex_band, "_COMPILED", {})
+    torch._dynamo.reset()
+    first = flex_band._compiled(False)
+    gen = torch.Generator().manual_seed(0)
+    dense, strided = torch.randn(1, 2, 128, 16, generator=gen), torch.randn(1, 2, 16, 128, generator=gen).mT
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = {id(q): module.flex_attention(q, q, q) for q in (dense, strided)}  # uncompiled: it warns
+    monkeypatch.setattr(module, "_WARNINGS_SHOWN", set(), raising=False)  # its warnings come once
+    with torch._dynamo.config.patch(recompile_limit=1), warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*without torch.compile.*")
+        for q in (dense, strided, dense):
+            got = flex_band._run_compiled(flex_band._compiled(False), lambda fn: fn(q, q, q))
+            torch.testing.assert_close(got, want[id(q)], **FP32)
+    assert flex_band._compiled(False) is not first  # the second variant's wrapper took over

@@ -19,6 +19,7 @@ warns once and `try_run` returns None, and the caller uses exact math for it fro
 
 from __future__ import annotations
 
+import types
 import warnings
 from typing import Optional
 
@@ -48,10 +49,10 @@ def _flex_module():
 
 
 # Kernels specialised to their shapes are the fastest (a dynamic-shape kernel was 1.3x slower
-# on H200), but every new shape compiles again (seconds), and past torch._dynamo's recompile
-# limit FlexAttention would run uncompiled (O(s^2) memory). So the first STATIC_SHAPES shapes
+# on H200), but every new shape compiles again (seconds). So the first STATIC_SHAPES shapes
 # get their own kernels and every later one (packed batches of ever-new lengths) shares one
-# dynamic-shape kernel. Two wrapper functions: dynamo keeps its compile cache per code object.
+# dynamic-shape kernel. Two wrapper functions: dynamo keeps its compile cache per code object
+# (and `_run_compiled` never lets it run one uncompiled past its recompile limit).
 # Dynamo traces the wrappers: they call nothing behind a functools.lru_cache (dynamo would trace
 # through the cache and warn of silent incorrectness), only the module global _FLEX.
 STATIC_SHAPES = 4
@@ -67,12 +68,34 @@ def _flex_dynamic(*args, **kwargs):
     return _FLEX.flex_attention(*args, **kwargs)
 
 
-def _compiled(dynamic: bool):
-    """The compiled wrapper (outside any traced code: a plain dict, built once)."""
-    if dynamic not in _COMPILED:
-        _COMPILED[dynamic] = (torch.compile(_flex_dynamic, dynamic=True) if dynamic
-                              else torch.compile(_flex_static, dynamic=False))
+def _compiled(dynamic: bool, fresh: bool = False):
+    """The compiled wrapper (outside any traced code: a plain dict, built once); `fresh`: a new
+    one in place of the old (`_run_compiled` says when)."""
+    if fresh or dynamic not in _COMPILED:
+        base = _flex_dynamic if dynamic else _flex_static
+        # dynamo keeps compiled variants per code object: a copy of the code starts with none
+        own = types.FunctionType(base.__code__.replace(), base.__globals__, base.__name__)
+        _COMPILED[dynamic] = torch.compile(own, dynamic=dynamic)
     return _COMPILED[dynamic]
+
+
+def _run_compiled(attention, call):
+    """call(attention) where dynamo raises at its recompile limit rather than run the call
+    uncompiled: FlexAttention uncompiled is its unfused path, which materialises the [s_q, s_k]
+    scores and warns once per process. A wrapper collects variants beyond its keys (strides,
+    grad mode: the strided and dense forms of one shape are two), so in a long run it can reach
+    the limit; a fresh wrapper of its kind then takes over."""
+    dynamic = next((d for d, fn in _COMPILED.items() if fn is attention), None)
+    if dynamic is None:  # uncompiled FlexAttention (CPU)
+        return call(attention)
+    config, exc = torch._dynamo.config, torch._dynamo.exc
+    fail = "fail_on_recompile_limit_hit" if hasattr(config, "fail_on_recompile_limit_hit") else "fail_on_cache_limit_hit"
+    limit_hit = getattr(exc, "FailOnRecompileLimitHit", None) or getattr(exc, "FailOnCacheLimitHit")
+    with config.patch({fail: True, "suppress_errors": False}):
+        try:
+            return call(attention)
+        except limit_hit:
+            return call(_compiled(dynamic, fresh=True))
 
 
 def _shape_key(q, k, v, band) -> tuple:
@@ -92,8 +115,8 @@ def _attention(q, k, v, band):
 
 
 def _static_limit() -> int:
-    """Shapes the specialised wrapper may compile: past dynamo's recompile limit it would run
-    FlexAttention uncompiled (a dense O(s^2) path that says nothing)."""
+    """Shapes that may get a specialised kernel in all: each costs a compile (seconds), and a
+    run of ever-new shapes is what the dynamic-shape kernel is for."""
     config = torch._dynamo.config
     return int(getattr(config, "recompile_limit", getattr(config, "cache_size_limit", 8)))
 
@@ -243,11 +266,18 @@ def _flex_bhsd(q, k, v, band, scale):
     module = _flex_module()
     block_mask = _block_mask(band)
     gqa, attention = q.shape[1] != k.shape[1], _attention(q, k, v, band)
+    # Never inductor's decoding kernel, which it picks for blocks of under 128 queries: on torch
+    # 2.11 it found no kernel config for short THD blocks (NoValidChoicesError), specialised to
+    # their shape or not, so which kernel such a block got depended on the shapes compiled
+    # before it. The main kernel computes every length.
+    options = {"FORCE_USE_FLEX_ATTENTION": True}
     if hasattr(module, "AuxRequest"):
-        o, aux = attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
-                             return_aux=module.AuxRequest(lse=True))
+        o, aux = _run_compiled(attention, lambda fn: fn(
+            q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, kernel_options=options,
+            return_aux=module.AuxRequest(lse=True)))
         return o, aux.lse.float()
-    o, lse = attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_lse=True)
+    o, lse = _run_compiled(attention, lambda fn: fn(
+        q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, kernel_options=options, return_lse=True))
     return o, lse.float()
 
 
