@@ -39,6 +39,9 @@ def test_dynamic_step_smoke_run(tmp_path, capsys):
     assert source["residual_identified"]
     # the host pace probe: beside every calibration point, and in every timed round of the batch
     assert len(source["pace_samples_s"]) == len(source["call_gaps_s"]) and source["pace_s"] > 0
+    # each point read at the pace timed beside it (its probe over the median), the shallow model's too
+    assert sorted({round(p[7] * source["pace_s"], 12) for p in source["points"]}) == sorted(
+        {round(t, 12) for t in source["pace_samples_s"]})
     (batch,) = data["results"]
     assert len(batch["host_pace"]["probe_samples_s"]) == data["iters"]
     assert batch["host_pace"]["pace"] == pytest.approx(batch["host_pace"]["probe_s"] / source["pace_s"])

@@ -422,6 +422,36 @@ def test_a_second_model_size_tells_the_per_op_host_cost_from_the_residual():
     assert not one["residual_identified"] and one["residual_s"][1] == 0.0
 
 
+def test_each_point_is_read_at_the_hosts_pace_it_was_timed_at():
+    """A host that runs slower for some points (a pace probe beside each point says by how
+    much) would raise the fitted host costs, and every prediction with them; read at their
+    paces, the points give the constants of the median pace. Synthetic points of two model
+    sizes whose host terms are timed at paces 0.8 to 1.3: with the paces the fit recovers the
+    per-op cost within 10% and every point within 3%; without them it misses."""
+    import random
+    from dataclasses import replace
+
+    from cpkit.dynamic.step_fit import fit_costs
+
+    pts, kernels = _synthetic_points([4, 1])
+    rng = random.Random(3)
+    paced = [(p, rng.choice((0.8, 0.9, 1.0, 1.0, 1.1, 1.3))) for p in pts]
+
+    def timed(p, pace):  # the step model's formula with the host terms at `pace`
+        gpu = kernels.group_time(p.seq_lens, 1) * p.layers / 4 + p.layers * 3e-9 * p.local_tokens
+        host = pace * (15e-6 * p.ops + 5e-6 * p.sample_ops)
+        return max(gpu, host) + 0.2 * min(gpu, host) + 20e-6 * 16 + pace * 3e-3
+
+    def fit(points):
+        return fit_costs(points, lambda p: kernels.group_time(p.seq_lens, p.cp) * p.layers / 4, 4, 20e-6)
+
+    read = fit([replace(p, seconds=timed(p, pace), pace=pace) for p, pace in paced])
+    assert read["host_op_s"] == pytest.approx(15e-6, rel=0.1)
+    assert max(abs(e) for e in read["errors"][1]) < 0.03, read["errors"]
+    unread = fit([replace(p, seconds=timed(p, pace)) for p, pace in paced])  # every pace taken as 1
+    assert max(abs(e) for e in unread["errors"][1]) > 0.05, unread["errors"]
+
+
 def test_calibration_points_are_timed_back_to_back_and_the_call_gap_kept_apart():
     # a call costs its gap once plus each micro-batch: timing one micro-batch alone between
     # syncs (the old calibration) took the gap for a per-micro-batch cost

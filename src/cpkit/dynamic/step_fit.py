@@ -17,6 +17,8 @@ model against those).
    such points residual_s[1] is held at 0 and `residual_identified` is False.
 2. At every c > 1: residual_s[c] = the median of what the model leaves (ring posting, exposed
    latency, the group switch), measured on real groups of c ranks.
+Each point's host terms (per-op costs, residual) are read at the host's pace while it was timed
+(`MicrobatchPoint.pace`), so the constants are the calibration's median pace's.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ class MicrobatchPoint:
     seconds: float
     layers: int = 0
     """The model's layers (0: the fit's `layers`)."""
+    pace: float = 1.0
+    """The host's pace while it was timed against the calibration's median (a pace probe's
+    ratio): its host terms are read at that pace, so a point timed while the host ran slow does
+    not raise the fitted host costs (cpkit.dynamic.step_model.StepCosts.at_pace)."""
 
     @property
     def local_tokens(self) -> int:
@@ -68,8 +74,8 @@ def fit_linear(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
 def _predict(p: MicrobatchPoint, kernels: float, layers: int, sync_s: float, q: dict,
              resid: float) -> float:
     gpu = kernels + (p.layers or layers) * q["mem_s_per_token"] * p.local_tokens
-    cpu = q["host_op_s"] * p.ops + q["sample_op_s"] * p.sample_ops
-    return max(gpu, cpu) + q["overlap_loss"] * min(gpu, cpu) + sync_s * p.syncs + resid
+    cpu = p.pace * (q["host_op_s"] * p.ops + q["sample_op_s"] * p.sample_ops)
+    return max(gpu, cpu) + q["overlap_loss"] * min(gpu, cpu) + sync_s * p.syncs + p.pace * resid
 
 
 def relative_errors(points, kernel_time: Callable[[MicrobatchPoint], float], layers: int,

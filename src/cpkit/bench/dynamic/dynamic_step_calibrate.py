@@ -240,6 +240,8 @@ def measure_step_costs(model, opt, registry, pgc, group, vocab, device, *, longe
     `pace_probe` callable (the same one times the batches' rounds), timed beside every point;
     `shallow`: (model, its layers), the bench's model with fewer layers (None: the residual at cp
     1 is held at 0, cpkit.dynamic.step_fit)."""
+    from dataclasses import replace
+
     from cpkit.dynamic.step_fit import MicrobatchPoint, fit_costs, fit_linear
     from cpkit.dynamic.step_model import OpCounts, StepCosts
     from cpkit.loss import all_reduce_gradients
@@ -274,10 +276,11 @@ def measure_step_costs(model, opt, registry, pgc, group, vocab, device, *, longe
         where = f"NOT COUNTED ({failed}): 0f7f3d4's CPU reading, scaled by layers"
     ops = OpCounts(counted, where)
     layers = kernel_model.dims.num_layers
-    points, prep, gaps, paces = [], [], [], []
+    points, prep, gaps, paces, point_paces = [], [], [], [], []
     pace()  # its shapes warmed before it is timed
     for cp, lens in _grid(sizes, longest, quick):
         paces.append(pace())
+        done = len(points)
         plan = _point_plan(cp, lens, world, 1 << 20)
         holder, samples = {}, run.samples(plan)
 
@@ -297,6 +300,10 @@ def measure_step_costs(model, opt, registry, pgc, group, vocab, device, *, longe
             fixed = low_ops.ops(1, 0)
             points.append(MicrobatchPoint(1, tuple(lens), fixed, low_ops.ops(1, len(lens)) - fixed,
                                           low_ops.syncs(1, len(lens)), seconds, low_layers))
+        point_paces += [paces[-1]] * (len(points) - done)
+    # each point read at the host's pace beside it, against the calibration's median pace
+    median_pace = statistics.median(paces)
+    points = [replace(p, pace=t / median_pace) for p, t in zip(points, point_paces)]
     x = torch.zeros(1, device=device)
 
     def syncs():
@@ -326,9 +333,9 @@ def measure_step_costs(model, opt, registry, pgc, group, vocab, device, *, longe
                       prep_sample_s=max(0.0, prep_sample), reduce_opt_s=reduce_opt_s,
                       call_gap_s=statistics.median(gaps),
                       source={"points": [[p.cp, list(p.seq_lens), p.ops, p.sample_ops, p.syncs, p.seconds,
-                                          p.layers] for p in points],
+                                          p.layers, p.pace] for p in points],
                               "call_gaps_s": gaps, "back_to_back": BACK_TO_BACK,
-                              "pace_s": statistics.median(paces), "pace_samples_s": paces,
+                              "pace_s": median_pace, "pace_samples_s": paces,
                               "residual_identified": fitted["residual_identified"],
                               "shallow_layers": low[1] if low is not None else None,
                               "fit_errors": {str(c): v for c, v in fitted["errors"].items()},
