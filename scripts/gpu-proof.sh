@@ -22,8 +22,8 @@
 #    exit verdict), packed as $OUT/proof.tar.gz; with --record also copied into the checkout's
 #    evidence/ and recorded into the cards (`cpkit cards record --evidence`); without it the
 #    checkout is not written;
-# 4. the exit (src/cpkit/validation/proof_report.py::verdict): 0 only when both tiers are green and
-#    every required part ran: TE, the Megatron-LM and Megatron-Bridge code, MCore, the cuDNN
+# 4. the exit (src/cpkit/validation/proof_report.py::verdict): 0 only when both tiers are green, no
+#    pytest was cut by the deadline (its junit holds what ran before the cut), and every required part ran: TE, the Megatron-LM and Megatron-Bridge code, MCore, the cuDNN
 #    frontend, and no test skipped for a missing dependency (a part the set-up lacks stops the
 #    proof before the tests, exit 1). `--optional te,upstream` (or
 #    CPKIT_OPTIONAL) names parts that may be missing. Budgets are reported; an overrun fails the
@@ -148,7 +148,7 @@ deadline=(timeout -s INT -k "${CPKIT_PROOF_GRACE_S:-30}" "${CPKIT_PROOF_TIMEOUT_
 # its arguments, and worksteal hands the rest of that worker's queue to the others, so the test
 # runs from the start instead of trailing the tier.
 gpu1_paths=(functional/test_replay_gpu.py functional/test_*.py tests)
-gpu1_wall=$(mktemp)
+gpu1_wall=$(mktemp) gpu1_exit=$(mktemp)
 # Two workers per GPU: the gpu1 tests are host-bound (compiles, small kernels; GPUs 15-20% busy
 # at c0b3916), so one worker per GPU left the GPUs idle and made gpu1 the proof's longest stage.
 gpu1_workers=$((gpus * per_gpu))
@@ -156,9 +156,9 @@ gpu1_visible=${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((gpus - 1)))}  # workers wrap
 tests_begin=$(date +%s.%N)
 ( CUDA_VISIBLE_DEVICES=$gpu1_visible "${deadline[@]}" python3 -m pytest -n "$gpu1_workers" --dist worksteal -p cpkit.testing.gpu_per_worker -p no:cacheprovider \
     -q -rfEsx --durations=25 -m gpu1 --junitxml="$dir/junit-gpu1.xml" "${gpu1_paths[@]}" "$@" >"$dir/pytest-gpu1.log" 2>&1
-  secs "$tests_begin" >"$gpu1_wall" ) &
+  echo $? >"$gpu1_exit"; secs "$tests_begin" >"$gpu1_wall" ) &
 gpu1_pid=$!
-multi_s=0
+multi_s=0 exits=()  # each pytest's exit status: 124 is the deadline's cut (proof_report)
 if [ -n "$marker" ]; then
   # The multi-GPU tests that start their own ranks (no pool: neither a grid nor a prefetched
   # example) in a pytest of their own, 3 side by side (proof_report.LAUNCHES says why).
@@ -169,13 +169,14 @@ if [ -n "$marker" ]; then
   "${deadline[@]}" python3 -m pytest -n 0 -p no:cacheprovider -q -rfEsx --durations=25 \
     -m "($marker) and (cpkit_grid or cpkit_prefetch)" --junitxml="$dir/junit.xml" functional "$@" 2>&1 \
     | tee "$dir/pytest.log" | tail -40
-  wait "$launch_pid"
+  exits+=(--pools-exit "${PIPESTATUS[0]}")
+  wait "$launch_pid"; exits+=(--launches-exit $?)
   echo "-- the $marker tests that start their own ranks ($dir/pytest-launch.log):"; tail -15 "$dir/pytest-launch.log"
   multi_s=$(secs "$tests_begin")
 fi
 wait "$gpu1_pid"
 echo "-- the gpu1 tier ($dir/pytest-gpu1.log):"; tail -25 "$dir/pytest-gpu1.log"
-gpu1_s=$(cat "$gpu1_wall"); rm -f "$gpu1_wall"
+gpu1_s=$(cat "$gpu1_wall"); exits+=(--gpu1-exit "$(cat "$gpu1_exit")"); rm -f "$gpu1_wall" "$gpu1_exit"
 pytest_s=$(secs "$tests_begin")
 kill "$sampler" 2>/dev/null
 
@@ -184,7 +185,7 @@ total_s=$(secs "$begin")
 python3 -m cpkit.validation.proof_report "$dir" --gpus "$gpus" --gpu1-workers "$gpu1_workers" --setup-s "$setup_s" --pytest-s "$pytest_s" \
   --gpu1-s "${gpu1_s:-0}" --multi-gpu-s "$multi_s" --total-s "$total_s" --marker "$marker" \
   --machine "${gpus}x $gpu" --commit "$commit" \
-  --optional "$optional" "${absent_args[@]}" "${over_flag[@]}" \
+  --optional "$optional" "${absent_args[@]}" "${over_flag[@]}" "${exits[@]}" \
   --command "CPKIT_COMMIT=$commit bash scripts/gpu-proof.sh${optional:+ --optional $optional} $*"
 verdict=$?
 if [ "$record" = 1 ]; then

@@ -202,7 +202,8 @@ if [ "$1" = "-c" ] && [ "$2" = "import torch; print(torch.cuda.device_count())" 
 if [ "$1" = "-m" ] && [ "$2" = "pytest" ]; then shift 2; exec "$REAL_PYTHON" "$FAKE_PYTEST" "$@"; fi
 exec "$REAL_PYTHON" "$@"
 """
-#: pytest that logs its arguments and writes a junit of one test, failing for the marker $FAKE_FAIL.
+#: pytest that logs its arguments and writes a junit of one test, failing for the marker $FAKE_FAIL;
+#: for the marker $FAKE_CUT it exits $FAKE_EXIT after writing a green junit (a cut pytest does).
 FAKE_PYTEST = """
 import json, os, sys
 args = sys.argv[1:]
@@ -216,6 +217,7 @@ name, failure = marker.replace(" ", "_"), '<failure message="off"/>' if marker =
 with open(junit, "w") as fh:
     fh.write('<?xml version="1.0"?><testsuites><testsuite name="pytest"><testcase classname="functional.test_x" '
              f'name="test_{name}" time="1">{failure}</testcase></testsuite></testsuites>')
+sys.exit(int(os.environ.get("FAKE_EXIT", "0")) if marker == os.environ.get("FAKE_CUT") else 0)
 """
 
 
@@ -272,6 +274,30 @@ def test_the_proof_runs_gpu1_beside_the_tier_the_host_fits_and_fails_on_either(p
         assert "- FAIL: not green: gpu2: own launches: 1 failed" in readme
     if gpus == 4:
         assert "pytest wall (gpu1 beside gpu2 or gpu4): " in readme and "- pass" in readme
+
+
+@pytest.mark.parametrize("gpus,cut,status,line", [
+    (1, "gpu1", 124, "- FAIL: not green: gpu1: cut by the proof's deadline (CPKIT_PROOF_TIMEOUT_S; exit 124)"),
+    (2, "(gpu2) and (cpkit_grid or cpkit_prefetch)", 137, "- FAIL: not green: gpu2: cut by the proof's deadline"),
+    (2, "(gpu2) and not cpkit_grid and not cpkit_prefetch", 2, "gpu2: own launches: pytest exit 2 (interrupted)"),
+])
+def test_a_pytest_cut_by_the_deadline_fails_the_proof_though_its_junit_is_green(proof_copy, tmp_path, gpus, cut,
+                                                                                status, line):
+    """Each of the proof's pytests hands its exit status to the report: one cut by the deadline
+    (124, or 137 after the grace) or interrupted fails the proof, though the junit it wrote
+    holds only passes."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(FAKE_PYTHON)
+    (bin_dir / "python3").chmod(0o755)
+    (tmp_path / "fake_pytest.py").write_text(FAKE_PYTEST)
+    env = {"PATH": f"{bin_dir}:{PATH}", "OUT": str(tmp_path / "out"), "HOME": str(tmp_path), "CPKIT_COMMIT": "abc1234",
+           "REAL_PYTHON": sys.executable, "FAKE_PYTEST": str(tmp_path / "fake_pytest.py"),
+           "FAKE_LOG": str(tmp_path / "calls.jsonl"), "FAKE_GPUS": str(gpus), "FAKE_FAIL": "", "FAKE_CUT": cut,
+           "FAKE_EXIT": str(status)}
+    proc = subprocess.run(["bash", "scripts/gpu-proof.sh", "--optional", "all"], cwd=proof_copy, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and line in proc.stdout, proc.stdout + proc.stderr
 
 
 def _gpu1_paths() -> list[str]:

@@ -128,6 +128,30 @@ def test_a_tier_that_wrote_no_junit_fails_the_proof(tmp_path):
     assert not passed and "FAIL: not green: gpu2: own launches: no junit-launch.xml" in gate
 
 
+def test_a_tier_cut_by_the_deadline_fails_the_proof_though_its_junit_is_green(tmp_path):
+    """pytest writes its junit when the deadline interrupts it: the tests before the cut, all
+    passed. The tier's exit status (timeout's 124, or 137 after the grace) says it was cut; any
+    other status but 0 beside a green junit fails too (1x H200 at 55c8b1b: the gpu1 tier cut at
+    88% reported green)."""
+    folder = _folder(tmp_path, [], gpu1=GPU1_JUNIT, multi=GREEN)
+    for status in (124, 137):
+        text, met = proof_report.report(folder, gpus=2, setup_s=30, pytest_s=200, total_s=260, marker="gpu2",
+                                        exits={"gpu1": status, "gpu2": 0}, **WORDS)
+        assert not met and f"gpu1: cut by the proof's deadline (CPKIT_PROOF_TIMEOUT_S; exit {status}) after" in text
+        gate, passed = proof_report.verdict(folder, gpus=2, pytest_s=200, total_s=260, marker="gpu2",
+                                            exits={"gpu1": status})
+        assert not passed and "- FAIL: not green: gpu1: cut by the proof's deadline" in gate
+    gate, passed = proof_report.verdict(folder, gpus=2, pytest_s=200, total_s=260, marker="gpu2",
+                                        exits={"gpu2: own launches": 2})
+    assert not passed and "gpu2: own launches: pytest exit 2 (interrupted) though its junit has" in gate
+    assert proof_report.verdict(folder, gpus=2, pytest_s=200, total_s=260, marker="gpu2",
+                                exits={"gpu1": 0, "gpu2": 0, "gpu2: own launches": 0})[1]
+    args = [str(folder), "--gpus", "2", "--marker", "gpu2", "--pytest-s", "200"]
+    assert proof_report.main([*args, "--gpu1-exit", "0", "--pools-exit", "124", "--launches-exit", "0"]) == 1
+    assert "gpu2: cut by the proof's deadline" in (folder / "README.md").read_text()
+    assert proof_report.main([*args, "--gpu1-exit", "0", "--pools-exit", "0", "--launches-exit", "0"]) == 0
+
+
 def test_a_dependency_skip_in_the_gpu1_tier_fails_the_proof_naming_the_part(tmp_path):
     te_skip = GPU1_JUNIT.replace('message="refused by design"', 'message="Transformer Engine is not importable"')
     folder = _folder(tmp_path, [], gpu1=te_skip, multi=GREEN)

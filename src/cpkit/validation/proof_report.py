@@ -15,7 +15,9 @@ last grid's end (stages run side by side, so the walls overlap and do not add up
 and 4-GPU are the rank-pool grids of that world size without Transformer Engine; TE is every grid
 of functional/test_te_backend.py; examples are the torchrun runs of functional/test_examples.py.
 
-It exits 0 only when every tier is green and every required part ran (`verdict`, through
+It exits 0 only when every tier is green, every tier's pytest ended by itself (`--gpu1-exit`,
+`--pools-exit`, `--launches-exit`: a tier cut by the deadline writes a junit of what ran before
+the cut), and every required part ran (`verdict`, through
 cpkit.validation.required_parts; `--optional te,upstream` names parts that may be missing,
 `--absent PART=WHY` a part the set-up lacks); a budget overrun is reported and fails the exit
 only with `--fail-over-budget`.
@@ -130,9 +132,10 @@ def _verdict(value: float, limit: float) -> str:
 
 def report(folder: Path, *, gpus: int, setup_s: float, pytest_s: float, total_s: float, marker: str,
            command: str, machine: str, commit: str, fingerprint: str, gpu1_s: float = 0.0,
-           multi_gpu_s: float = 0.0, gpu1_workers: int = 0) -> tuple[str, bool]:
+           multi_gpu_s: float = 0.0, gpu1_workers: int = 0,
+           exits: dict[str, int] | None = None) -> tuple[str, bool]:
     """(README text, every tier green and every budget met); `gpu1_workers`: the gpu1 tier's xdist
-    workers (0: one per GPU). `marker` is the multi-GPU tier's
+    workers (0: one per GPU); `exits`: tier -> its pytest's exit status. `marker` is the multi-GPU tier's
     ("" on a 1-GPU host); `gpu1_s` and `multi_gpu_s` are the walls of the two pytest processes,
     `pytest_s` the span of both."""
     tiers = tier_counts(folder, marker)
@@ -168,7 +171,7 @@ def report(folder: Path, *, gpus: int, setup_s: float, pytest_s: float, total_s:
         verdicts.append(("proof command end to end", _verdict(total_s, budgets["total"]), total_s <= budgets["total"]))
     lines += ["Budgets:", ""] + ([f"- {name}: {text}" for name, text, _ in verdicts]
                                  or [f"- none stated for a {gpus}-GPU host; the walls above are reported"])
-    problems = _tier_problems(tiers, tier_junits(folder, marker))
+    problems = _tier_problems(tiers, tier_junits(folder, marker), exits)
     lines += ["", f"Result: {'green' if not problems else 'NOT green'} ({'; '.join(problems) or _summary(_combined(tiers))})."]
     if busy:
         lines += ["", "GPU utilization during the run (mean of 1 s samples, %): "
@@ -221,28 +224,45 @@ def _summary(tally: Counter) -> str:
     return f"{tally['failed']} failed, {tally['error']} errors, {tally['xpassed']} xpassed, {tally['passed']} passed"
 
 
-def _tier_problems(tiers: dict[str, Counter | None], files: dict[str, Path]) -> list[str]:
-    """Why the tiers are not green, one line per tier: no junit file, or not green."""
+def _tier_problems(tiers: dict[str, Counter | None], files: dict[str, Path],
+                   exits: dict[str, int] | None = None) -> list[str]:
+    """Why the tiers are not green, one line per tier: no junit file, not green, or a pytest that
+    did not end by itself (`exits`: tier -> its pytest's exit status, where known). pytest writes
+    its junit when interrupted too, so a tier cut by the deadline has counts that look green."""
     out = []
     for tier, tally in tiers.items():
+        status = (exits or {}).get(tier)
         if tally is None:
             name = files[tier].name
             out.append(f"{tier}: no {name} (the tier did not finish; its pytest log says why)")
+        elif status in DEADLINE_EXITS:
+            out.append(f"{tier}: cut by the proof's deadline (CPKIT_PROOF_TIMEOUT_S; exit {status}) after "
+                       f"{_summary(tally)}: the tests after the cut did not run")
         elif not _green(tally):
             out.append(f"{tier}: {_summary(tally)}")
+        elif status not in (None, 0):
+            out.append(f"{tier}: pytest exit {status} ({PYTEST_EXITS.get(status, 'not pytest')}) though its junit "
+                       f"has {_summary(tally)}")
     return out
 
 
+DEADLINE_EXITS = (124, 137)
+"""`timeout`'s exit when it sent the deadline's signal (124), or its kill after the grace (137)."""
+PYTEST_EXITS = {1: "tests failed", 2: "interrupted", 3: "internal error", 4: "usage error", 5: "no tests collected"}
+
+
 def verdict(folder: Path, *, gpus: int, pytest_s: float, total_s: float, optional=(), absent=None,
-            fail_over_budget: bool = False, marker: str = "gpu2 or gpu4") -> tuple[str, bool]:
+            fail_over_budget: bool = False, marker: str = "gpu2 or gpu4",
+            exits: dict[str, int] | None = None) -> tuple[str, bool]:
     """(text, passed) of the proof's exit: it passes when every tier (gpu1, and the multi-GPU tier
-    of `marker` unless it is empty) wrote its junit file and is green, and every required part ran
-    in each (cpkit.validation.required_parts); an overrun fails it only with `fail_over_budget`."""
+    of `marker` unless it is empty) wrote its junit file, is green and ended by itself (`exits`:
+    tier -> its pytest's exit status), and every required part ran in each
+    (cpkit.validation.required_parts); an overrun fails it only with `fail_over_budget`."""
     from cpkit.validation.required_parts import violations
 
     files = tier_junits(folder, marker)
     tiers = tier_counts(folder, marker)
-    problems = [f"not green: {p}" for p in _tier_problems(tiers, files)]
+    problems = [f"not green: {p}" for p in _tier_problems(tiers, files, exits)]
     over = overruns(gpus, pytest_s, total_s)
     junits = [path for tier, path in files.items() if tiers[tier] is not None]
     problems += violations(junits, optional, absent=absent, over_budget=over, fail_over_budget=fail_over_budget)
@@ -296,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--absent", action="append", default=[], metavar="PART=WHY",
                         help="a part the set-up lacks, and why (repeatable)")
     parser.add_argument("--fail-over-budget", action="store_true", help="an overrun fails the exit (default: reported only)")
+    for tier in ("gpu1", "pools", "launches"):
+        parser.add_argument(f"--{tier}-exit", type=int, default=None, metavar="STATUS",
+                            help=f"the exit status of the {tier} pytest (124: cut by the deadline)")
     args = parser.parse_args(argv)
     if args.fingerprint:
         print(fingerprint(args.fingerprint))
@@ -309,13 +332,15 @@ def main(argv: list[str] | None = None) -> int:
         absent = dict(_part_why(item) for item in args.absent)
     except RequiredPartsError as exc:
         parser.error(str(exc))
+    names = dict(zip((GPU1, args.marker, f"{args.marker}: {LAUNCHES}"), (args.gpu1_exit, args.pools_exit, args.launches_exit)))
+    exits = {tier: status for tier, status in names.items() if status is not None}
     text, _ = report(args.folder, gpus=args.gpus, setup_s=args.setup_s, pytest_s=args.pytest_s,
                      total_s=args.total_s, marker=args.marker, command=args.command, machine=args.machine,
                      commit=args.commit, fingerprint=fingerprint(Path.cwd()), gpu1_s=args.gpu1_s,
-                     multi_gpu_s=args.multi_gpu_s, gpu1_workers=args.gpu1_workers)
+                     multi_gpu_s=args.multi_gpu_s, gpu1_workers=args.gpu1_workers, exits=exits)
     gate, passed = verdict(args.folder, gpus=args.gpus, pytest_s=args.pytest_s, total_s=args.total_s,
                            optional=optional, absent=absent, fail_over_budget=args.fail_over_budget,
-                           marker=args.marker)
+                           marker=args.marker, exits=exits)
     (args.folder / "README.md").write_text(text + gate)
     print(text + gate)
     return 0 if passed else 1
