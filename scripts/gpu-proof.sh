@@ -23,10 +23,11 @@
 #    evidence/ and recorded into the cards (`cpkit cards record --evidence`); without it the
 #    checkout is not written;
 # 4. the exit (src/cpkit/validation/proof_report.py::verdict): 0 only when both tiers are green, no
-#    pytest was cut by the deadline (its junit holds what ran before the cut), and every required part ran: TE, the Megatron-LM and Megatron-Bridge code, MCore, the cuDNN
-#    frontend, and no test skipped for a missing dependency (a part the set-up lacks stops the
-#    proof before the tests, exit 1). `--optional te,upstream` (or
-#    CPKIT_OPTIONAL) names parts that may be missing. Budgets are reported; an overrun fails the
+#    pytest was cut by the deadline (its junit holds what ran before the cut: each pytest's exit
+#    status goes to the report), and every required part ran: TE, the Megatron-LM and
+#    Megatron-Bridge code, MCore, the cuDNN frontend, and no test skipped for a missing dependency
+#    (a part the set-up lacks stops the proof before the tests, exit 1). `--optional te,upstream`
+#    (or CPKIT_OPTIONAL) names parts that may be missing. Budgets are reported; an overrun fails the
 #    exit only with --fail-over-budget (a loaded host runs slower without testing less).
 # CPKIT_COMMIT names the commit where the tree is not a git checkout (a copy sent to a GPU host);
 # the README also records the tree's fingerprint (`python -m cpkit.validation.proof_report --fingerprint .`),
