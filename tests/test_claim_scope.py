@@ -42,6 +42,22 @@ def test_a_mutation_claim_is_its_file_and_tests_and_validate_is_everything():
     assert claim_scope("cpkit validate --record-map", ROOT) == WHOLE_SUITE
 
 
+def test_a_repository_script_brings_the_cpkit_modules_it_imports(tmp_path):
+    """An evidence folder's A/B script run by path: in scope are the script and the cpkit modules
+    it imports (with theirs), not the rest of cpkit."""
+    (tmp_path / "src" / "cpkit" / "attention").mkdir(parents=True)
+    for name, text in (("cpkit/__init__.py", ""), ("cpkit/attention/__init__.py", ""),
+                       ("cpkit/attention/a2a.py", "from cpkit.attention import chunks\n"),
+                       ("cpkit/attention/chunks.py", ""), ("cpkit/attention/p2p.py", "")):
+        (tmp_path / "src" / name).write_text(text)
+    (tmp_path / "evidence").mkdir()
+    (tmp_path / "evidence" / "ab.py").write_text("import torch\nfrom cpkit.attention import a2a\n")
+    scope = claim_scope("PYTHONPATH=src python3 evidence/ab.py", tmp_path)
+    assert set(scope) == {"evidence/ab.py", "src/cpkit/__init__.py", "src/cpkit/attention/__init__.py",
+                          "src/cpkit/attention/a2a.py", "src/cpkit/attention/chunks.py"}
+    assert claim_scope("python3 evidence/missing.py", tmp_path) == ()
+
+
 def test_a_recorded_code_list_joins_the_scope(tmp_path):
     (tmp_path / "ev").mkdir()
     (tmp_path / "ev" / "bench.json").write_text(json.dumps({"code": ["src/cpkit/dynamic/scheduler.py"]}))

@@ -11,6 +11,8 @@ files). Its scope is now derived, for every claim, from the command that measure
   and modules named by string (`importlib.import_module("cpkit.attention.module")`) included
   (src/cpkit/validation/import_graph.py);
 - repository paths named in the command (a mutated file, its tests) are in scope as they are;
+  a Python script of the repository it runs (an evidence folder's A/B) brings the cpkit modules
+  it imports as well;
 - `cpkit validate` runs the whole suite: its scope is src/, tests/ and functional/.
 
 A benchmark also records the cpkit modules its process loaded (its JSON's `code`:
@@ -74,6 +76,9 @@ def entry_modules(command: str, root: Path) -> tuple[set[str], set[str]]:
         word = word.strip("(),")
         if word.startswith(("src/", "tests/", "functional/", "examples/")) and (root / word.split("::")[0]).exists():
             paths.add(word)
+        elif word.endswith(".py") and (root / word).is_file():  # a script: it and what it imports
+            paths.add(word)
+            modules.update(cpkit_imports(imports(root / word, root), package_modules(root / "src")))
     return modules, paths
 
 
