@@ -21,7 +21,7 @@ from cpkit.attention.kernels import attn_fwd
 from cpkit.attention.merge import merge, merge_
 from cpkit.sharding import gather_seq, gather_thd, pad_cu_seqlens, position_ids, shard_seq, shard_thd
 
-pytestmark = pytest.mark.gpu1
+pytestmark = [pytest.mark.gpu1, pytest.mark.usefixtures("flex_compiled")]  # functional/conftest.py
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SCALE = 0.125
@@ -38,20 +38,6 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str)
 
 def _randn(*shape, dtype, gen):
     return torch.randn(*shape, generator=gen).to("cuda", dtype)
-
-
-@pytest.fixture(autouse=True)
-def _flex_attention_compiled():
-    """FlexAttention run uncompiled (its unfused path: the [s_q, s_k] scores in memory) fails the
-    test. torch says so once per process, so its record of warnings shown is cleared first."""
-    import warnings
-
-    from torch.nn.attention import flex_attention as module
-
-    getattr(module, "_WARNINGS_SHOWN", set()).clear()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*called without torch.compile.*")
-        yield
 
 
 @pytest.mark.parametrize("layout", ["sbhd", "thd"])

@@ -39,7 +39,6 @@ import zlib
 
 import pytest
 import torch
-from torch.nn.attention import flex_attention as flex_attention_module
 
 from cpkit.attention import cudnn_fe, flex_band
 from cpkit.attention.band import Band, Window, band_bwd, band_fwd
@@ -48,7 +47,8 @@ from cpkit.attention.kernels import attn_bwd, attn_fwd
 from cpkit.attention.sink import sink_grad
 from cpkit.testing.reference import masked_block_reference
 
-pytestmark = [pytest.mark.gpu1, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu1, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.usefixtures("flex_compiled")]  # nor FlexAttention run uncompiled: functional/conftest.py
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 SCALE = 0.125
@@ -164,9 +164,6 @@ def test_kernel_computes_every_input_form(feature, form, kernel, packing, dtype)
         # (FlexAttention's fallback to exact math included: on a supported GPU every band block
         # compiles, src/cpkit/attention/flex_band.py::_mask_mod says what failed before)
         warnings.filterwarnings("error", message=".*(refused|failed|falling back|looping).*")
-        # nor FlexAttention run uncompiled (its unfused path), which torch says once per process
-        warnings.filterwarnings("error", message=".*called without torch.compile.*")
-        getattr(flex_attention_module, "_WARNINGS_SHOWN", set()).clear()
         flex_band._FAILED.clear()
         try:
             out, lse, grads = _run(q, k, v, dout, causal, distances, sink, kernel, tokens, cu, packing, kw)
