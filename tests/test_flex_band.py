@@ -254,3 +254,35 @@ def test_a_wrapper_at_dynamos_recompile_limit_is_replaced_never_run_uncompiled(m
             got = flex_band._run_compiled(flex_band._compiled(False), lambda fn: fn(q, q, q))
             torch.testing.assert_close(got, want[id(q)], **FP32)
     assert flex_band._compiled(False) is not first  # the second variant's wrapper took over
+
+
+@pytest.mark.parametrize("thd", [False, True], ids=["sbhd", "thd"])
+def test_the_strided_and_dense_forms_of_one_block_share_one_compiled_graph(thd, monkeypatch):
+    """a2a hands the kernel q, k, v as views split out of one packed buffer; the other comm types
+    hand dense tensors. Dynamo specialises on strides, so each form of one shape compiled its own
+    kernels (the gpu1 conformance matrix runs both: seconds per compile). Here (CPU, dynamo with
+    the eager backend) the strided form after the dense one compiles no new graph, and both
+    equal FlexAttention's uncompiled result."""
+    import functools
+
+    import torch._dynamo.utils as dynamo_utils
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    monkeypatch.setattr(flex_band, "_COMPILED", {})
+    torch._dynamo.reset()
+    band, tokens = _band(thd, Window(5, None), True, 1, 0)
+    dense = _qkv(thd, tokens, dv=16)
+    lead = (tokens,) if thd else (tokens, 2)
+    buf = torch.cat([x.flatten(-2) for x in dense], dim=-1)  # one packed buffer, as a2a receives it
+    strided = [x.unflatten(-1, (h, 16)) for x, h in zip(buf.split([64, 32, 32], dim=-1), (4, 2, 2))]
+    assert not strided[0].is_contiguous() and strided[0].shape == dense[0].shape and lead == dense[0].shape[:-2]
+    want = flex_band.fwd(*dense, band, 0.25)  # uncompiled on CPU
+    monkeypatch.setattr(flex_band, "_attention", lambda q, k, v, band: flex_band._compiled(False))
+    graphs = []
+    for form in (dense, strided):
+        before = dynamo_utils.counters["stats"]["unique_graphs"]
+        got = flex_band.fwd(*form, band, 0.25)
+        graphs.append(dynamo_utils.counters["stats"]["unique_graphs"] - before)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, **FP32)
+    assert graphs == [1, 0], f"graphs compiled by the dense, then the strided form: {graphs}"

@@ -281,10 +281,19 @@ def _flex_bhsd(q, k, v, band, scale):
     return o, lse.float()
 
 
+def _dense_rows(x: torch.Tensor) -> torch.Tensor:
+    """x with dense rows in its own layout (sbhd or THD): a strided view (a2a's all-to-all buffer
+    split by heads) is copied, a dense x is x. Dynamo specialises on strides, so without the copy
+    the strided and dense forms of one shape compiled kernels of their own (seconds each, twice);
+    a copy costs one pass over the block's inputs, and a2a's blocks reach FlexAttention only where
+    cuDNN cannot take the band."""
+    return x.contiguous()
+
+
 def fwd(q, k, v, band, scale: float):
     """(out like q, float32 LSE [b, h, s] or [h, t]) of q over k/v within `band`."""
     thd = q.dim() == 3
-    qb, kb, vb = (_to_bhsd(x) for x in (q, k, v))
+    qb, kb, vb = (_to_bhsd(_dense_rows(x)) for x in (q, k, v))
     o, lse = _specialising_on_failure(qb, kb, vb, band, lambda: _flex_bhsd(qb, kb, vb, band, scale))
     return _from_bhsd(o, thd).to(q.dtype), (lse[0] if thd else lse)
 
@@ -308,7 +317,7 @@ def bwd(q, k, v, band, scale: float, dout, out, lse):
     """(dq, dk, dv) in the dtypes of q, k, v of the block within `band`, given the FINAL out
     and LSE of the whole attention."""
     thd = q.dim() == 3
-    qb, kb, vb, dob, ob = (_to_bhsd(x) for x in (q, k, v, dout, out))
+    qb, kb, vb, dob, ob = (_to_bhsd(_dense_rows(x)) for x in (q, k, v, dout, out))
     grads = _specialising_on_failure(qb, kb, vb, band, lambda: share_of_merge_grads(
         lambda a, b, c: _flex_bhsd(a, b, c, band, scale), qb, kb, vb, dob, ob, _lse_to_bhs(lse, thd)))
     return tuple(_from_bhsd(g, thd).to(x.dtype) for g, x in zip(grads, (q, k, v)))
