@@ -184,11 +184,7 @@ def test_a_short_thd_block_runs_on_flex_attention_whichever_kernel_it_is_routed_
     depending on which cases its xdist worker had run first (1x H200, 4 workers)."""
     _skip_unavailable("flex")
     monkeypatch.setattr(flex_band, "_STATIC_KEYS", set())
-    if routing == "dynamic":  # no slot for its shape, and no specialised retry
-        monkeypatch.setattr(flex_band, "STATIC_SHAPES", 0)
-        monkeypatch.setattr(flex_band, "_static_limit", lambda: 0)
-    else:
-        monkeypatch.setattr(flex_band, "STATIC_SHAPES", 1)
+    monkeypatch.setattr(flex_band, "STATIC_SHAPES", 0 if routing == "dynamic" else 1)
     test_kernel_computes_every_input_form(feature, "thd", "flex", "short", torch.bfloat16)
 
 

@@ -170,44 +170,6 @@ def test_first_shapes_get_their_own_kernels_and_later_ones_share_a_dynamic_one(m
     assert call(100) is static  # a shape with its own kernel keeps it
 
 
-def test_a_shape_the_dynamic_kernel_cannot_lower_gets_its_own_kernel_not_dense_math(monkeypatch):
-    """CUDA routing (no kernel runs here): past STATIC_SHAPES, a shape whose dynamic-shape compile
-    fails is run again on a kernel specialised to it, and keeps it; a failure of that kernel, or
-    a failure once the specialised wrapper is at dynamo's recompile limit, is raised (try_run
-    then falls back and warns)."""
-    from types import SimpleNamespace
-
-    monkeypatch.setattr(flex_band, "_STATIC_KEYS", set())
-    band = SimpleNamespace(window=Window(4, None), causal=True, q=(None, None))
-    static, dynamic = flex_band._compiled(False), flex_band._compiled(True)
-
-    def qkv(tokens):
-        q = SimpleNamespace(device=torch.device("cuda"), is_cuda=True, shape=(1, 4, tokens, 16), dtype=torch.bfloat16)
-        return q, SimpleNamespace(shape=(1, 2, tokens, 16)), SimpleNamespace(shape=(1, 2, tokens, 16))
-
-    def run(q, k, v, lowers=(static,)):
-        chosen = flex_band._attention(q, k, v, band)
-        if chosen not in lowers:
-            raise RuntimeError("NoValidChoicesError: No choices to select")
-        return chosen
-
-    for t in range(100, 100 + flex_band.STATIC_SHAPES):
-        assert run(*qkv(t), lowers=(static,)) is static
-    q, k, v = qkv(64)
-    assert flex_band._specialising_on_failure(q, k, v, band, lambda: run(q, k, v)) is static
-    assert flex_band._attention(q, k, v, band) is static  # kept: no second failed compile
-    q, k, v = qkv(80)  # a shape the dynamic kernel lowers stays on it
-    assert flex_band._specialising_on_failure(q, k, v, band, lambda: run(q, k, v, (static, dynamic))) is dynamic
-    q, k, v = qkv(96)
-    with pytest.raises(RuntimeError, match="NoValidChoices"):  # the specialised kernel fails too
-        flex_band._specialising_on_failure(q, k, v, band, lambda: run(q, k, v, lowers=()))
-    monkeypatch.setattr(flex_band, "_static_limit", lambda: len(flex_band._STATIC_KEYS))
-    q, k, v = qkv(112)
-    with pytest.raises(RuntimeError, match="NoValidChoices"):  # at the limit: no new specialised kernel
-        flex_band._specialising_on_failure(q, k, v, band, lambda: run(q, k, v))
-    assert flex_band._shape_key(q, k, v, band) not in flex_band._STATIC_KEYS
-
-
 @pytest.mark.parametrize("wrapper", ["_flex_static", "_flex_dynamic"])
 def test_compiled_wrappers_call_nothing_behind_an_lru_cache(wrapper):
     """Dynamo traces the FlexAttention wrappers; had they called a functools.lru_cache-wrapped

@@ -114,32 +114,6 @@ def _attention(q, k, v, band):
     return _compiled(key not in _STATIC_KEYS)
 
 
-def _static_limit() -> int:
-    """Shapes that may get a specialised kernel in all: each costs a compile (seconds), and a
-    run of ever-new shapes is what the dynamic-shape kernel is for."""
-    config = torch._dynamo.config
-    return int(getattr(config, "recompile_limit", getattr(config, "cache_size_limit", 8)))
-
-
-def _specialising_on_failure(q, k, v, band, run):
-    """run(); where the shared dynamic-shape kernel fails to compile this shape, run() again with a
-    kernel specialised to it. torch 2.11's dynamic-shape FlexAttention found no kernel config for
-    short half-precision THD blocks of a causal window (inductor NoValidChoicesError), which the
-    static compile of the same block lowers; without this the whole dtype fell back to dense math.
-    A failure of the specialised kernel is raised (try_run's fallback says so)."""
-    key = _shape_key(q, k, v, band)
-    try:
-        return run()
-    except torch.OutOfMemoryError:
-        raise
-    except Exception:
-        # _attention has routed the shape by now: it ran the dynamic kernel if its key is not static
-        if not q.is_cuda or key in _STATIC_KEYS or len(_STATIC_KEYS) >= _static_limit():
-            raise
-        _STATIC_KEYS.add(key)
-        return run()
-
-
 def _key(q, k, v) -> tuple:
     return (q.dtype, q.shape[-1], v.shape[-1], q.shape[-2] != k.shape[-2], q.dim())
 
@@ -294,7 +268,7 @@ def fwd(q, k, v, band, scale: float):
     """(out like q, float32 LSE [b, h, s] or [h, t]) of q over k/v within `band`."""
     thd = q.dim() == 3
     qb, kb, vb = (_to_bhsd(_dense_rows(x)) for x in (q, k, v))
-    o, lse = _specialising_on_failure(qb, kb, vb, band, lambda: _flex_bhsd(qb, kb, vb, band, scale))
+    o, lse = _flex_bhsd(qb, kb, vb, band, scale)
     return _from_bhsd(o, thd).to(q.dtype), (lse[0] if thd else lse)
 
 
@@ -318,6 +292,6 @@ def bwd(q, k, v, band, scale: float, dout, out, lse):
     and LSE of the whole attention."""
     thd = q.dim() == 3
     qb, kb, vb, dob, ob = (_to_bhsd(_dense_rows(x)) for x in (q, k, v, dout, out))
-    grads = _specialising_on_failure(qb, kb, vb, band, lambda: share_of_merge_grads(
-        lambda a, b, c: _flex_bhsd(a, b, c, band, scale), qb, kb, vb, dob, ob, _lse_to_bhs(lse, thd)))
+    grads = share_of_merge_grads(lambda a, b, c: _flex_bhsd(a, b, c, band, scale), qb, kb, vb, dob, ob,
+                                 _lse_to_bhs(lse, thd))
     return tuple(_from_bhsd(g, thd).to(x.dtype) for g, x in zip(grads, (q, k, v)))
