@@ -12,6 +12,9 @@
 #    (cpkit.testing.gpu_per_worker), and
 #    the multi-GPU tier, every gpu2 and gpu4 test of functional/ (`-m "gpu2 or gpu4"` on 4 or more
 #    GPUs, `-m gpu2` on 2 or 3, none on 1), TE and the examples included; pytest args go to both.
+#    Its tests that start their own ranks run in a third pytest, 3 side by side; on 2-3 GPUs each
+#    2-rank launch needs the whole host, so they share the GPUs (CPKIT_GPU_SLOTS, default 3 there,
+#    as the rank pools beside them do; src/cpkit/harness/gpu_claim.py);
 #    GPU utilization sampled every second; one compile cache for all of them and for the next proof
 #    on this machine (CPKIT_COMPILE_CACHE, default ~/.cache/cpkit/compile). The deadline CPKIT_PROOF_TIMEOUT_S (default 540) sends
 #    each pytest SIGINT (it still writes its summary and junit), and SIGKILL CPKIT_PROOF_GRACE_S
@@ -163,7 +166,10 @@ multi_s=0 exits=()  # each pytest's exit status: 124 is the deadline's cut (proo
 if [ -n "$marker" ]; then
   # The multi-GPU tests that start their own ranks (no pool: neither a grid nor a prefetched
   # example) in a pytest of their own, 3 side by side (proof_report.LAUNCHES says why).
-  ( "${deadline[@]}" python3 -m pytest -n 3 -p no:cacheprovider -q -rfEsx --durations=25 \
+  # One after another these held the tier's wall on 2 GPUs (claims waited 320 s in all at
+  # c0b3916), each 2-rank launch claiming the whole host: there they share it, 3 at a time.
+  slots=${CPKIT_GPU_SLOTS:-$([ "$gpus" -lt 4 ] && echo 3 || echo 1)}
+  ( CPKIT_GPU_SLOTS=$slots "${deadline[@]}" python3 -m pytest -n 3 -p no:cacheprovider -q -rfEsx --durations=25 \
       -m "($marker) and not cpkit_grid and not cpkit_prefetch" --junitxml="$dir/junit-launch.xml" functional "$@" \
       >"$dir/pytest-launch.log" 2>&1 ) &
   launch_pid=$!

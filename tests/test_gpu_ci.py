@@ -212,6 +212,8 @@ with open(os.environ["FAKE_LOG"], "a") as fh:
 marker = args[args.index("-m") + 1]
 with open(os.environ["FAKE_LOG"] + ".visible", "a") as fh:
     fh.write(json.dumps([marker, os.environ.get("CUDA_VISIBLE_DEVICES")]) + "\\n")
+with open(os.environ["FAKE_LOG"] + ".slots", "a") as fh:
+    fh.write(json.dumps([marker, os.environ.get("CPKIT_GPU_SLOTS")]) + "\\n")
 junit = next(a.split("=", 1)[1] for a in args if a.startswith("--junitxml="))
 name, failure = marker.replace(" ", "_"), '<failure message="off"/>' if marker == os.environ.get("FAKE_FAIL") else ""
 with open(junit, "w") as fh:
@@ -257,6 +259,11 @@ def test_the_proof_runs_gpu1_beside_the_tier_the_host_fits_and_fails_on_either(p
     gpu1 = calls["gpu1"]
     visible = dict(map(json.loads, Path(f"{log}.visible").read_text().splitlines()))
     assert visible["gpu1"] == ",".join(map(str, range(gpus)))
+    slots = dict(map(json.loads, Path(f"{log}.slots").read_text().splitlines()))
+    # the own launches share the GPUs 3 at a time where each 2-rank launch needs the whole host
+    assert {m: n for m, n in slots.items() if "not cpkit_grid" in m} == (
+        {} if gpus == 1 else {"(gpu2) and not cpkit_grid and not cpkit_prefetch": "3"} if gpus < 4
+        else {"(gpu2 or gpu4) and not cpkit_grid and not cpkit_prefetch": "1"})
     assert " ".join(gpu1).count("-p cpkit.testing.gpu_per_worker") == 1 and "--dist worksteal" in " ".join(gpu1)
     assert f"--junitxml={tmp_path}/out/evidence/" in " ".join(gpu1) and gpu1[-1] == "tests"
     assert [a for a in gpu1 if a.startswith("functional/")][0] == "functional/test_replay_gpu.py"

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from cpkit.harness.gpu_claim import LOCK_DIR_ENV, claim_gpus, visible_gpu_ids
+from cpkit.harness.gpu_claim import LOCK_DIR_ENV, SLOTS_ENV, claim_gpus, gpu_slots, visible_gpu_ids
 from cpkit.testing.pytest_plugin import xdist_group_of
 
 GPUS = ["0", "1", "2", "3"]
@@ -99,3 +99,43 @@ def test_an_unwritable_timing_log_warns_and_never_fails_the_run(tmp_path, monkey
     monkeypatch.setenv(TIMES_ENV, str(tmp_path / "missing-dir" / "times.jsonl"))
     with pytest.warns(UserWarning, match="cannot be written"):
         record_times([{"case": "x", "seconds": 1.0}])
+
+
+def test_slots_let_that_many_whole_host_claims_run_side_by_side():
+    """On a 2-GPU host every 2-rank launch needs the whole host: with one slot the proof's launch
+    workers ran one after another; with S slots S of them run at once, and one more waits."""
+    gpus = ["0", "1"]
+    with claim_gpus(2, gpus, slots=2) as a, claim_gpus(2, gpus, slots=2) as b:
+        assert a == b == gpus
+        with pytest.raises(TimeoutError, match=r"no 2 free GPUs.*gpu-0.lock: pid \d+.*gpu-0.slot1.lock: pid \d+"):
+            with claim_gpus(2, gpus, slots=2, timeout_s=0.3):
+                pass
+    with claim_gpus(2, gpus, slots=1, timeout_s=1) as one:  # reclaimed on exit
+        assert one == gpus
+        with pytest.raises(TimeoutError):
+            with claim_gpus(2, gpus, slots=1, timeout_s=0.3):
+                pass
+
+
+def test_with_slots_pairs_fill_every_slot_and_a_whole_host_claim_takes_a_free_slot_at_once():
+    pairs = [claim_gpus(2, GPUS, slots=2) for _ in range(3)]
+    assert [p.__enter__() for p in pairs] == [["0", "1"], ["2", "3"], ["0", "1"]]
+    with claim_gpus(2, GPUS, slots=2, timeout_s=1) as fourth:  # the last free pair: slot 1's GPUs 2 and 3
+        assert fourth == ["2", "3"]
+    for p in pairs[1:]:
+        p.__exit__(None, None, None)
+    # slot 0 still has a pair on GPUs 0 and 1; slot 1 is free: the whole host there, without waiting
+    with claim_gpus(4, GPUS, slots=2, timeout_s=1) as whole:
+        assert whole == GPUS
+    pairs[0].__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two", "1.5"])
+def test_a_bad_slot_count_is_a_clear_error_whose_fix_passes(value, monkeypatch):
+    monkeypatch.setenv(SLOTS_ENV, value)
+    with pytest.raises(ValueError, match=rf"CPKIT_GPU_SLOTS='{value}': must be an integer >= 1.*fix: CPKIT_GPU_SLOTS=1"):
+        gpu_slots()
+    monkeypatch.setenv(SLOTS_ENV, "1")
+    assert gpu_slots() == 1
+    monkeypatch.delenv(SLOTS_ENV)
+    assert gpu_slots() == 1

@@ -9,6 +9,11 @@ tried without waiting, so that no waiting claim holds a GPU. A claim whose block
 one (all 4 GPUs for n = 4) first takes the host's wait lock, which keeps new smaller claims from
 starting, then its GPUs in order as they come free: a stream of small launches cannot starve it,
 and nothing deadlocks (only these claims wait while holding, one at a time, in one order).
+
+Slots (CPKIT_GPU_SLOTS, default 1): how many launches may share one GPU. Each slot is a host of
+its own to the rules above (its own lock files and wait lock), so on a 2-GPU host, where every
+2-rank launch needs the whole host, S slots let S of them run side by side, as the rank pools
+beside them already do; one slot keeps every launch on GPUs of its own.
 """
 
 from __future__ import annotations
@@ -22,12 +27,29 @@ import time
 from typing import Iterator, Sequence
 
 
-__all__ = ["CLAIM_ENV", "LOCK_DIR_ENV", "claim_gpus", "visible_gpu_ids"]
+__all__ = ["CLAIM_ENV", "LOCK_DIR_ENV", "SLOTS_ENV", "claim_gpus", "gpu_slots", "visible_gpu_ids"]
 
 CLAIM_ENV = "CPKIT_GPU_CLAIM"
 """'0' turns claims off: every NCCL launch then sees every GPU (rank r on cuda:r), as before."""
 LOCK_DIR_ENV = "CPKIT_GPU_LOCK_DIR"
 """Where the lock files live (default: <tmp>/cpkit-gpu-locks-<uid>); one directory per host."""
+SLOTS_ENV = "CPKIT_GPU_SLOTS"
+"""How many NCCL launches may share one GPU (an integer >= 1; default 1: a launch's GPUs are its own)."""
+
+
+def gpu_slots() -> int:
+    """CPKIT_GPU_SLOTS as an integer >= 1 (1 where unset); ValueError naming the value and a fix."""
+    raw = os.environ.get(SLOTS_ENV, "").strip()
+    if not raw:
+        return 1
+    try:
+        slots = int(raw)
+    except ValueError:
+        slots = 0
+    if slots < 1:
+        raise ValueError(f"{SLOTS_ENV}={raw!r}: must be an integer >= 1 (launches that may share one GPU); "
+                         f"fix: {SLOTS_ENV}=1 (each launch on GPUs of its own), or unset it")
+    return slots
 
 
 def visible_gpu_ids(count: int) -> list[str]:
@@ -79,63 +101,95 @@ def _whole_block_free(path: str) -> bool:
         return True  # closing the file drops the shared lock
 
 
+def _all_or_none(paths: Sequence[str]) -> list:
+    """Every lock of `paths` taken without waiting, or none of them (an empty list)."""
+    held = []
+    for path in paths:
+        fh = _try_lock(path, wait=False)
+        if fh is None:
+            for taken in held:
+                taken.close()
+            return []
+        held.append(fh)
+    return held
+
+
+def _slot_files(folder: str, gpu_ids: Sequence[str], slot: int) -> tuple[list[str], str]:
+    """(a lock file per GPU, the wait lock) of one slot; slot 0 keeps the names of one slot."""
+    tag = "" if slot == 0 else f".slot{slot}"
+    return ([os.path.join(folder, "gpu-" + re.sub(r"[^A-Za-z0-9_.-]", "_", g) + tag + ".lock") for g in gpu_ids],
+            os.path.join(folder, f"whole-host{tag}.wait"))
+
+
 @contextlib.contextmanager
 def claim_gpus(n: int, gpu_ids: Sequence[str], *, timeout_s: float = 1800.0,
-               poll_s: float = 0.1) -> Iterator[list[str]]:
-    """Hold `n` of `gpu_ids` (an aligned block) until the block exits; yields their ids, to be
-    the ranks' CUDA_VISIBLE_DEVICES. Waits while other claims hold them; TimeoutError naming the
-    holders after `timeout_s`. ValueError when `n` exceeds the GPUs there are."""
+               poll_s: float = 0.1, slots: int | None = None) -> Iterator[list[str]]:
+    """Hold `n` of `gpu_ids` (an aligned block) in one of `slots` (default: gpu_slots()) until the
+    block exits; yields their ids, to be the ranks' CUDA_VISIBLE_DEVICES. Waits while other claims
+    hold them; TimeoutError naming the holders after `timeout_s`. ValueError when `n` exceeds the
+    GPUs there are."""
     if not 1 <= n <= len(gpu_ids):
         raise ValueError(f"a launch of {n} NCCL ranks needs {n} GPUs, found {len(gpu_ids)} "
                          f"({', '.join(gpu_ids) or 'none'}): launch fewer ranks or on a bigger host")
     folder = _lock_dir()
-    paths = [os.path.join(folder, "gpu-" + re.sub(r"[^A-Za-z0-9_.-]", "_", g) + ".lock") for g in gpu_ids]
+    files = [_slot_files(folder, gpu_ids, s) for s in range(gpu_slots() if slots is None else slots)]
     blocks = [list(range(b * n, (b + 1) * n)) for b in range(len(gpu_ids) // n)]
     deadline = time.monotonic() + timeout_s
-    wait_lock = os.path.join(folder, "whole-host.wait")
     held: list = []
     chosen: list[int] = []
+    slot = 0
 
     def expired() -> bool:
         if time.monotonic() > deadline:
+            holders = "; ".join(_holders(paths) for paths, _ in files)
             raise TimeoutError(f"no {n} free GPUs of {list(gpu_ids)} after {timeout_s:.0f} s; "
-                               f"held by: {_holders(paths)} (lock files in {folder})")
+                               f"held by: {holders} (lock files in {folder})")
         time.sleep(poll_s)
         return True
 
     try:
-        if len(blocks) == 1:  # first in line for the whole block: no new smaller claim starts
+        if len(blocks) == 1:  # a slot whose block is free now, else first in line for one slot's
             while not held:
-                fh = _try_lock(wait_lock, wait=False)
-                if fh is not None:
-                    held.append(fh)
+                for slot, (paths, wait_lock) in enumerate(files):
+                    held = _all_or_none([wait_lock, *paths])
+                    if held:
+                        chosen = blocks[0]
+                        break
                 else:
-                    expired()
-        else:  # wait while a whole-block claim waits or runs
-            while not _whole_block_free(wait_lock):
-                expired()
+                    for slot, (_, wait_lock) in enumerate(files):
+                        fh = _try_lock(wait_lock, wait=False)  # no new smaller claim starts in this slot
+                        if fh is not None:
+                            held.append(fh)
+                            break
+                    else:
+                        expired()
         while not chosen:
             if len(blocks) == 1:  # take its GPUs in order, keeping what we have
                 for i in blocks[0][len(held) - 1:]:
-                    fh = _try_lock(paths[i], wait=False)
+                    fh = _try_lock(files[slot][0][i], wait=False)
                     if fh is None:
                         break
                     held.append(fh)
                 if len(held) == n + 1:
                     chosen = blocks[0]
             else:
-                for block in blocks:
-                    for i in block:
-                        fh = _try_lock(paths[i], wait=False)
-                        if fh is None:
+                for paths, wait_lock in files:
+                    if not _whole_block_free(wait_lock):  # a whole-block claim waits or runs there
+                        continue
+                    for block in blocks:
+                        for i in block:
+                            fh = _try_lock(paths[i], wait=False)
+                            if fh is None:
+                                break
+                            held.append(fh)
+                        if len(held) == n:
+                            chosen = block
                             break
-                        held.append(fh)
-                    if len(held) == n:
-                        chosen = block
+                        for fh in held:
+                            fh.close()
+                        held = []
+                    if chosen:
                         break
-                    for fh in held:
-                        fh.close()
-                    held = []
             if not chosen:
                 expired()
         yield [gpu_ids[i] for i in chosen]

@@ -21,7 +21,7 @@ import time
 import traceback
 from typing import Any, Callable, Sequence
 
-from cpkit.harness.gpu_claim import CLAIM_ENV, claim_gpus, visible_gpu_ids
+from cpkit.harness.gpu_claim import CLAIM_ENV, claim_gpus, gpu_slots, visible_gpu_ids
 from cpkit.harness.launch_times import record_times
 from cpkit.harness.rank_stderr import StderrFollower, capture_stderr, describe_exit
 from cpkit.harness.rank_worker import die_with_parent
@@ -220,7 +220,7 @@ def launch(
 
     Under nccl the launch first claims `world_size` GPUs of the host (cpkit.harness.gpu_claim; waits
     while other launches hold them; CPKIT_GPU_CLAIM=0: no claim, rank r on visible GPU r), so
-    that launches smaller than the host run side by side. A rank that dies by a signal is
+    that launches smaller than the host run side by side (CPKIT_GPU_SLOTS launches per GPU). A rank that dies by a signal is
     reported with the last lines it wrote to stderr (each rank's stderr also reaches this
     process's stderr as it is written).
     """
@@ -236,8 +236,8 @@ def launch(
     with claim_gpus(world_size, visible_gpu_ids(count)) as mine:
         record_times([dict(launch=getattr(fn, "__name__", str(fn)), world_size=world_size, gpus=mine,
                             claim_wait_s=round(time.monotonic() - asked, 2))])
-        # Share the cores by GPU: launches side by side must not oversubscribe them either.
-        threads = max(1, (os.cpu_count() or 1) // max(world_size, count))
+        # Share the cores by GPU and slot: launches side by side must not oversubscribe them either.
+        threads = max(1, (os.cpu_count() or 1) // (max(world_size, count) * gpu_slots()))
         return _launch(fn, world_size, backend, timeout, args, kwargs, pg_timeout, cuda_visible,
                        ",".join(mine), threads)
 

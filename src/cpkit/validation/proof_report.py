@@ -51,7 +51,9 @@ LAUNCH_JUNIT = "junit-launch.xml"
 LAUNCHES = "own launches"
 """The multi-GPU tests that start their own ranks (no rank pool: neither a grid nor an example
 started beside the pools) run in a pytest of their own, its workers side by side (scripts/gpu-proof.sh):
-one after another they held the tier's wall (about 200 s of 289 at ee2c2f5 on 2x H200)."""
+one after another they held the tier's wall (about 200 s of 289 at ee2c2f5 on 2x H200). On 2-3
+GPUs each 2-rank launch claims the whole host, so there they share the GPUs (CPKIT_GPU_SLOTS 3:
+at c0b3916 on 2x H200 their claims waited 320 s in all)."""
 TE_GRID = "functional.test_te_backend."
 
 
