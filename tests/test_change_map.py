@@ -56,7 +56,8 @@ CHECKS = ["tests/test_import_graph.py", "tests/test_repo_text.py"]  # with every
                                    "tests/test_changed_nodes.py", "tests/test_cli_output.py",
                                    "tests/test_coverage_map.py", "tests/test_coverage_map_fresh.py",
                                    "tests/test_mutation.py", "tests/test_proof_report.py", "tests/test_repo_cards_skills.py",
-                                   "tests/test_skills.py", "tests/test_symbol_graph.py", "tests/test_validate.py"]),
+                                   "tests/test_skills.py", "tests/test_stoppable.py", "tests/test_symbol_graph.py",
+                                   "tests/test_validate.py"]),
     # A file in the harness folder with a row of its own: that row, not everything.
     ("src/cpkit/testing/models.py", ["functional/test_dynamic_cp.py", "functional/test_eval_cp.py",
                                      "functional/test_gpt.py", "functional/test_hierarchical.py",

@@ -180,7 +180,7 @@ CHANGE_MAP: tuple[Row, ...] = (
         ("tests/test_proof_report.py", "tests/test_cards.py", "tests/test_cards_upstream.py", "tests/test_cards_results.py", "tests/test_cards_evidence.py", "tests/test_cards_claims.py", "tests/test_skills.py", "tests/test_repo_cards_skills.py", "tests/test_validate.py",
          "tests/test_change_map.py", "tests/test_symbol_graph.py", "tests/test_cli_output.py", "tests/test_mutation.py",
          "tests/test_command_lines.py", "tests/test_coverage_map.py", "tests/test_changed_nodes.py",
-         "tests/test_coverage_map_fresh.py", "tests/test_claim_scope.py"), (), "unit"),
+         "tests/test_coverage_map_fresh.py", "tests/test_claim_scope.py", "tests/test_stoppable.py"), (), "unit"),
     Row(("skills/", "src/cpkit/attention/a2a.py", "src/cpkit/attention/band.py", "src/cpkit/parallel/groups.py",
          "src/cpkit/eval_cp/loop.py", "src/cpkit/dynamic/runtime.py", "src/cpkit/hybrid/recurrent_cp.py", "src/cpkit/hybrid/mamba.py",
          "src/cpkit/hybrid/layout.py"), (), ("functional/test_skill_faults.py",),

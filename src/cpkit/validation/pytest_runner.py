@@ -24,6 +24,8 @@ from typing import Literal, Mapping
 
 import pytest
 
+from cpkit.validation.stoppable import run_stoppable
+
 __all__ = ["PytestRun", "run_pytest", "BASE_FLAGS", "NODE_IDS_ENV", "pytest_collection_modifyitems"]
 
 #: Flags every run gets: quiet, no cache folder in the tree, and the per-test report.
@@ -90,17 +92,14 @@ def run_pytest(
         if pythonpath is not None:
             env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), os.environ.get("PYTHONPATH", "")])
         run = PytestRun(exit_code=0, command=["python", "-m", "pytest", *BASE_FLAGS, *args])
-        try:
+        try:  # the pytest and its ranks stop with this process (SIGTERM, Ctrl-C, the timeout)
             stdout = _stderr_fd() if output == "stderr" else None
-            if output == "capture" or (output == "stderr" and stdout is None):
-                proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
-                run.output = proc.stdout + proc.stderr
-                if output == "stderr":  # stderr is not a real file (captured): pass the text on
-                    sys.stderr.write(run.output)
-                    run.output = ""
-            else:
-                proc = subprocess.run(cmd, cwd=root, env=env, timeout=timeout, stdout=stdout)
-            run.exit_code = proc.returncode
+            capture = output == "capture" or (output == "stderr" and stdout is None)
+            run.exit_code, run.output = run_stoppable(cmd, cwd=root, env=env, timeout=timeout, capture=capture,
+                                                      stdout=stdout)
+            if capture and output == "stderr":  # stderr is not a real file (captured): pass the text on
+                sys.stderr.write(run.output)
+                run.output = ""
         except subprocess.TimeoutExpired:
             run.exit_code = f"timed out after {timeout:g} s"
         except OSError as exc:
