@@ -50,7 +50,8 @@ def run_stoppable(cmd: list[str], *, cwd, env, timeout: float | None = None, cap
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm) if main else None
     try:
-        with subprocess.Popen(cmd, cwd=cwd, env=env, start_new_session=True, **pipes) as proc:
+        # its own process group, in this session: it keeps the terminal, and signals reach it from here
+        with subprocess.Popen(cmd, cwd=cwd, env=env, process_group=0, **pipes) as proc:
             try:
                 out, err = proc.communicate(timeout=timeout)
             except BaseException:
