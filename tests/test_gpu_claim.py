@@ -16,6 +16,7 @@ GPUS = ["0", "1", "2", "3"]
 @pytest.fixture(autouse=True)
 def lock_dir(tmp_path, monkeypatch):
     monkeypatch.setenv(LOCK_DIR_ENV, str(tmp_path))
+    monkeypatch.delenv(SLOTS_ENV, raising=False)  # one slot unless a test says otherwise
 
 
 def test_two_pair_claims_get_disjoint_aligned_pairs():
@@ -105,7 +106,7 @@ def test_slots_let_that_many_whole_host_claims_run_side_by_side():
     """On a 2-GPU host every 2-rank launch needs the whole host: with one slot the proof's launch
     workers ran one after another; with S slots S of them run at once, and one more waits."""
     gpus = ["0", "1"]
-    with claim_gpus(2, gpus, slots=2) as a, claim_gpus(2, gpus, slots=2) as b:
+    with claim_gpus(2, gpus, slots=2, timeout_s=1) as a, claim_gpus(2, gpus, slots=2, timeout_s=1) as b:
         assert a == b == gpus
         with pytest.raises(TimeoutError, match=r"no 2 free GPUs.*gpu-0.lock: pid \d+.*gpu-0.slot1.lock: pid \d+"):
             with claim_gpus(2, gpus, slots=2, timeout_s=0.3):
@@ -118,7 +119,7 @@ def test_slots_let_that_many_whole_host_claims_run_side_by_side():
 
 
 def test_with_slots_pairs_fill_every_slot_and_a_whole_host_claim_takes_a_free_slot_at_once():
-    pairs = [claim_gpus(2, GPUS, slots=2) for _ in range(3)]
+    pairs = [claim_gpus(2, GPUS, slots=2, timeout_s=1) for _ in range(3)]
     assert [p.__enter__() for p in pairs] == [["0", "1"], ["2", "3"], ["0", "1"]]
     with claim_gpus(2, GPUS, slots=2, timeout_s=1) as fourth:  # the last free pair: slot 1's GPUs 2 and 3
         assert fourth == ["2", "3"]
@@ -139,3 +140,6 @@ def test_a_bad_slot_count_is_a_clear_error_whose_fix_passes(value, monkeypatch):
     assert gpu_slots() == 1
     monkeypatch.delenv(SLOTS_ENV)
     assert gpu_slots() == 1
+    with pytest.raises(ValueError, match="slots=0: must be >= 1"):
+        with claim_gpus(2, GPUS, slots=0, timeout_s=1):
+            pass

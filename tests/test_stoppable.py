@@ -64,15 +64,59 @@ def test_sigterm_to_a_validation_stops_its_pytest_and_the_ranks_it_started(tmp_p
         raise SystemExit("run_pytest returned: the inner test was not stopped by SIGTERM here")
     """)
     proc = subprocess.Popen([sys.executable, "-c", driver], env=dict(os.environ, PIDS=str(pids_file)),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    pids = _pids(pids_file, proc)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=stoppable.STOP_GRACE_S + 20)
-    left = _gone_within(pids, 5)
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, process_group=0)
+    try:
+        pids = _pids(pids_file, proc)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=stoppable.STOP_GRACE_S + 20)
+        left = _gone_within(pids, 5)
+    finally:  # nothing of this test outlives it, whatever failed
+        _kill_group(proc)
     assert proc.returncode == 128 + signal.SIGTERM, out
     assert not left, f"still running after the validation ended: {left} (pytest, its rank)"
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+#: A child that ignores SIGINT (a background job of a non-interactive shell does) and starts one.
+DEAF_CHILD = """
+import os, signal, subprocess, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+open(sys.argv[1] + ".tmp", "w").write(f"{os.getpid()} {rank.pid}")
+os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(300)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "killpg"), reason="process groups are POSIX")
+def test_a_second_sigterm_during_the_stop_does_not_cut_it_short(tmp_path):
+    """A cancel that signals twice: the stop still ends in SIGKILL of the child and its child."""
+    pids_file = tmp_path / "pids"
+    driver = textwrap.dedent(f"""
+        import sys
+        from cpkit.validation.stoppable import run_stoppable
+        run_stoppable([sys.executable, "-c", {DEAF_CHILD!r}, {str(pids_file)!r}], cwd=".", env=None)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, process_group=0)
+    try:
+        pids = _pids(pids_file, proc)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(1)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=stoppable.STOP_GRACE_S + 20)
+        left = _gone_within(pids, 5)
+    finally:
+        _kill_group(proc)
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert not left, f"still running after the stop: {left}"
 
 
 @pytest.mark.skipif(not hasattr(os, "killpg"), reason="process groups are POSIX")
@@ -80,18 +124,14 @@ def test_a_timeout_stops_the_child_and_its_children_even_when_they_ignore_sigint
     """SIGINT first (pytest writes its summary); a group that ignores it (a job started in the
     background of a non-interactive shell inherits SIGINT ignored) is killed after the grace."""
     pids_file = tmp_path / "pids"
-    child = textwrap.dedent(f"""
-        import os, signal, subprocess, sys, time
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
-        open({str(pids_file)!r}, "w").write(f"{{os.getpid()}} {{rank.pid}}")
-        time.sleep(300)
-    """)
     started = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired):
-        stoppable.run_stoppable([sys.executable, "-c", child], cwd=tmp_path, env=dict(os.environ), timeout=3)
-    assert time.monotonic() - started < 3 + stoppable.STOP_GRACE_S + 10
+        stoppable.run_stoppable([sys.executable, "-c", DEAF_CHILD, str(pids_file)], cwd=tmp_path,
+                                env=dict(os.environ), timeout=8)
+    assert time.monotonic() - started < 8 + stoppable.STOP_GRACE_S + 10
+    assert pids_file.exists(), "the child had not started within the timeout: raise it on this machine"
     pids = [int(p) for p in pids_file.read_text().split()]
+    assert len(pids) == 2, pids
     left = _gone_within(pids, 5)
     for pid in left:
         os.kill(pid, signal.SIGKILL)

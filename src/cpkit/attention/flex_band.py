@@ -82,9 +82,10 @@ def _compiled(dynamic: bool, fresh: bool = False):
 def _run_compiled(attention, call):
     """call(attention) where dynamo raises at its recompile limit rather than run the call
     uncompiled: FlexAttention uncompiled is its unfused path, which materialises the [s_q, s_k]
-    scores and warns once per process. A wrapper collects variants beyond its keys (strides,
-    grad mode: the strided and dense forms of one shape are two), so in a long run it can reach
-    the limit; a fresh wrapper of its kind then takes over."""
+    scores and warns once per process. A wrapper collects variants beyond its keys (grad mode:
+    the forward and the backward's recompute of one shape are two; strides, where a caller hands
+    other layouts than `_dense_rows` makes), so in a long run it can reach the limit; a fresh
+    wrapper of its kind then takes over."""
     dynamic = next((d for d, fn in _COMPILED.items() if fn is attention), None)
     if dynamic is None:  # uncompiled FlexAttention (CPU)
         return call(attention)

@@ -13,7 +13,8 @@ and nothing deadlocks (only these claims wait while holding, one at a time, in o
 Slots (CPKIT_GPU_SLOTS, default 1): how many launches may share one GPU. Each slot is a host of
 its own to the rules above (its own lock files and wait lock), so on a 2-GPU host, where every
 2-rank launch needs the whole host, S slots let S of them run side by side, as the rank pools
-beside them already do; one slot keeps every launch on GPUs of its own.
+beside them already do; one slot keeps every launch on GPUs of its own where every process of
+the host claims with one slot (a process with fewer slots does not see claims in the others).
 """
 
 from __future__ import annotations
@@ -131,8 +132,11 @@ def claim_gpus(n: int, gpu_ids: Sequence[str], *, timeout_s: float = 1800.0,
     if not 1 <= n <= len(gpu_ids):
         raise ValueError(f"a launch of {n} NCCL ranks needs {n} GPUs, found {len(gpu_ids)} "
                          f"({', '.join(gpu_ids) or 'none'}): launch fewer ranks or on a bigger host")
+    slots = gpu_slots() if slots is None else slots
+    if slots < 1:
+        raise ValueError(f"slots={slots}: must be >= 1 (launches that may share one GPU); fix: slots=1")
     folder = _lock_dir()
-    files = [_slot_files(folder, gpu_ids, s) for s in range(gpu_slots() if slots is None else slots)]
+    files = [_slot_files(folder, gpu_ids, s) for s in range(slots)]
     blocks = [list(range(b * n, (b + 1) * n)) for b in range(len(gpu_ids) // n)]
     deadline = time.monotonic() + timeout_s
     held: list = []
