@@ -44,7 +44,7 @@ def _stop(proc: subprocess.Popen, group: bool, interrupt: bool = True) -> None:
         send(signal.SIGKILL)
         proc.wait()
         for sig, handler in held.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 _STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
