@@ -181,17 +181,10 @@ def claim_gpus(n: int, gpu_ids: Sequence[str], *, timeout_s: float = 1800.0,
                     if not _whole_block_free(wait_lock):  # a whole-block claim waits or runs there
                         continue
                     for block in blocks:
-                        for i in block:
-                            fh = _try_lock(paths[i], wait=False)
-                            if fh is None:
-                                break
-                            held.append(fh)
-                        if len(held) == n:
+                        held = _all_or_none([paths[i] for i in block])
+                        if held:
                             chosen = block
                             break
-                        for fh in held:
-                            fh.close()
-                        held = []
                     if chosen:
                         break
             if not chosen:
