@@ -33,28 +33,18 @@ def _stop(proc: subprocess.Popen, group: bool, interrupt: bool = True) -> None:
         with contextlib.suppress(ProcessLookupError):  # gone already
             os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
 
-    with _handling(_STOPPING, signal.SIG_IGN):
-        try:
-            if interrupt:
-                send(signal.SIGINT)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.communicate(timeout=STOP_GRACE_S)  # drains captured output: a full pipe never blocks it
-        finally:
-            send(signal.SIGKILL)
-            proc.wait()
-
-
-@contextlib.contextmanager
-def _handling(signals, handler):
-    """`handler` for `signals` while the block runs, then the handlers before (one installed
-    from C comes back as SIG_DFL); nothing off the main thread, where Python sets no handlers."""
     main = threading.current_thread() is threading.main_thread()
-    previous = {sig: signal.signal(sig, handler) for sig in signals} if main else {}
+    held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _STOPPING} if main else {}
     try:
-        yield
+        if interrupt:
+            send(signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.communicate(timeout=STOP_GRACE_S)  # drains captured output: a full pipe never blocks it
     finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old if old is not None else signal.SIG_DFL)
+        send(signal.SIGKILL)
+        proc.wait()
+        for sig, handler in held.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 _STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -71,14 +61,19 @@ def run_stoppable(cmd: list[str], *, cwd, env, timeout: float | None = None, cap
     else it writes to `stdout` (None: this process's)."""
     pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) if capture else dict(stdout=stdout)
     group = not _at_a_terminal()
-    with _handling((signal.SIGTERM, signal.SIGHUP), _raise_on_signal), \
-            subprocess.Popen(cmd, cwd=cwd, env=env, process_group=0 if group else None, **pipes) as proc:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except BaseException as exc:
-            _stop(proc, group, interrupt=group or not isinstance(exc, KeyboardInterrupt))
-            raise
-        return proc.returncode, (out or "") + (err or "")
+    main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, _raise_on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)} if main else {}
+    try:
+        with subprocess.Popen(cmd, cwd=cwd, env=env, process_group=0 if group else None, **pipes) as proc:
+            try:
+                out, err = proc.communicate(timeout=timeout)
+            except BaseException as exc:
+                _stop(proc, group, interrupt=group or not isinstance(exc, KeyboardInterrupt))
+                raise
+            return proc.returncode, (out or "") + (err or "")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def _at_a_terminal() -> bool:
